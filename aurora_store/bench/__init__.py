@@ -1,0 +1,1 @@
+"""Benchmark programs: each prints a table (or one JSON object with --json)."""

@@ -1,0 +1,327 @@
+"""``aurora``: one command line for the library and the workers.
+
+Every failure is one line on stderr naming the file or object, the version
+and the reason, with exit status 1 (2 for usage errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import __version__
+from .errors import AuroraError, ConfigError
+
+__all__ = ["main"]
+
+
+def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``key=value`` pairs; values ``true``/``false``/integers are typed."""
+    out: dict[str, Any] = {}
+    for p in pairs or ():
+        if "=" not in p:
+            raise ConfigError(f"--storage-option {p!r}: expected key=value")
+        k, v = p.split("=", 1)
+        val: Any = v
+        if v.lower() in ("true", "false"):
+            val = v.lower() == "true"
+        elif v.isdigit():
+            val = int(v)
+        if k == "endpoint_url":
+            out.setdefault("client_kwargs", {})["endpoint_url"] = v
+        else:
+            out[k] = val
+    return out
+
+
+def _add_store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--store",
+        required=True,
+        metavar="URL",
+        help="run root: s3://bucket/prefix/run, file:///path, or a path",
+    )
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000",
+    )
+
+
+def _add_encode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--encodings",
+        metavar="LIST",
+        help="index encodings allowed (default: leb128,bitmask,dense,u32,u64)",
+    )
+    p.add_argument("--values", metavar="LIST", help="value modes allowed (default: new,xor)")
+    p.add_argument(
+        "--no-zstd", action="store_true", help="never compress streams (fast links, spare CPU)"
+    )
+    p.add_argument(
+        "--paper",
+        action="store_true",
+        help="the paper's encoding only: leb128 indices, raw new values",
+    )
+    p.add_argument(
+        "--segment-mib",
+        type=float,
+        default=None,
+        help="target segment size in MiB (default 16, env AURORA_SEGMENT_MIB)",
+    )
+    p.add_argument(
+        "--streams", type=int, default=None, help="parallel uploads (default 8, env AURORA_STREAMS)"
+    )
+
+
+def _publish_config(args: argparse.Namespace) -> Any:
+    from .codec import PAPER, EncodeOptions
+    from .publish import PublishConfig
+
+    opts = EncodeOptions.from_env()
+    if args.paper:
+        opts = PAPER
+    else:
+        kw: dict[str, Any] = {}
+        if args.encodings:
+            kw["index_encodings"] = tuple(x.strip() for x in args.encodings.split(","))
+        if args.values:
+            kw["value_modes"] = tuple(x.strip() for x in args.values.split(","))
+        if args.no_zstd:
+            kw["codecs"] = ("none",)
+        if kw:
+            opts = EncodeOptions(
+                **{
+                    **{
+                        f: getattr(opts, f)
+                        for f in ("index_encodings", "value_modes", "codecs", "zstd_level")
+                    },
+                    **kw,
+                }
+            )
+    seg_mib = (
+        args.segment_mib
+        if args.segment_mib is not None
+        else float(os.environ.get("AURORA_SEGMENT_MIB", 16))
+    )
+    streams = args.streams if args.streams is not None else int(os.environ.get("AURORA_STREAMS", 8))
+    return PublishConfig(streams=streams, segment_bytes=int(seg_mib * (1 << 20)), options=opts)
+
+
+def _load_weights(path: str) -> dict[str, Any]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: no such file")
+    try:
+        return dict(load_file(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a readable safetensors file: {e}") from None
+
+
+def _plan_for(weights: dict[str, Any], tied: bool, path: str) -> Any:
+    from .extract import spec_of
+    from .fusion import FusionPlan
+
+    return FusionPlan.from_specs(
+        {n: spec_of(t, f"{path}: {n}") for n, t in weights.items()}, tied_lm_head=tied
+    )
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+def cmd_snapshot_create(args: argparse.Namespace) -> int:
+    import torch
+
+    from .lineage import read_manifest, scan_versions
+    from .publish import publish_snapshot
+    from .store import open_store
+
+    store = open_store(args.store, _storage_options(args.storage_option))
+    w = _load_weights(args.weights)
+    plan = _plan_for(w, args.tied_lm_head, args.weights)
+    fused = {
+        p.name: (
+            torch.cat([w[b.source].reshape(-1) for b in p.blocks]).view(p.spec.shape)
+            if p.is_fused
+            else w[p.blocks[0].source]
+        )
+        for p in plan
+    }
+    index = scan_versions(store)
+    v = args.version
+    if v in index.deltas:
+        state = read_manifest(store, "delta", v).state
+    elif index.latest is None or v == 0:
+        state = None  # first version of the run: its own content digest
+    else:
+        raise ConfigError(
+            f"snapshot {v}: the store already holds versions up to {index.latest} but no delta {v}; "
+            "a snapshot must capture a version the chain reaches (or be the first of the run)"
+        )
+    t0 = time.perf_counter()
+    m = publish_snapshot(store, args.run, v, fused, state, _publish_config(args))
+    _say(
+        f"snapshot {v}: {len(m.segments)} shard(s), {m.total_bytes} bytes, state {m.state[:19]}… in {time.perf_counter() - t0:.2f}s -> {store.url}"
+    )
+    return 0
+
+
+def cmd_delta_create(args: argparse.Namespace) -> int:
+    from .extract import extract
+    from .lineage import read_manifest, scan_versions
+    from .publish import publish_delta
+    from .store import open_store
+
+    store = open_store(args.store, _storage_options(args.storage_option))
+    v = args.version
+    if v < 1:
+        raise ConfigError(f"delta {v}: version must be >= 1")
+    index = scan_versions(store)
+    if v - 1 in index.deltas:
+        base_m = read_manifest(store, "delta", v - 1)
+    elif v - 1 in index.snapshots:
+        base_m = read_manifest(store, "snapshot", v - 1)
+    else:
+        raise ConfigError(f"delta {v}: its base version {v - 1} is not committed in {store.url}")
+    base, new = _load_weights(args.base), _load_weights(args.new)
+    plan = _plan_for(base, args.tied_lm_head, args.base)
+    snaps = [s for s in index.snapshots if s <= v - 1]
+    if snaps:
+        model = read_manifest(store, "snapshot", max(snaps)).param_specs()
+        if model != plan.specs():
+            diff = sorted(set(model.items()) ^ set(plan.specs().items()))[:3]
+            raise ConfigError(
+                f"delta {v}: {args.base} does not describe the run's model (first differences: {diff})"
+            )
+    t0 = time.perf_counter()
+    m = publish_delta(
+        store, args.run, v, extract(plan, base, new), base_m.state, _publish_config(args)
+    )
+    numel = plan_numel = sum(p.spec.numel for p in plan)
+    _say(
+        f"delta {v}: {m.nnz} changed of {plan_numel} elements ({100 * m.nnz / max(1, numel):.3f}%), "
+        f"{len(m.segments)} segment(s), {m.total_bytes} bytes ({m.total_bytes / max(1, m.nnz):.2f} B/changed) "
+        f"in {time.perf_counter() - t0:.2f}s -> {store.url}"
+    )
+    return 0
+
+
+def cmd_delta_apply(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from .lineage import materialize
+    from .store import open_store
+
+    store = open_store(args.store, _storage_options(args.storage_option))
+    tensors, state = materialize(store, args.version, progress=_say)
+    tmp = args.out + ".partial"
+    save_file(tensors, tmp, metadata={"aurora.version": str(args.version), "aurora.state": state})
+    os.replace(tmp, args.out)
+    _say(f"version {args.version} (state {state[:19]}…) -> {args.out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.dir, steps=args.steps)
+
+
+def cmd_bench_codec(args: argparse.Namespace) -> int:
+    from .bench.codec import main as bench_main
+
+    return bench_main(args)
+
+
+# ---------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="aurora", description="Versioned sparse delta checkpoints for RL policy updates."
+    )
+    ap.add_argument("--version", action="version", version=f"aurora {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    snap = sub.add_parser("snapshot", help="full-weight snapshots").add_subparsers(
+        dest="action", required=True
+    )
+    sc = snap.add_parser("create", help="write WEIGHTS as snapshot V (fused names)")
+    sc.add_argument("weights", metavar="WEIGHTS.safetensors")
+    sc.add_argument("--version", type=int, required=True)
+    sc.add_argument("--run", default="run")
+    sc.add_argument(
+        "--tied-lm-head",
+        action="store_true",
+        help="lm_head.weight is the embedding: do not carry it",
+    )
+    _add_store_args(sc)
+    _add_encode_args(sc)
+    sc.set_defaults(func=cmd_snapshot_create)
+
+    delta = sub.add_parser("delta", help="sparse delta versions").add_subparsers(
+        dest="action", required=True
+    )
+    dc = delta.add_parser("create", help="write delta V = NEW - BASE on top of version V-1")
+    dc.add_argument("base", metavar="BASE.safetensors")
+    dc.add_argument("new", metavar="NEW.safetensors")
+    dc.add_argument("--version", type=int, required=True)
+    dc.add_argument("--run", default="run")
+    dc.add_argument("--tied-lm-head", action="store_true")
+    _add_store_args(dc)
+    _add_encode_args(dc)
+    dc.set_defaults(func=cmd_delta_create)
+    da = delta.add_parser("apply", help="materialize version V: newest snapshot <= V, then deltas")
+    da.add_argument("--version", type=int, required=True)
+    da.add_argument("--out", required=True, metavar="FILE.safetensors")
+    _add_store_args(da)
+    da.set_defaults(func=cmd_delta_apply)
+
+    dm = sub.add_parser("demo", help="end-to-end demonstration on a tiny model")
+    dm.add_argument(
+        "--dir", default="demo-run", help="where the demo's store goes (default ./demo-run)"
+    )
+    dm.add_argument("--steps", type=int, default=5)
+    dm.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
+    bc = bench.add_parser("codec", help="delta size, extraction and apply rates vs baselines")
+    bc.add_argument(
+        "--params",
+        type=float,
+        default=None,
+        help="model size in parameters (e.g. 6e8); default: Qwen3-0.6B shape",
+    )
+    bc.add_argument("--lr", type=float, default=1e-6)
+    bc.add_argument("--seed", type=int, default=0)
+    bc.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of the table"
+    )
+    bc.set_defaults(func=cmd_bench_codec)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except (AuroraError, OSError, ValueError) as e:
+        print(f"aurora: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("aurora: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
