@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .codec import DecodedEntry, EncodedEntry, EncodeOptions, ParamSpec, encode_entry
 from .errors import ChainError, EntryError, SegmentError
 from .extract import ParamDelta
-from .segment import decode_segment, encode_segment
+from .segment import Segment, decode_segment, encode_segment
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
@@ -132,20 +132,23 @@ def stage_segments(
     version: int,
     model: Mapping[str, ParamSpec] | None,
 ) -> StagedDelta:
-    """Decode and validate all segments ``(name, bytes)`` of delta ``version``.
+    """Decode and validate all segments ``(name, bytes)`` of delta ``version``."""
+    return assemble_staged([(where, decode_segment(data, where, model)) for where, data in segments], version)
 
-    Checks, beyond each segment's own validation: every segment belongs to
-    this version and its base, and no two entries of one parameter overlap.
+
+def assemble_staged(segments: Sequence[tuple[str, Segment]], version: int) -> StagedDelta:
+    """Checks across the decoded segments of one version, then the staged delta.
+
+    Every segment belongs to this version and its base, and no two entries of
+    one parameter overlap (within a segment or across segments).
     """
+    if not version >= 1:
+        raise ChainError(f"delta version {version} must be >= 1")
     entries: list[DecodedEntry] = []
     origin: list[tuple[str, int]] = []
-    for where, data in segments:
-        seg = decode_segment(data, where, model)
+    for where, seg in segments:
         if seg.version != version or seg.base_version != version - 1:
-            raise SegmentError(
-                where,
-                f"belongs to version {seg.version} (base {seg.base_version}), expected {version} (base {version - 1})",
-            )
+            raise SegmentError(where, f"belongs to version {seg.version} (base {seg.base_version}), expected {version} (base {version - 1})")
         for i, e in enumerate(seg.entries):
             entries.append(e)
             origin.append((where, i))
@@ -154,12 +157,5 @@ def stage_segments(
         a, b = entries[prev], entries[cur]
         if a.param == b.param and b.start < a.stop:
             where, i = origin[cur]
-            raise EntryError(
-                where,
-                i,
-                b.param,
-                f"range [{b.start}, {b.stop}) overlaps [{a.start}, {a.stop}) of {origin[prev][0]} entry {origin[prev][1]}",
-            )
-    if not version >= 1:
-        raise ChainError(f"delta version {version} must be >= 1")
+            raise EntryError(where, i, b.param, f"range [{b.start}, {b.stop}) overlaps [{a.start}, {a.stop}) of {origin[prev][0]} entry {origin[prev][1]}")
     return StagedDelta(version, version - 1, tuple(entries))

@@ -12,10 +12,11 @@ import hashlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
-from .checkpoint import StagedDelta, stage_segments
+from .checkpoint import StagedDelta, assemble_staged
 from .codec import ParamSpec
 from .errors import (
     ChainError,
@@ -26,7 +27,10 @@ from .errors import (
     VersionNotFound,
 )
 from .manifest import Manifest, manifest_key, parse_version_dir, version_dir
+from .segment import decode_segment
 from .store import Store
+
+T = TypeVar("T")
 
 __all__ = [
     "ChainPlan",
@@ -120,11 +124,16 @@ def read_manifest(store: Store, kind: str, version: int) -> Manifest:
     return m
 
 
-def fetch_objects(store: Store, m: Manifest, streams: int = 8) -> list[tuple[str, bytes]]:
-    """Download every object of a version over ``streams`` connections; verify size and sha256."""
+def fetch_objects(store: Store, m: Manifest, streams: int = 8, then: Callable[[str, bytes], T] | None = None) -> list[tuple[str, T]]:
+    """Download every object of a version over ``streams`` connections; verify size and sha256.
+
+    ``then(where, data)`` runs in the download thread right after the check
+    (decoding a segment there overlaps it with the other downloads and frees
+    the raw bytes early); without it the bytes themselves are returned.
+    """
     vdir = version_dir(m.kind, m.version)
 
-    def one(i: int) -> tuple[str, bytes]:
+    def one(i: int) -> tuple[str, Any]:
         ref = m.segments[i]
         key = f"{vdir}/{ref.key}"
         where = store.where(key)
@@ -140,7 +149,7 @@ def fetch_objects(store: Store, m: Manifest, streams: int = 8) -> list[tuple[str
             )
         if hashlib.sha256(data).hexdigest() != ref.sha256:
             raise IntegrityError(f"{where}: sha256 does not match the manifest (corrupted)")
-        return where, data
+        return where, (then(where, data) if then is not None else data)
 
     if not m.segments:
         return []
@@ -162,8 +171,8 @@ def fetch_delta(
             f"{store.where(manifest_key('delta', version))}: base_state {m.base_state} does not match "
             f"the held version's state {expect_base_state}"
         )
-    objs = fetch_objects(store, m, streams)
-    staged = stage_segments(objs, version, model)
+    segs = fetch_objects(store, m, streams, lambda where, data: decode_segment(data, where, model))
+    staged = assemble_staged(segs, version)
     declared = {n: int(p.get("nnz", 0)) for n, p in m.params.items()}
     counted: dict[str, int] = {}
     for e in staged.entries:

@@ -20,16 +20,72 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
+import random
 import threading
+import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import fsspec
 
-from .errors import ObjectNotFound, StoreError, VersionConflict
+from .errors import ConfigError, ObjectNotFound, StoreError, VersionConflict
 
-__all__ = ["Store", "open_store"]
+__all__ = ["StoreConfig", "Store", "open_store"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Retries, timeouts and connection counts of a store.
+
+    Every field has an environment variable (``AURORA_STORE_<FIELD>``, upper
+    case) read by :meth:`from_env`; arguments win over the environment.
+    """
+
+    retries: int = 5
+    """Attempts per operation after the first, for transient failures."""
+    backoff_s: float = 0.2
+    """First retry delay; doubles each attempt, with jitter."""
+    backoff_max_s: float = 10.0
+    """Cap on one retry delay."""
+    connect_timeout_s: float = 10.0
+    """TCP/TLS connect timeout (S3)."""
+    read_timeout_s: float = 60.0
+    """Timeout of one read on a socket (S3)."""
+    max_connections: int = 32
+    """Connection pool size (S3); at least the stream count you use."""
+
+    def __post_init__(self) -> None:
+        if self.retries < 0 or self.backoff_s < 0 or self.backoff_max_s < 0:
+            raise ConfigError(f"StoreConfig: retries and backoff must be >= 0 ({self})")
+        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0 or self.max_connections < 1:
+            raise ConfigError(f"StoreConfig: timeouts and max_connections must be positive ({self})")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> StoreConfig:
+        kw: dict[str, Any] = {}
+        for f in cls.__dataclass_fields__.values():
+            raw = os.environ.get(f"AURORA_STORE_{f.name.upper()}")
+            if raw is not None:
+                try:
+                    kw[f.name] = int(raw) if f.type in ("int", int) else float(raw)
+                except ValueError:
+                    raise ConfigError(f"AURORA_STORE_{f.name.upper()}={raw!r} is not a number") from None
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+
+def _transient(e: BaseException) -> bool:
+    """Worth retrying: network trouble and server-side errors, not answers."""
+    if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError)):
+        return False
+    return isinstance(e, (OSError, TimeoutError, ConnectionError))
 
 _MEMORY_LOCK = threading.Lock()
 
@@ -42,15 +98,49 @@ def _protocol(fs: Any) -> str:
 class Store:
     """Objects under one run root, addressed by keys relative to it."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, config: StoreConfig | None = None) -> None:
+        self.config = config or StoreConfig.from_env()
         opts = dict(storage_options or {})
         # fsspec caches filesystem instances globally; a fresh one per store
         # keeps credentials and event loops of different stores apart.
         opts.setdefault("skip_instance_cache", True)
+        if url.startswith(("s3://", "s3a://")):
+            ck = dict(opts.pop("config_kwargs", {}) or {})
+            ck.setdefault("connect_timeout", self.config.connect_timeout_s)
+            ck.setdefault("read_timeout", self.config.read_timeout_s)
+            ck.setdefault("max_pool_connections", self.config.max_connections)
+            opts["config_kwargs"] = ck
+            # Other processes write the run: a cached listing would hide their versions.
+            opts.setdefault("use_listings_cache", False)
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            if endpoint and "endpoint_url" not in opts.get("client_kwargs", {}):
+                opts.setdefault("client_kwargs", {})["endpoint_url"] = endpoint
         self.url = url
-        self.fs, root = fsspec.core.url_to_fs(url, **opts)
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **opts)
+        except (ImportError, ValueError, TypeError) as e:
+            raise ConfigError(f"cannot open store {url!r}: {e}") from None
         self.root = root.rstrip("/")
         self.protocol = _protocol(self.fs)
+        if hasattr(self.fs, "retries"):
+            # We retry whole operations ourselves, with backoff; keep s3fs's own short.
+            self.fs.retries = 2
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn``, retrying transient failures with jittered exponential backoff."""
+        delay = self.config.backoff_s
+        for attempt in range(self.config.retries + 1):
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - classified right below
+                if not _transient(e) or attempt == self.config.retries:
+                    if _transient(e):
+                        raise StoreError(f"{what}: failed after {attempt + 1} attempts: {type(e).__name__}: {e}") from e
+                    raise
+                log.warning("%s: %s: %s (retry %d/%d)", what, type(e).__name__, e, attempt + 1, self.config.retries)
+                time.sleep(min(self.config.backoff_max_s, delay) * (0.5 + random.random()))
+                delay *= 2
+        raise AssertionError("unreachable")
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -71,10 +161,10 @@ class Store:
             raise ValueError(f"mode must be 'create' or 'overwrite', got {mode!r}")
         path = self._path(key)
         if mode == "overwrite":
-            self._pipe(path, data, "overwrite")
+            self._retry(f"put {self.where(key)}", lambda: self._pipe(path, data, "overwrite"))
             return
         if self.protocol in ("file", "local"):
-            self._put_local_exclusive(path, data)
+            self._retry(f"put {self.where(key)}", lambda: self._put_local_exclusive(path, data))
         elif self.protocol == "memory":
             with _MEMORY_LOCK:
                 if self.fs.exists(path):
@@ -83,15 +173,11 @@ class Store:
                 self._pipe(path, data, "overwrite")
         else:
             try:
-                self._pipe(path, data, "create")
-            except FileExistsError:
+                # A retry after a lost answer meets our own object: 412, then
+                # the read-back below finds the same bytes.
+                self._retry(f"put {self.where(key)}", lambda: self._pipe(path, data, "create"))
+            except FileExistsError:  # s3fs's translation of 412 Precondition Failed
                 self._same_or_conflict(key, data)
-            except OSError as e:
-                # s3fs maps 412 Precondition Failed to a generic OSError on some versions.
-                if "PreconditionFailed" in type(e).__name__ or getattr(e, "errno", None) == 412:
-                    self._same_or_conflict(key, data)
-                else:
-                    raise StoreError(f"{self.where(key)}: write failed: {e}") from e
 
     def _pipe(self, path: str, data: bytes, mode: str) -> None:
         if mode == "create":
@@ -122,18 +208,21 @@ class Store:
     # ------------------------------------------------------------------
     def get(self, key: str) -> bytes:
         try:
-            return bytes(self.fs.cat_file(self._path(key)))
+            return self._retry(f"get {self.where(key)}", lambda: bytes(self.fs.cat_file(self._path(key))))
         except FileNotFoundError:
             raise ObjectNotFound(f"{self.where(key)}: no such object") from None
 
     def get_range(self, key: str, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of an object."""
+        if not 0 <= start <= stop:
+            raise ValueError(f"bad range [{start}, {stop})")
         try:
-            return bytes(self.fs.cat_file(self._path(key), start=start, end=stop))
+            return self._retry(f"get {self.where(key)}", lambda: bytes(self.fs.cat_file(self._path(key), start=start, end=stop)))
         except FileNotFoundError:
             raise ObjectNotFound(f"{self.where(key)}: no such object") from None
 
     def exists(self, key: str) -> bool:
-        return bool(self.fs.exists(self._path(key)))
+        return self._retry(f"exists {self.where(key)}", lambda: bool(self.fs.exists(self._path(key))))
 
     def size(self, key: str) -> int:
         try:
@@ -145,7 +234,7 @@ class Store:
         """Every key under ``prefix`` (recursively), sorted, relative to the root."""
         base = self._path(prefix.rstrip("/")) if prefix else self.root
         try:
-            found = self.fs.find(base)
+            found = self._retry(f"list {self.where(prefix)}", lambda: self.fs.find(base))
         except FileNotFoundError:
             return []
         root = self.root + "/" if self.root else ""
@@ -161,7 +250,7 @@ class Store:
     def list_dirs(self, prefix: str) -> list[str]:
         """Names of the immediate sub-folders of ``prefix``."""
         try:
-            entries = self.fs.ls(self._path(prefix.rstrip("/")), detail=True)
+            entries = self._retry(f"list {self.where(prefix)}", lambda: self.fs.ls(self._path(prefix.rstrip("/")), detail=True))
         except FileNotFoundError:
             return []
         return sorted(
@@ -174,6 +263,6 @@ class Store:
             self.fs.rm_file(self._path(key))
 
 
-def open_store(url: str, storage_options: dict[str, Any] | None = None) -> Store:
+def open_store(url: str, storage_options: dict[str, Any] | None = None, config: StoreConfig | None = None) -> Store:
     """A :class:`Store` for a run root URL (``s3://…``, ``file://…``, a path, ``memory://…``)."""
-    return Store(url, storage_options)
+    return Store(url, storage_options, config)

