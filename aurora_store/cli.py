@@ -231,6 +231,57 @@ def cmd_delta_apply(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lineage(args: argparse.Namespace) -> int:
+    import json
+
+    from .report import read_lineage
+    from .store import open_store
+
+    lin = read_lineage(open_store(args.url, _storage_options(args.storage_option)))
+    if args.json:
+        print(json.dumps(lin.to_json(), indent=1))
+        return 0
+    print(f"{lin.url}: {len(lin.rows)} version(s)")
+    print(f"{'version':>8} {'kind':<8} {'base':>6} {'state':<20} {'bytes':>12} {'changed':>11} {'density':>8} {'segs':>5}  created")
+    for r in lin.rows:
+        dens = f"{100 * r.density:.3f}%" if r.density is not None else "-"
+        base = "-" if r.base is None else str(r.base)
+        print(f"{r.version:>8} {r.kind:<8} {base:>6} {r.state[7:23]:<20} {r.bytes:>12} {r.changed:>11} {dens:>8} {r.segments:>5}  {r.created_at}")
+    if lin.gaps:
+        print(f"GAPS: version(s) {lin.gaps[:20]} have neither a delta nor a snapshot")
+    if lin.orphans:
+        print(f"ORPHANS: {len(lin.orphans)} object(s) of uncommitted publish attempts (aurora gc removes them)")
+    for p in lin.problems:
+        print(f"PROBLEM: {p}")
+    return 1 if lin.problems else 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .store import open_store
+    from .verify import verify_run
+
+    store = open_store(args.url, _storage_options(args.storage_option))
+    rep = verify_run(store, args.from_version, args.to_version, deep=args.deep, progress=_say if args.verbose else None)
+    for w in rep.warnings:
+        _say(f"warning: {w}")
+    for p in rep.problems:
+        print(f"PROBLEM: {p}")
+    print(
+        f"{'OK' if rep.ok else 'FAILED'}: {rep.checked_versions} version(s), {rep.checked_objects} object(s), "
+        f"{rep.checked_bytes} bytes re-hashed; {len(rep.problems)} problem(s)"
+    )
+    return 0 if rep.ok else 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .gc import run_gc
+    from .store import open_store
+
+    store = open_store(args.url, _storage_options(args.storage_option))
+    run_gc(store, args.keep_snapshots, apply=args.apply, min_orphan_age_s=args.min_orphan_age)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -284,6 +335,29 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--out", required=True, metavar="FILE.safetensors")
     _add_store_args(da)
     da.set_defaults(func=cmd_delta_apply)
+
+    ln = sub.add_parser("lineage", help="one row per version; orphans and gaps called out")
+    ln.add_argument("url", metavar="URL")
+    ln.add_argument("--json", action="store_true")
+    ln.add_argument("--storage-option", action="append", metavar="KEY=VALUE")
+    ln.set_defaults(func=cmd_lineage)
+
+    vf = sub.add_parser("verify", help="re-hash every object, check chain continuity and state digests")
+    vf.add_argument("url", metavar="URL")
+    vf.add_argument("--from", dest="from_version", type=int, default=None, metavar="V")
+    vf.add_argument("--to", dest="to_version", type=int, default=None, metavar="V")
+    vf.add_argument("--deep", action="store_true", help="also decode and validate every segment")
+    vf.add_argument("-v", "--verbose", action="store_true")
+    vf.add_argument("--storage-option", action="append", metavar="KEY=VALUE")
+    vf.set_defaults(func=cmd_verify)
+
+    gc = sub.add_parser("gc", help="remove orphans and versions no retained chain needs (dry run by default)")
+    gc.add_argument("url", metavar="URL")
+    gc.add_argument("--keep-snapshots", type=int, required=True, metavar="N")
+    gc.add_argument("--apply", action="store_true", help="really delete (default: only print)")
+    gc.add_argument("--min-orphan-age", type=float, default=3600.0, metavar="SECONDS", help="spare younger orphans: they may be a publish in flight (default 3600)")
+    gc.add_argument("--storage-option", action="append", metavar="KEY=VALUE")
+    gc.set_defaults(func=cmd_gc)
 
     dm = sub.add_parser("demo", help="end-to-end demonstration on a tiny model")
     dm.add_argument(

@@ -99,7 +99,8 @@ def run_demo(folder: str, steps: int = 5) -> int:
 
     # A corrupted segment is refused before any weight changes.
     seg_key = next(k for k in store.list(version_dir("delta", 1)) if k.endswith(".safetensors"))
-    data = bytearray(store.get(seg_key))
+    original = store.get(seg_key)
+    data = bytearray(original)
     data[len(data) // 2] ^= 0xFF
     store.put(seg_key, bytes(data), mode="overwrite")
     victim = FusedWeights(_fused(plan, weights))
@@ -111,6 +112,7 @@ def run_demo(folder: str, steps: int = 5) -> int:
         refused = True
         print(f"    corrupted segment refused: {e}")
     untouched = weights_digest(victim.tensors) == before
+    store.put(seg_key, original, mode="overwrite")  # leave a clean store for `aurora lineage/verify`
     print(f"    weights after the refusal: {'unchanged' if untouched else 'CHANGED'}")
     ok = ok and split_ok and refused and untouched
     print("demo " + ("passed" if ok else "FAILED") + f"; store left in {root}")

@@ -230,6 +230,19 @@ class Store:
         except FileNotFoundError:
             raise ObjectNotFound(f"{self.where(key)}: no such object") from None
 
+    def modified(self, key: str) -> float | None:
+        """Last-modified time (POSIX seconds), when the backend reports one."""
+        try:
+            info = self._retry(f"info {self.where(key)}", lambda: self.fs.info(self._path(key)))
+        except FileNotFoundError:
+            return None
+        for f in ("LastModified", "mtime", "created"):
+            t = info.get(f)
+            if t is None:
+                continue
+            return float(t.timestamp()) if hasattr(t, "timestamp") else float(t)
+        return None
+
     def list(self, prefix: str = "") -> list[str]:
         """Every key under ``prefix`` (recursively), sorted, relative to the root."""
         base = self._path(prefix.rstrip("/")) if prefix else self.root
