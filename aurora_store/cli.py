@@ -294,6 +294,12 @@ def cmd_bench_codec(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from .bench.transfer import main as bench_main
+
+    return bench_main(args)
+
+
 # ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
@@ -380,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print one JSON object instead of the table"
     )
     bc.set_defaults(func=cmd_bench_codec)
+    bt = bench.add_parser("transfer", help="publish-to-staged time, 1 vs S connections, vs raw S3 throughput (local S3 server)")
+    bt.add_argument("--params", type=float, default=None, help="model size in parameters")
+    bt.add_argument("--streams", type=int, default=8)
+    bt.add_argument("--seed", type=int, default=0)
+    bt.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    bt.set_defaults(func=cmd_bench_transfer)
     return ap
 
 
