@@ -178,7 +178,7 @@ def _iter_bytes(t: torch.Tensor) -> Iterator[memoryview]:
     flat = bits_view(t.detach().contiguous())
     step = 1 << 24
     for lo in range(0, flat.numel(), step):
-        yield memoryview(flat[lo : lo + step].cpu().numpy()).cast("B")
+        yield flat[lo : lo + step].cpu().numpy().view(np.uint8).data
 
 
 def weights_digest(tensors: Mapping[str, torch.Tensor], plan: FusionPlan | None = None) -> str:

@@ -146,14 +146,14 @@ def decode_indices(
             raise StreamError(f"index {int(idx[k])} at position {k} outside [{start}, {stop})")
         return idx
     if encoding == "bitmask":
-        span = stop - start
-        expected = (span + 7) // 8
+        nbits = stop - start
+        expected = (nbits + 7) // 8
         if len(data) != expected:
             raise StreamError(
                 f"bitmask stream is {len(data)} bytes, expected {expected} for range [{start}, {stop})"
             )
         bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
-        if bool(bits[span:].any()):
+        if bool(bits[nbits:].any()):
             raise StreamError(f"bitmask sets a bit past the range [{start}, {stop})")
         idx = np.flatnonzero(bits).astype(np.int64) + start
         if idx.size != nnz:

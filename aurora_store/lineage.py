@@ -198,7 +198,8 @@ def fetch_snapshot(
 
     m = read_manifest(store, "snapshot", version)
     tensors: dict[str, torch.Tensor] = {}
-    for where, data in fetch_objects(store, m, streams):
+    objects: list[tuple[str, bytes]] = fetch_objects(store, m, streams)
+    for where, data in objects:
         try:
             part = load(data)
         except (SafetensorError, ValueError, RuntimeError) as e:

@@ -272,6 +272,6 @@ class Manifest:
             base_version=base_version,
             base_state=base_state,
             created_at=str(d.get("created_at", "")),
-            producer=d.get("producer") if isinstance(d.get("producer"), dict) else {},
+            producer=d["producer"] if isinstance(d.get("producer"), dict) else {},
             extra={k: v for k, v in d.items() if k not in known},
         )

@@ -10,6 +10,7 @@ leaves only orphans under its own attempt id, never a visible version.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -140,9 +141,10 @@ def publish_delta(
             sha = hashlib.sha256(seg.data).hexdigest()
             refs.append(SegmentRef(rel, len(seg.data), sha))
             ev = SegmentEvent(version, seg.index, f"{vdir}/{rel}", len(seg.data), sha)
-            up.submit(
-                f"{vdir}/{rel}", seg.data, (lambda ev=ev: on_segment(ev)) if on_segment else None
-            )
+            done: Callable[[], None] | None = None
+            if on_segment is not None:
+                done = functools.partial(on_segment, ev)
+            up.submit(f"{vdir}/{rel}", seg.data, done)
     finally:
         up.wait()
     segments = tuple(refs)

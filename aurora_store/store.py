@@ -18,6 +18,7 @@ was lost); different bytes raise :class:`VersionConflict`.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import logging
@@ -260,7 +261,7 @@ class Store:
             out.append(rel)
         return sorted(out)
 
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
         """Names of the immediate sub-folders of ``prefix``."""
         try:
             entries = self._retry(f"list {self.where(prefix)}", lambda: self.fs.ls(self._path(prefix.rstrip("/")), detail=True))

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (fixtures imported from server_fixtures are parameters here)
 """Publishing and fetching versions on every backend, with a real S3 server.
 
 The store is the source of truth: these tests check that what an Actor
