@@ -17,6 +17,7 @@ import torch
 
 from .checkpoint import StagedDelta
 from .codec import DecodedEntry, ParamSpec
+from .encodings import DTYPES
 from .errors import ModelMismatchError
 from .extract import bits_view, spec_of
 from .fusion import FusionPlan
@@ -142,15 +143,27 @@ class SplitWeights:
 def check_fits(staged: StagedDelta, specs: Mapping[str, ParamSpec]) -> None:
     """Every entry names a parameter the sink has, with the same shape and dtype."""
     for e in staged.entries:
-        if e.param not in specs:
+        have = specs.get(e.param)
+        if have is None:
+            raise ModelMismatchError(f"delta {staged.version}: the model has no parameter {e.param!r}")
+        if have != e.spec:
             raise ModelMismatchError(
-                f"delta {staged.version}: the model has no parameter {e.param!r}"
+                f"delta {staged.version}: {e.param} is {list(e.spec.shape)} {e.spec.dtype} in the delta, "
+                f"{list(have.shape)} {have.dtype} in the model"
             )
-        numel = specs[e.param].numel
-        if e.stop > numel:
-            raise ModelMismatchError(
-                f"delta {staged.version}: {e.param} range [{e.start}, {e.stop}) exceeds its {numel} elements"
-            )
+        # Decoding validated all of this; a StagedDelta built by hand was not.
+        where = f"delta {staged.version}: {e.param} [{e.start}, {e.stop})"
+        if not 0 <= e.start < e.stop <= have.numel:
+            raise ModelMismatchError(f"{where}: range outside the parameter's {have.numel} elements")
+        if e.bits.dtype.itemsize != DTYPES[have.dtype].width:
+            raise ModelMismatchError(f"{where}: {e.bits.dtype.itemsize}-byte values for a {have.dtype} parameter")
+        if e.indices is None:
+            if e.bits.size != e.stop - e.start:
+                raise ModelMismatchError(f"{where}: dense entry holds {e.bits.size} values for {e.stop - e.start} elements")
+        elif e.indices.size != e.bits.size:
+            raise ModelMismatchError(f"{where}: {e.indices.size} indices but {e.bits.size} values")
+        elif e.indices.size and (int(e.indices[0]) < e.start or int(e.indices[-1]) >= e.stop):
+            raise ModelMismatchError(f"{where}: indices outside the range")
 
 
 def apply_delta(staged: StagedDelta, sink: WeightSink) -> None:

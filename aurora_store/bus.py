@@ -99,6 +99,9 @@ class Bus:
             lg = last_gen.decode() if isinstance(last_gen, bytes) else str(last_gen)
             if _parse_id(lg) < _parse_id(last_id):
                 raise BusGap(f"{key}: stream was recreated (its newest id {lg} is older than {last_id}); resume from the store")
+            length = int(info.get("length", info.get(b"length", 0)))
+            if length == 0 and _parse_id(lg) > _parse_id(last_id):
+                raise BusGap(f"{key}: entries after {last_id} up to {lg} were trimmed away; resume from the store")
         if first:
             fid = first[0].decode() if isinstance(first[0], bytes) else str(first[0])
             if _parse_id(fid) > _parse_id(last_id) and int(info.get("length", info.get(b"length", 0))) >= 1:

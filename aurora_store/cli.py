@@ -199,7 +199,11 @@ def cmd_delta_create(args: argparse.Namespace) -> int:
     if snaps:
         model = read_manifest(store, "snapshot", max(snaps)).param_specs()
         if model != plan.specs():
-            diff = sorted(set(model.items()) ^ set(plan.specs().items()))[:3]
+            diff = [
+                f"{n}: store {list(model[n].shape) if n in model else None}, file {list(plan.specs()[n].shape) if n in plan.specs() else None}"
+                for n in sorted(set(model) | set(plan.specs()))
+                if model.get(n) != plan.specs().get(n)
+            ][:3]
             raise ConfigError(
                 f"delta {v}: {args.base} does not describe the run's model (first differences: {diff})"
             )

@@ -155,6 +155,8 @@ class DecodedEntry:
     """A validated entry: what to write where."""
 
     param: str
+    spec: ParamSpec
+    """The whole parameter's shape and dtype, as the entry declares them."""
     start: int
     stop: int
     nnz: int
@@ -338,6 +340,8 @@ def encode_entry(
 # Decoding untrusted entries
 
 _INT_FIELDS = ("start", "stop", "nnz")
+#: Flat indices are int64 on every path; no parameter may have more elements.
+MAX_NUMEL = 1 << 63
 
 
 def _field(meta: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -381,6 +385,8 @@ def decode_entry(
                 f"{list(have.shape)} {have.dtype} in the model"
             )
     numel = spec.numel
+    if numel >= MAX_NUMEL:
+        raise StreamError(f"shape {list(spec.shape)} has {numel} elements, more than 2^63 - 1")
     if not 0 <= start < stop <= numel:
         raise StreamError(f"range [{start}, {stop}) is not inside [0, {numel})")
     span = stop - start
@@ -440,4 +446,4 @@ def decode_entry(
         changed = int(np.count_nonzero(bits))
         if changed != nnz:
             raise StreamError(f"dense xor stream changes {changed} elements, nnz is {nnz}")
-    return DecodedEntry(param, start, stop, nnz, indices, bits, values)
+    return DecodedEntry(param, spec, start, stop, nnz, indices, bits, values)

@@ -7,7 +7,6 @@ reason that the segment reader wraps into an error naming segment and entry.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,11 +139,16 @@ def decode_indices(
         if nnz > 1 and bool((gaps[1:] == 0).any()):
             k = int(np.flatnonzero(gaps[1:] == 0)[0]) + 1
             raise StreamError(f"leb128 gap of 0 at position {k} (indices must be unique)")
-        idx = np.cumsum(gaps.astype(np.int64)) + start
-        if int(idx[-1]) >= stop:
-            k = int(np.flatnonzero(idx >= stop)[0])
-            raise StreamError(f"index {int(idx[k])} at position {k} outside [{start}, {stop})")
-        return idx
+        # Sum in uint64: each gap is below the span (< 2^63), so a wrapped sum
+        # shows up as a decrease, which the strictly-increasing check catches.
+        idx_u = np.cumsum(gaps, dtype=np.uint64) + np.uint64(start)
+        if nnz > 1 and bool((idx_u[1:] <= idx_u[:-1]).any()):
+            k = int(np.flatnonzero(idx_u[1:] <= idx_u[:-1])[0]) + 1
+            raise StreamError(f"leb128 index at position {k} leaves the range [{start}, {stop}) (running sum overflows)")
+        if int(idx_u[0]) < start or int(idx_u[-1]) >= stop:
+            k = int(np.flatnonzero((idx_u >= np.uint64(stop)) | (idx_u < np.uint64(start)))[0])
+            raise StreamError(f"index {int(idx_u[k])} at position {k} outside [{start}, {stop})")
+        return idx_u.astype(np.int64)
     if encoding == "bitmask":
         nbits = stop - start
         expected = (nbits + 7) // 8
@@ -193,9 +197,10 @@ def zstd_decompress(frame: bytes | memoryview, expected: int | None, bound: int)
     """Decompress exactly one frame, never producing more than ``bound`` bytes.
 
     ``expected`` is the exact size FORMAT.md requires (values), or ``None``
-    where only the bound is known (a leb128 index stream). The frame is read
-    through a streaming reader capped at ``bound + 1`` bytes, so a frame that
-    claims or expands to gigabytes costs at most ``bound + 1`` bytes of memory.
+    where only the bound is known (a leb128 index stream). The frame is fed
+    to the decompressor in slices sized to the remaining allowance, so a
+    frame that claims or expands to gigabytes costs at most the bound plus
+    about 512 KiB of memory before it is refused.
     """
     if len(frame) < 4:
         raise StreamError("zstd frame is corrupt: shorter than a frame header")
@@ -210,19 +215,23 @@ def zstd_decompress(frame: bytes | memoryview, expected: int | None, bound: int)
     ):
         raise StreamError(f"zstd frame declares {declared} bytes, more than the bound {bound}")
     # Feed the frame in slices small enough that one slice cannot expand far
-    # past the bound (a zstd block expands at most ~32768x: 3-byte RLE header
-    # -> 128 KiB), growing them while the remaining allowance is large.
+    # past the bound: a zstd block expands at most ~32768x (a 3-byte RLE
+    # block header -> 128 KiB), so a slice of allowance/32768 bytes (at least
+    # 16) overshoots by at most ~512 KiB before the check below refuses it.
     dobj = zstandard.ZstdDecompressor().decompressobj(read_across_frames=False)
-    out = io.BytesIO()
+    chunks: list[bytes] = []
+    produced = 0
     view = memoryview(frame)
     pos = 0
     try:
         while pos < len(view) and not dobj.eof:
-            step = max(1024, (bound + 1 - out.tell()) // 32768)
-            out.write(dobj.decompress(view[pos : pos + step]))
+            step = max(16, (bound + 1 - produced) >> 15)
+            chunk = dobj.decompress(view[pos : pos + step])
             pos += step
-            if out.tell() > bound:
+            produced += len(chunk)
+            if produced > bound:
                 raise StreamError(f"zstd frame decompresses past the bound of {bound} bytes")
+            chunks.append(chunk)
     except zstandard.ZstdError as e:
         raise StreamError(f"zstd frame is corrupt: {e}") from None
     if not dobj.eof:
@@ -230,7 +239,7 @@ def zstd_decompress(frame: bytes | memoryview, expected: int | None, bound: int)
     trailing = len(dobj.unused_data) + max(0, len(view) - pos)
     if trailing:
         raise StreamError(f"zstd stream has {trailing} bytes after its frame")
-    result = out.getvalue()
+    result = b"".join(chunks)
     if expected is not None and len(result) != expected:
         raise StreamError(f"zstd frame decompresses to {len(result)} bytes, expected {expected}")
     return result

@@ -65,7 +65,7 @@ def manifest_key(kind: str, version: int) -> str:
 
 def parse_version_dir(name: str) -> int | None:
     """``v0000000121`` -> 121; anything else -> None."""
-    m = _VDIR.match(name)
+    m = _VDIR.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -170,7 +170,7 @@ class Manifest:
         """Parse and validate an untrusted manifest, including its digests."""
         try:
             d = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ManifestError(where, f"not valid UTF-8 JSON: {e}") from None
         if not isinstance(d, dict):
             raise ManifestError(where, "not a JSON object")
@@ -194,14 +194,14 @@ class Manifest:
         if version < 0:
             raise ManifestError(where, f"version {version} is negative")
         state = get("state", str)
-        if not _DIGEST.match(state):
+        if not _DIGEST.fullmatch(state):
             raise ManifestError(where, f"state {state!r} is not 'sha256:' + 64 hex digits")
         segs: list[SegmentRef] = []
         for i, s in enumerate(get("segments", list)):
             if not isinstance(s, dict):
                 raise ManifestError(where, f"segments[{i}] is not an object")
             key, size, sha = s.get("key"), s.get("bytes"), s.get("sha256")
-            if not isinstance(key, str) or not _SEGKEY.match(key):
+            if not isinstance(key, str) or not _SEGKEY.fullmatch(key):
                 raise ManifestError(
                     where, f"segments[{i}].key {key!r} is not '<attempt>/seg-NNNNN.safetensors'"
                 )
@@ -209,7 +209,7 @@ class Manifest:
                 raise ManifestError(
                     where, f"segments[{i}].bytes {size!r} is not a non-negative integer"
                 )
-            if not isinstance(sha, str) or not _HEX64.match(sha):
+            if not isinstance(sha, str) or not _HEX64.fullmatch(sha):
                 raise ManifestError(
                     where, f"segments[{i}].sha256 {sha!r} is not 64 lowercase hex digits"
                 )
@@ -239,7 +239,7 @@ class Manifest:
                     where, f"base_version {base_version} of delta {version} is not {version - 1}"
                 )
             base_state = get("base_state", str)
-            if not _DIGEST.match(base_state):
+            if not _DIGEST.fullmatch(base_state):
                 raise ManifestError(
                     where, f"base_state {base_state!r} is not 'sha256:' + 64 hex digits"
                 )

@@ -119,7 +119,7 @@ def parse_safetensors(
         )
     try:
         header = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise SegmentError(where, f"header is not valid UTF-8 JSON: {e}") from None
     if not isinstance(header, dict):
         raise SegmentError(where, "header is not a JSON object")
@@ -199,7 +199,7 @@ def decode_segment(
     base = _int_meta(meta, "aurora.base_version", where)
     try:
         metas = json.loads(meta.get("aurora.entries", ""))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise SegmentError(where, f"aurora.entries is not JSON: {e}") from None
     if not isinstance(metas, list):
         raise SegmentError(where, "aurora.entries is not a JSON list")

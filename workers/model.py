@@ -1,0 +1,360 @@
+"""The policy model: a tiny Qwen3 built from a config, its weights, and training helpers.
+
+Nothing is downloaded: :func:`tiny_qwen3` builds a ``Qwen3ForCausalLM`` from
+a ``Qwen3Config`` with seeded initialisation, so every process that calls it
+with the same arguments holds the same bits. :func:`hf_weights` and
+:func:`fusion_plan_for` are the one place that decides which tensors of a
+Hugging Face model travel in a delta, so the Trainer (which extracts) and
+the Actor's engine (which applies) cannot disagree: a tied ``lm_head.weight``
+is the embedding's storage and is dropped from the plan
+(``tied_lm_head=True``), as ``model.state_dict()`` lists it under both names.
+
+:func:`warm_start` is a short supervised fine-tune on correct worked answers
+that lifts sampling accuracy off zero, so GRPO has a signal; it trains in
+float32 and casts back, because bf16 weights swallow most Adam-sized steps.
+:func:`logprobs` is what the Trainer's GRPO loss needs.
+
+Prompts are encoded with ``bos`` first (``tokenizer.encode(text, bos=True)``)
+and completions end with ``eos``, here and in the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+import torch
+
+from aurora_store.errors import ModelMismatchError
+from aurora_store.extract import spec_of
+from aurora_store.fusion import EMBED, TIED_HEAD, FusionPlan
+
+from .task import Problem
+from .tokenizer import CharTokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = [
+    "Packed",
+    "WarmStartReport",
+    "fused_weights",
+    "fusion_plan_for",
+    "hf_weights",
+    "is_tied",
+    "load_model",
+    "logprobs",
+    "pack_completions",
+    "save_model",
+    "tiny_qwen3",
+    "warm_start",
+]
+
+
+# ---------------------------------------------------------------------------
+# building
+
+
+def tiny_qwen3(
+    vocab_size: int,
+    seed: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate: int = 192,
+    max_positions: int = 256,
+    tie_word_embeddings: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+    pad_id: int = 0,
+    bos_id: int = 1,
+    eos_id: int = 2,
+) -> PreTrainedModel:
+    """A ``Qwen3ForCausalLM`` of the given size, initialised from ``seed``.
+
+    Initialisation runs in float32 under a forked RNG (the caller's global
+    RNG state is left as it was), then the model is cast to ``dtype``; the
+    same arguments give bit-identical weights on every machine and torch
+    thread count we have seen. The defaults make about 0.1 M parameters.
+    With ``tie_word_embeddings`` the output head *is* the embedding (one
+    storage under two names); see :func:`fusion_plan_for`.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_word_embeddings,
+        attention_dropout=0.0,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(cfg)
+    torch.nn.Module.to(model, dtype=dtype)
+    model.generation_config.pad_token_id = pad_id
+    return model.eval()
+
+
+def save_model(
+    model: PreTrainedModel, path: str | os.PathLike[str], tokenizer: CharTokenizer | None = None
+) -> None:
+    """``save_pretrained`` (safetensors, config) plus ``tokenizer.json`` when given."""
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(os.fspath(path))
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(os.fspath(path), "tokenizer.json"))
+
+
+def load_model(
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16
+) -> PreTrainedModel:
+    """A causal LM saved by :func:`save_model` (or any local Hugging Face folder); offline."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.fspath(path), dtype=dtype, local_files_only=True
+    )
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------
+# which tensors travel
+
+
+def hf_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: param.data}`` for every parameter name, tied names included.
+
+    The tensors *are* the model's storage (no copies): writing into them
+    changes the model. Buffers are not weights (rotary tables are recomputed).
+    """
+    return {n: p.data for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def is_tied(weights: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``lm_head.weight`` shares storage with the embedding.
+
+    Any other aliasing between parameters is refused: a delta would reach
+    the same elements under two names and the digest would count them twice.
+    """
+    seen: dict[tuple[torch.device, int], str] = {}
+    tied = False
+    for name, t in weights.items():
+        key = (t.device, t.untyped_storage().data_ptr())
+        other = seen.get(key)
+        if other is None:
+            seen[key] = name
+        elif {name, other} == {TIED_HEAD, EMBED} and t.data_ptr() == weights[other].data_ptr():
+            tied = True
+        else:
+            raise ModelMismatchError(
+                f"{name} shares storage with {other}; only {TIED_HEAD} may alias {EMBED}"
+            )
+    return tied
+
+
+def fusion_plan_for(
+    weights: Mapping[str, torch.Tensor] | torch.nn.Module, tied: bool | None = None
+) -> FusionPlan:
+    """The fused view (FORMAT.md §2) of a Hugging Face model or its :func:`hf_weights`.
+
+    ``tied=None`` reads tying from storage sharing (:func:`is_tied`); pass it
+    explicitly for copies of the weights (``clone()`` unties them), or build
+    the plan once from the model and reuse it.
+    """
+    w = hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights
+    if tied is None:
+        tied = is_tied(w)
+    return FusionPlan.from_specs({n: spec_of(t, n) for n, t in w.items()}, tied_lm_head=tied)
+
+
+def fused_weights(
+    weights: Mapping[str, torch.Tensor], plan: FusionPlan | None = None
+) -> dict[str, torch.Tensor]:
+    """New tensors under fused names (qkv_proj, gate_up_proj): what a snapshot or vLLM holds."""
+    plan = plan if plan is not None else fusion_plan_for(weights)
+    # Fused parameters are new tensors (torch.cat); unfused ones are cloned, so
+    # the result never aliases the model.
+    return {
+        p.name: torch.cat([weights[b.source].reshape(-1) for b in p.blocks]).view(p.spec.shape)
+        if len(p.blocks) > 1
+        else weights[p.blocks[0].source].detach().clone()
+        for p in plan
+    }
+
+
+# ---------------------------------------------------------------------------
+# log-probabilities
+
+
+class Packed(NamedTuple):
+    """Prompt + completion rows, right-padded."""
+
+    input_ids: torch.Tensor
+    """[B, T] token ids, ``pad_id`` after each row's end."""
+    attention_mask: torch.Tensor
+    """[B, T] 1 over prompt and completion, 0 over padding."""
+    completion_mask: torch.Tensor
+    """[B, T] 1 over completion tokens only."""
+
+
+def pack_completions(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    pad_id: int,
+    device: torch.device | str | None = None,
+) -> Packed:
+    """Rows ``prompt + completion``, right-padded to the longest, with their masks."""
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    if not prompts:
+        raise ValueError("nothing to pack")
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    comp = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        if not p:
+            raise ValueError(f"row {i}: empty prompt (at least bos is needed)")
+        n = len(p) + len(c)
+        ids[i, :n] = torch.tensor([*p, *c], dtype=torch.long)
+        attn[i, :n] = 1
+        comp[i, len(p) : n] = 1
+    return Packed(ids.to(device), attn.to(device), comp.to(device))
+
+
+def logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    reduction: Literal["sum", "mean", "none"] = "sum",
+) -> torch.Tensor:
+    """Log-probabilities of the completion tokens under ``model``, differentiable.
+
+    ``reduction="none"`` gives [B, T] aligned with ``input_ids`` (entry ``t``
+    is ``log p(input_ids[t] | input_ids[:t])``, 0 outside the completion);
+    ``"sum"`` and ``"mean"`` reduce each row to [B]. Positions come from
+    ``attention_mask``, so left- and right-padded rows both work. Softmax
+    runs in float32 whatever the model's dtype.
+    """
+    if input_ids.shape != attention_mask.shape or input_ids.shape != completion_mask.shape:
+        raise ValueError(
+            f"shapes differ: ids {list(input_ids.shape)}, attention {list(attention_mask.shape)}, "
+            f"completion {list(completion_mask.shape)}"
+        )
+    if bool(completion_mask[:, 0].any()):
+        raise ValueError("a completion token at position 0 has no context to be predicted from")
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1].float()
+    targets = input_ids[:, 1:]
+    tok = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    mask = completion_mask[:, 1:].to(tok.dtype)
+    tok = tok * mask
+    if reduction == "none":
+        return torch.nn.functional.pad(tok, (1, 0))
+    total = tok.sum(-1)
+    if reduction == "sum":
+        return total
+    if reduction == "mean":
+        return total / mask.sum(-1).clamp(min=1.0)
+    raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
+
+
+# ---------------------------------------------------------------------------
+# warm start
+
+
+@dataclass(frozen=True, slots=True)
+class WarmStartReport:
+    """What a warm start did."""
+
+    steps: int
+    seconds: float
+    first_loss: float
+    """Mean completion-token NLL of the first batch."""
+    last_loss: float
+    """Mean completion-token NLL of the last batch."""
+
+
+def warm_start(
+    model: torch.nn.Module,
+    tokenizer: CharTokenizer,
+    problems: Sequence[Problem],
+    steps: int = 100,
+    lr: float = 1e-2,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> WarmStartReport:
+    """Supervised fine-tune on ``problem.solution`` + ``eos``, written back in place.
+
+    AdamW on a float32 master copy, loss = mean NLL of the completion tokens,
+    batches drawn with ``seed``; the result is rounded into the model's own
+    parameter storage (same tensors, same dtype), so an engine that holds
+    the model sees it without reloading (its digest changes, of course). Meant to be short: enough for GRPO to find
+    some rewarded samples, not to solve the task.
+    """
+    if steps < 0 or batch_size < 1:
+        raise ValueError(f"steps must be >= 0 and batch_size >= 1, got {steps}, {batch_size}")
+    if not problems:
+        raise ValueError("warm start needs problems")
+    missing = [p.id for p in problems if not p.solution]
+    if missing:
+        raise ValueError(f"problems without a worked solution: {missing[:5]}")
+    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    rng = random.Random(f"aurora-warm-start/{seed}")
+    encoded = [
+        (tokenizer.encode(p.prompt_text, bos=True), tokenizer.encode(p.solution, eos=True))
+        for p in problems
+    ]
+    # Float32 master copy for the run; its result is copied back into the
+    # model's own storage, so tensors held elsewhere (an engine) stay valid.
+    master = copy.deepcopy(model).float().train().requires_grad_(True)
+    opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warmup = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (1.0 - s / max(1, steps))
+    )
+    first = last = float("nan")
+    for step in range(steps):
+        batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+        packed = pack_completions(
+            [b[0] for b in batch], [b[1] for b in batch], tokenizer.pad_id, device
+        )
+        loss = -logprobs(master, *packed, reduction="mean").mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        last = float(loss.detach())
+        if step == 0:
+            first = last
+    with torch.no_grad():
+        for (name, dst), (mname, src) in zip(
+            model.named_parameters(), master.named_parameters(), strict=True
+        ):
+            assert name == mname
+            dst.copy_(src)
+    return WarmStartReport(steps, time.perf_counter() - t0, first, last)
