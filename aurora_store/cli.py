@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="model size in parameters (e.g. 6e8); default: Qwen3-0.6B shape",
     )
-    bc.add_argument("--lr", type=float, default=1e-6)
+    bc.add_argument("--lr", type=float, default=None, help="learning rate of the measured step (default 2e-7: about 1%% density)")
     bc.add_argument("--seed", type=int, default=0)
     bc.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the table"
