@@ -396,6 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--seed", type=int, default=0)
     bt.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bt.set_defaults(func=cmd_bench_transfer)
+    from .bench import ledger as bench_ledger  # light: no torch
+
+    bl = bench.add_parser("ledger", help="lease-and-settle rate of the Redis ledger with N simulated Actors (local redis-server)")
+    bench_ledger.add_arguments(bl)
+    bl.set_defaults(func=lambda a: bench_ledger.main(a))
     return ap
 
 

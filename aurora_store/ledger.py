@@ -23,6 +23,11 @@ from typing import Any
 from .errors import AuroraError, ConfigError
 from .redisconn import key_prefix
 
+try:
+    from redis.exceptions import NoScriptError
+except ImportError:  # pragma: no cover - redis is a dependency
+    NoScriptError = Exception  # type: ignore[misc,assignment]
+
 __all__ = [
     "Lease",
     "Settlement",
@@ -201,7 +206,6 @@ class Ledger:
       out[#out + 1] = redis.call('HGET', KEYS[8], p) or ''
       got = got + 1
     end
-    if got > 0 then redis.call('HINCRBY', KEYS[7], 'leases', got) end
     return out
     """
 
@@ -231,7 +235,6 @@ class Ledger:
       redis.call('ZREM', KEYS[3], p)
       redis.call('RPUSH', KEYS[6], p)
       redis.call('HINCRBY', KEYS[1], field, 1)
-      redis.call('HINCRBY', KEYS[7], 'leases', -1)
     end
     if now > tonumber(exp) then release('expired'); return {'expired', now} end
     if ARGV[4] ~= redis.call('HGET', KEYS[1], 'version') then release('rejected'); return {'wrong_version', now} end
@@ -243,12 +246,10 @@ class Ledger:
     redis.call('RPUSH', KEYS[8], ARGV[6])
     redis.call('HINCRBY', KEYS[1], 'settled', 1)
     redis.call('HINCRBY', KEYS[7], 'settled', 1)
-    redis.call('HINCRBY', KEYS[7], 'leases', -1)
     return {'accepted', now}
     """
 
-    # KEYS[1] lease hash, KEYS[2] expiry zset, KEYS[3] pool list, KEYS[4] assigned list,
-    # KEYS[5] actor hash
+    # KEYS[1] lease hash, KEYS[2] expiry zset, KEYS[3] pool list, KEYS[4] assigned list
     # ARGV[1] actor
     # returns the number of prompts put back in the pool (leases plus unclaimed assignments)
     RELEASE = """
@@ -263,14 +264,12 @@ class Ledger:
         n = n + 1
       end
     end
-    local held = n
     while true do
       local p = redis.call('LPOP', KEYS[4])
       if not p then break end
       redis.call('RPUSH', KEYS[3], p)
       n = n + 1
     end
-    if held > 0 then redis.call('HINCRBY', KEYS[5], 'leases', -held) end
     return n
     """
 
@@ -343,10 +342,24 @@ class Ledger:
             fields += ["active_state", active_state]
         return int(self._heartbeat(keys=[self.k_actor(actor)], args=[self._now(), *fields])) >= 0
 
-    def actor(self, actor: str) -> ActorRecord | None:
+    def lease_counts(self) -> dict[str, int]:
+        """Leases held per Actor across open steps, counted from the lease hashes.
+
+        Counted rather than stored: a counter would drift when CLAIM returns
+        someone else's expired lease to the pool.
+        """
+        out: dict[str, int] = {}
+        for v in self.open_steps():
+            for raw in self.r.hvals(self.k_step(v, "lease")):
+                a = _s(raw).rsplit("|", 3)[0]
+                out[a] = out.get(a, 0) + 1
+        return out
+
+    def actor(self, actor: str, lease_counts: Mapping[str, int] | None = None) -> ActorRecord | None:
         h = self.r.hgetall(self.k_actor(actor))
         if not h:
             return None
+        counts = self.lease_counts() if lease_counts is None else lease_counts
         g = {_s(k): v for k, v in h.items()}
         return ActorRecord(
             actor=actor,
@@ -359,28 +372,30 @@ class Ledger:
             tau=float(g.get("tau", b"0") or 0),
             heartbeat_ms=_i(g.get("heartbeat_ms"), 0) or 0,
             settled=_i(g.get("settled"), 0) or 0,
-            leases=_i(g.get("leases"), 0) or 0,
+            leases=counts.get(actor, 0),
         )
 
     def actors(self) -> list[ActorRecord]:
         ids = sorted(_s(x) for x in self.r.smembers(self.k_actors))
-        return [a for a in (self.actor(i) for i in ids) if a is not None]
+        counts = self.lease_counts()
+        return [a for a in (self.actor(i, counts) for i in ids) if a is not None]
 
     def set_tau(self, actor: str, tau: float) -> None:
         self.r.hset(self.k_actor(actor), "tau", repr(float(tau)))
 
     def leave(self, actor: str) -> int:
         """Graceful leave: release every lease and assignment at once; returns prompts released."""
-        n = self.release_actor(actor)
+        # Status first: a claim racing this leave then answers not_alive
+        # instead of handing a lease to an Actor that is going away.
         self.r.hset(self.k_actor(actor), "status", "left")
-        return n
+        return self.release_actor(actor)
 
     def release_actor(self, actor: str) -> int:
         n = 0
         for v in self.open_steps():
             n += int(
                 self._release(
-                    keys=[self.k_step(v, "lease"), self.k_step(v, "exp"), self.k_step(v, "pool"), self.k_assigned(v, actor), self.k_actor(actor)],
+                    keys=[self.k_step(v, "lease"), self.k_step(v, "exp"), self.k_step(v, "pool"), self.k_assigned(v, actor)],
                     args=[actor],
                 )
             )
@@ -428,6 +443,10 @@ class Ledger:
         if sum(quotas.values()) > len(ids):
             raise ConfigError(f"step {v}: quotas sum to {sum(quotas.values())}, only {len(ids)} prompts")
         self.ensure_fence()
+        # Quotas of Actors that are not registered and alive would strand their
+        # prompts (nobody else can claim an assignment); they go to the pool.
+        alive = {a.actor for a in self.actors() if a.status == "alive"}
+        quotas = {a: n for a, n in quotas.items() if a in alive}
         pipe = self.r.pipeline(transaction=True)
         pipe.hsetnx(self.k_step(v), "version", str(v))
         res = pipe.execute()
@@ -544,11 +563,21 @@ class Ledger:
         items = list(items)
         if not items:
             return []
-        pipe = self.r.pipeline(transaction=False)
-        for lease, version, state, payload in items:
-            keys, args = self._settle_args(actor, lease, version, state, payload)
-            self._settle(keys=keys, args=args, client=pipe)
-        out = pipe.execute()
+        calls = [self._settle_args(actor, lease, version, state, payload) for lease, version, state, payload in items]
+        # EVALSHA queued directly: a pipeline carrying Script objects makes
+        # redis-py send SCRIPT EXISTS first, a second round trip.
+        for _attempt in range(2):
+            pipe = self.r.pipeline(transaction=False)
+            for keys, args in calls:
+                pipe.evalsha(self._settle.sha, len(keys), *keys, *args)
+            out = pipe.execute(raise_on_error=False)
+            if not any(isinstance(r, NoScriptError) for r in out):
+                break
+            # Redis lost its script cache (restart): nothing ran, so load and repeat.
+            self.r.script_load(self.SETTLE)
+        for r in out:
+            if isinstance(r, Exception):
+                raise r
         return [Settlement(it[0].prompt, _s(r[0]), int(r[1])) for it, r in zip(items, out, strict=True)]
 
 

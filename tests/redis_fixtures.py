@@ -1,0 +1,75 @@
+"""Redis fixtures: a real ``redis-server`` on a free loopback port.
+
+Test modules import them explicitly (they are not in conftest.py, so a test
+run that never touches Redis never starts one)::
+
+    from redis_fixtures import redis_client, redis_server  # noqa: F401
+
+- ``redis_server``: one server for the whole session (port 0 style: a free
+  port the kernel handed out, never a fixed one).
+- ``redis_url``: its URL.
+- ``redis_client``: a command client on a server flushed before the test.
+- ``run_name``: a run name unique to the test, so two tests never share keys
+  even if a flush is skipped.
+- ``own_redis_server``: a server of the test's own, for tests that restart
+  Redis (a restart would break the session server under other tests).
+- ``ManualClock``: the injectable ledger clock (milliseconds) tests advance
+  by hand instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from aurora_store.redisconn import connect
+from aurora_store.testing.servers import RedisServer
+
+
+class ManualClock:
+    """A millisecond clock that moves only when a test moves it."""
+
+    def __init__(self, start_ms: int = 1_700_000_000_000) -> None:
+        self.now_ms = start_ms
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+    def advance(self, ms: int) -> int:
+        self.now_ms += ms
+        return self.now_ms
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> Iterator[Any]:
+    """A client of the session server, flushed before the test."""
+    client = connect(redis_server.url)
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def run_name() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def own_redis_server() -> Iterator[RedisServer]:
+    """A server only this test uses (and may restart)."""
+    with RedisServer() as server:
+        yield server
