@@ -69,6 +69,12 @@ class Lease:
     """Server-clock deadline of the lease."""
     payload: bytes
     """The prompt itself, as the Trainer stored it."""
+    step: int = -1
+    """Ledger step id the lease belongs to (defaults to ``version``)."""
+
+    @property
+    def step_id(self) -> int:
+        return self.version if self.step < 0 else self.step
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,10 +436,14 @@ class Ledger:
         quotas: Mapping[str, int],
         group: int,
         lease_ms: int,
+        version: int | None = None,
     ) -> None:
         """Create the jobs of step ``v``: each prompt assigned to an Actor per ``quotas``.
 
-        Prompts beyond the quotas (or all, with no quotas) go to the shared pool.
+        ``version`` is the policy version the rollouts must be generated on
+        (default ``v``); with one-step asynchrony two batches may share a
+        version, so the step id and the version are separate. Prompts beyond
+        the quotas (or all, with no quotas) go to the shared pool.
         """
         if lease_ms <= 0 or group <= 0:
             raise ConfigError(f"step {v}: lease_ms and group must be positive")
@@ -448,7 +458,7 @@ class Ledger:
         alive = {a.actor for a in self.actors() if a.status == "alive"}
         quotas = {a: n for a, n in quotas.items() if a in alive}
         pipe = self.r.pipeline(transaction=True)
-        pipe.hsetnx(self.k_step(v), "version", str(v))
+        pipe.hsetnx(self.k_step(v), "version", str(v if version is None else version))
         res = pipe.execute()
         if not res[0]:
             raise StepExists(f"step {v} of run {self.run!r} already has jobs")
@@ -474,6 +484,11 @@ class Ledger:
 
     def open_steps(self) -> list[int]:
         return sorted(int(x) for x in self.r.zrange(self.k_steps, 0, -1))
+
+    def step_version(self, v: int) -> int | None:
+        """Version the rollouts of step ``v`` must be generated on (None: no such step)."""
+        x = self.r.hget(self.k_step(v), "version")
+        return None if x is None else int(x)
 
     def step_status(self, v: int) -> StepStatus:
         h = self.r.hgetall(self.k_step(v))
@@ -536,16 +551,16 @@ class Ledger:
         status = _s(res[0])
         if status != "ok" or len(res) == 2:
             return status, []
-        meta = self.r.hmget(self.k_step(v), "state", "group")
-        state, group = _s(meta[0] or b""), int(meta[1] or 1)
+        meta = self.r.hmget(self.k_step(v), "state", "group", "version")
+        state, group, version = _s(meta[0] or b""), int(meta[1] or 1), int(meta[2] or v)
         leases = [
-            Lease(_s(res[i]), int(res[i + 1]), v, state, group, int(res[i + 2]), bytes(res[i + 3]))
+            Lease(_s(res[i]), int(res[i + 1]), version, state, group, int(res[i + 2]), bytes(res[i + 3]), step=v)
             for i in range(2, len(res), 4)
         ]
         return status, leases
 
     def _settle_args(self, actor: str, lease: Lease, version: int, state: str, payload: bytes) -> tuple[list[str], list[Any]]:
-        v = lease.version
+        v = lease.step_id
         keys = [
             self.k_step(v), self.k_step(v, "lease"), self.k_step(v, "exp"), self.k_step(v, "done"),
             self.k_step(v, "results"), self.k_step(v, "pool"), self.k_actor(actor), self.k_step(v, "results:payload"),
