@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from . import kernels
 from .checkpoint import StagedDelta
 from .codec import DecodedEntry, ParamSpec
 from .encodings import DTYPES
@@ -55,10 +56,26 @@ def _write_flat(
             view.bitwise_xor_(bits)
         else:
             view.copy_(bits)
-    elif mode == "xor":
-        flat_bits[indices] = flat_bits[indices] ^ bits
+    elif flat_bits.device.type == "cpu" and indices.device.type == "cpu":
+        # One pass over the changed elements (a compiled kernel where numba is
+        # there); detach() shares storage, so this writes the weights in place.
+        kernels.apply_bits(
+            flat_bits.detach().numpy(),
+            indices.numpy(),
+            bits.detach().numpy(),
+            mode == "xor",
+        )
     else:
-        flat_bits[indices] = bits
+        _scatter_torch(flat_bits, indices, bits, mode)
+
+
+def _scatter_torch(flat_bits: torch.Tensor, indices: torch.Tensor, bits: torch.Tensor, mode: str) -> None:
+    """The scatter on an accelerator: one gather and one scatter, no temporaries
+    the size of the tensor (indices are unique, so this is exact)."""
+    if mode == "xor":
+        flat_bits.index_copy_(0, indices, flat_bits.index_select(0, indices).bitwise_xor_(bits))
+    else:
+        flat_bits.index_copy_(0, indices, bits)
 
 
 class FusedWeights:

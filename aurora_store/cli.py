@@ -19,12 +19,12 @@ from .errors import AuroraError, ConfigError
 __all__ = ["main"]
 
 
-def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+def storage_options(pairs: Sequence[str] | None, flag: str = "--storage-option") -> dict[str, Any]:
     """``key=value`` pairs; values ``true``/``false``/integers are typed."""
     out: dict[str, Any] = {}
     for p in pairs or ():
         if "=" not in p:
-            raise ConfigError(f"--storage-option {p!r}: expected key=value")
+            raise ConfigError(f"{flag} {p!r}: expected key=value")
         k, v = p.split("=", 1)
         val: Any = v
         if v.lower() in ("true", "false"):
@@ -36,6 +36,8 @@ def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
         else:
             out[k] = val
     return out
+
+
 
 
 def _add_store_args(p: argparse.ArgumentParser) -> None:
@@ -146,7 +148,7 @@ def cmd_snapshot_create(args: argparse.Namespace) -> int:
     from .publish import publish_snapshot
     from .store import open_store
 
-    store = open_store(args.store, _storage_options(args.storage_option))
+    store = open_store(args.store, storage_options(args.storage_option))
     w = _load_weights(args.weights)
     plan = _plan_for(w, args.tied_lm_head, args.weights)
     fused = {
@@ -182,7 +184,7 @@ def cmd_delta_create(args: argparse.Namespace) -> int:
     from .publish import publish_delta
     from .store import open_store
 
-    store = open_store(args.store, _storage_options(args.storage_option))
+    store = open_store(args.store, storage_options(args.storage_option))
     v = args.version
     if v < 1:
         raise ConfigError(f"delta {v}: version must be >= 1")
@@ -226,7 +228,7 @@ def cmd_delta_apply(args: argparse.Namespace) -> int:
     from .lineage import materialize
     from .store import open_store
 
-    store = open_store(args.store, _storage_options(args.storage_option))
+    store = open_store(args.store, storage_options(args.storage_option))
     tensors, state = materialize(store, args.version, progress=_say)
     tmp = args.out + ".partial"
     save_file(tensors, tmp, metadata={"aurora.version": str(args.version), "aurora.state": state})
@@ -241,7 +243,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     from .report import read_lineage
     from .store import open_store
 
-    lin = read_lineage(open_store(args.url, _storage_options(args.storage_option)))
+    lin = read_lineage(open_store(args.url, storage_options(args.storage_option)))
     if args.json:
         print(json.dumps(lin.to_json(), indent=1))
         return 0
@@ -264,7 +266,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .store import open_store
     from .verify import verify_run
 
-    store = open_store(args.url, _storage_options(args.storage_option))
+    store = open_store(args.url, storage_options(args.storage_option))
     rep = verify_run(store, args.from_version, args.to_version, deep=args.deep, progress=_say if args.verbose else None)
     for w in rep.warnings:
         _say(f"warning: {w}")
@@ -281,7 +283,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .gc import run_gc
     from .store import open_store
 
-    store = open_store(args.url, _storage_options(args.storage_option))
+    store = open_store(args.url, storage_options(args.storage_option))
     run_gc(store, args.keep_snapshots, apply=args.apply, min_orphan_age_s=args.min_orphan_age)
     return 0
 
@@ -369,6 +371,22 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--storage-option", action="append", metavar="KEY=VALUE")
     gc.set_defaults(func=cmd_gc)
 
+    from workers import actor as actor_mod  # noqa: PLC0415 - light: heavy imports are inside
+    from workers import trainer as trainer_mod
+
+    tp = sub.add_parser("trainer", help="run the GRPO Trainer: publishes every step as a delta, schedules Actors")
+    trainer_mod.add_arguments(tp)
+    tp.set_defaults(func=lambda a: trainer_mod.main(a, storage_options(a.storage_option)))
+    ap_ = sub.add_parser("actor", help="run an Actor: bootstrap, stage, activate, generate, settle")
+    actor_mod.add_arguments(ap_)
+    ap_.set_defaults(func=lambda a: actor_mod.main(a, storage_options(a.storage_option)))
+
+    from workers import relay as relay_mod
+
+    rl = sub.add_parser("relay", help="run a regional Relay: mirror versions near a region's Actors")
+    relay_mod.add_arguments(rl)
+    rl.set_defaults(func=relay_mod.run_from_args)
+
     dm = sub.add_parser("demo", help="end-to-end demonstration on a tiny model")
     dm.add_argument(
         "--dir", default="demo-run", help="where the demo's store goes (default ./demo-run)"
@@ -391,10 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bc.set_defaults(func=cmd_bench_codec)
     bt = bench.add_parser("transfer", help="publish-to-staged time, 1 vs S connections, vs raw S3 throughput (local S3 server)")
-    bt.add_argument("--params", type=float, default=None, help="model size in parameters")
-    bt.add_argument("--streams", type=int, default=8)
-    bt.add_argument("--seed", type=int, default=0)
-    bt.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    from .bench import transfer as bench_transfer
+
+    bench_transfer.add_arguments(bt)
     bt.set_defaults(func=cmd_bench_transfer)
     from .bench import ledger as bench_ledger  # light: no torch
 

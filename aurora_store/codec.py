@@ -246,20 +246,29 @@ def encode_entry(
         e for e in options.index_encodings if e != "dense" and not (e == "u32" and stop > 1 << 32)
     ]
     if sparse:
-        sizes = {e: enc.indices_size(e, indices, start, stop) for e in sparse}
+        # The leb128 stream costs as much to size as to write: write it once.
+        raws: dict[str, bytes] = {}
+        if "leb128" in sparse:
+            raws["leb128"] = enc.encode_indices("leb128", indices, start, stop)
+        sizes = {
+            e: len(raws[e]) if e in raws else enc.indices_size(e, indices, start, stop)
+            for e in sparse
+        }
         first = min(sparse, key=lambda e: sizes[e])
         tries = [first]
-        # zstd narrows bitmask more than leb128 at moderate density; try both then.
+        # zstd narrows bitmask more than leb128 at high density (from ~20% on
+        # uniformly spread changes, where the raw bitmask is already no larger
+        # than 1.5x the leb128 stream); below that it never wins, so skip it.
         if (
             allow_zstd
             and "bitmask" in sparse
             and first != "bitmask"
-            and sizes["bitmask"] <= 8 * sizes[first]
+            and sizes["bitmask"] <= 1.5 * sizes[first]
         ):
             tries.append("bitmask")
         idx_options: list[tuple[str, str, bytes]] = []
         for e in tries:
-            raw = enc.encode_indices(e, indices, start, stop)
+            raw = raws[e] if e in raws else enc.encode_indices(e, indices, start, stop)
             if allow_raw:
                 idx_options.append((e, "none", raw))
             if allow_zstd and raw:

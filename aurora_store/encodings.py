@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from . import varint
+from . import kernels, varint
 
 __all__ = [
     "INDEX_ENCODINGS",
@@ -32,6 +32,8 @@ __all__ = [
 INDEX_ENCODINGS = ("leb128", "bitmask", "dense", "u32", "u64")
 VALUE_MODES = ("new", "xor")
 CODECS = ("none", "zstd")
+#: Largest flat index (int64); decoded indices are int64 on every path.
+MAX_INDEX = (1 << 63) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +73,7 @@ def indices_size(encoding: str, indices: np.ndarray, start: int, stop: int) -> i
     if encoding == "leb128":
         if n == 0:
             return 0
-        gaps = np.diff(indices, prepend=np.int64(start))
-        return varint.encoded_size(gaps)
+        return varint.encoded_size(np.diff(indices, prepend=np.int64(start)))
     if encoding == "bitmask":
         return (stop - start + 7) // 8
     if encoding == "dense":
@@ -87,9 +88,7 @@ def indices_size(encoding: str, indices: np.ndarray, start: int, stop: int) -> i
 def encode_indices(encoding: str, indices: np.ndarray, start: int, stop: int) -> bytes:
     """Encode sorted, unique absolute indices in ``[start, stop)``."""
     if encoding == "leb128":
-        if indices.size == 0:
-            return b""
-        return varint.encode(np.diff(indices.astype(np.int64, copy=False), prepend=np.int64(start)))
+        return kernels.leb128_encode_gaps(indices, start).tobytes()
     if encoding == "bitmask":
         mask = np.zeros(stop - start, dtype=bool)
         mask[indices - start] = True
@@ -123,32 +122,13 @@ def decode_indices(
 ) -> np.ndarray:
     """Decode and fully validate an index stream; returns int64 absolute indices."""
     if encoding == "leb128":
-        try:
-            gaps = varint.decode(data, expected_count=nnz)
-        except varint.VarintError as e:
-            raise StreamError(f"leb128 index stream: {e}") from None
-        if nnz == 0:
-            return np.empty(0, dtype=np.int64)
-        span = np.uint64(stop - start)
-        # Bounding every gap first keeps the running sum far from uint64 overflow.
-        if bool((gaps >= span).any()):
-            k = int(np.flatnonzero(gaps >= span)[0])
-            raise StreamError(
-                f"leb128 gap {int(gaps[k])} at position {k} leaves the range [{start}, {stop})"
-            )
-        if nnz > 1 and bool((gaps[1:] == 0).any()):
-            k = int(np.flatnonzero(gaps[1:] == 0)[0]) + 1
-            raise StreamError(f"leb128 gap of 0 at position {k} (indices must be unique)")
-        # Sum in uint64: each gap is below the span (< 2^63), so a wrapped sum
-        # shows up as a decrease, which the strictly-increasing check catches.
-        idx_u = np.cumsum(gaps, dtype=np.uint64) + np.uint64(start)
-        if nnz > 1 and bool((idx_u[1:] <= idx_u[:-1]).any()):
-            k = int(np.flatnonzero(idx_u[1:] <= idx_u[:-1])[0]) + 1
-            raise StreamError(f"leb128 index at position {k} leaves the range [{start}, {stop}) (running sum overflows)")
-        if int(idx_u[0]) < start or int(idx_u[-1]) >= stop:
-            k = int(np.flatnonzero((idx_u >= np.uint64(stop)) | (idx_u < np.uint64(start)))[0])
-            raise StreamError(f"index {int(idx_u[k])} at position {k} outside [{start}, {stop})")
-        return idx_u.astype(np.int64)
+        b = varint.as_bytes(data)
+        if kernels.jit_enabled() and 0 <= start < stop <= MAX_INDEX:
+            found = kernels.leb128_indices(b, start, stop, nnz)
+            if found is not None:
+                return found
+        # numpy, or the kernel refused the stream: the reference says why.
+        return _decode_leb128_reference(b, start, stop, nnz)
     if encoding == "bitmask":
         nbits = stop - start
         expected = (nbits + 7) // 8
@@ -184,6 +164,36 @@ def decode_indices(
     raise StreamError(f"unknown index encoding {encoding!r}")
 
 
+def _decode_leb128_reference(b: np.ndarray, start: int, stop: int, nnz: int) -> np.ndarray:
+    """The numpy leb128 index decoder: the reference for every rejection."""
+    try:
+        gaps = varint.decode(b, expected_count=nnz, jit=False)
+    except varint.VarintError as e:
+        raise StreamError(f"leb128 index stream: {e}") from None
+    if nnz == 0:
+        return np.empty(0, dtype=np.int64)
+    span = np.uint64(stop - start)
+    # Bounding every gap first keeps the running sum far from uint64 overflow.
+    if bool((gaps >= span).any()):
+        k = int(np.flatnonzero(gaps >= span)[0])
+        raise StreamError(
+            f"leb128 gap {int(gaps[k])} at position {k} leaves the range [{start}, {stop})"
+        )
+    if nnz > 1 and bool((gaps[1:] == 0).any()):
+        k = int(np.flatnonzero(gaps[1:] == 0)[0]) + 1
+        raise StreamError(f"leb128 gap of 0 at position {k} (indices must be unique)")
+    # Sum in uint64: each gap is below the span (< 2^63), so a wrapped sum
+    # shows up as a decrease, which the strictly-increasing check catches.
+    idx_u = np.cumsum(gaps, dtype=np.uint64) + np.uint64(start)
+    if nnz > 1 and bool((idx_u[1:] <= idx_u[:-1]).any()):
+        k = int(np.flatnonzero(idx_u[1:] <= idx_u[:-1])[0]) + 1
+        raise StreamError(f"leb128 index at position {k} leaves the range [{start}, {stop}) (running sum overflows)")
+    if int(idx_u[0]) < start or int(idx_u[-1]) >= stop:
+        k = int(np.flatnonzero((idx_u >= np.uint64(stop)) | (idx_u < np.uint64(start)))[0])
+        raise StreamError(f"index {int(idx_u[k])} at position {k} outside [{start}, {stop})")
+    return idx_u.astype(np.int64)
+
+
 # --------------------------------------------------------------------------
 # zstd
 
@@ -197,10 +207,17 @@ def zstd_decompress(frame: bytes | memoryview, expected: int | None, bound: int)
     """Decompress exactly one frame, never producing more than ``bound`` bytes.
 
     ``expected`` is the exact size FORMAT.md requires (values), or ``None``
-    where only the bound is known (a leb128 index stream). The frame is fed
-    to the decompressor in slices sized to the remaining allowance, so a
-    frame that claims or expands to gigabytes costs at most the bound plus
-    about 512 KiB of memory before it is refused.
+    where only the bound is known (a leb128 index stream).
+
+    A frame that declares its content size (Aurora's writer always does)
+    within the bound is decompressed in one call into a buffer of exactly
+    that size: zstd refuses a frame that would produce more than it
+    declares, and the call refuses bytes after the frame. If that call fails
+    for any reason, or the frame does not declare its size, the frame is fed
+    to a streaming decompressor in slices sized to the remaining allowance,
+    so a frame that claims or expands to gigabytes costs at most the bound
+    plus about 512 KiB of memory before it is refused; that path also words
+    every error.
     """
     if len(frame) < 4:
         raise StreamError("zstd frame is corrupt: shorter than a frame header")
@@ -209,11 +226,27 @@ def zstd_decompress(frame: bytes | memoryview, expected: int | None, bound: int)
     except zstandard.ZstdError as e:
         raise StreamError(f"zstd frame is corrupt: {e}") from None
     declared = params.content_size
-    if (
-        declared not in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR)
-        and declared > bound
-    ):
+    if declared in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
+        return _zstd_stream(frame, expected, bound)
+    if declared > bound:
         raise StreamError(f"zstd frame declares {declared} bytes, more than the bound {bound}")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(
+            frame, max_output_size=declared, allow_extra_data=False
+        )
+    except zstandard.ZstdError:
+        # Corrupt, truncated or followed by other bytes: the streaming path
+        # finds which, and says so in the same words as for any other frame.
+        return _zstd_stream(frame, expected, bound)
+    if len(out) != declared:  # zstd enforces the declared size; this is a backstop
+        raise StreamError(f"zstd frame decompresses to {len(out)} bytes, declared {declared}")
+    if expected is not None and len(out) != expected:
+        raise StreamError(f"zstd frame decompresses to {len(out)} bytes, expected {expected}")
+    return out
+
+
+def _zstd_stream(frame: bytes | memoryview, expected: int | None, bound: int) -> bytes:
+    """The bounded streaming decompressor (see :func:`zstd_decompress`)."""
     # Feed the frame in slices small enough that one slice cannot expand far
     # past the bound: a zstd block expands at most ~32768x (a 3-byte RLE
     # block header -> 128 KiB), so a slice of allowance/32768 bytes (at least

@@ -5,8 +5,12 @@ Two weights are "the same" only when their bit patterns are equal: -0.0 vs
 float equality. The scan compares 64-bit words first (four bf16 elements at a
 time) and only looks at lanes of words that differ; at RL densities (~1%)
 that makes it a streaming read of both tensors, close to memory bandwidth.
-Work is chunked so the extra memory stays bounded on large tensors, and
-everything runs on whatever device the tensors live on (CPU or CUDA); only
+
+CPU tensors go through :func:`aurora_store.kernels.scan_changes`, which
+returns the changed indices together with their new and old bits, gathered
+while each piece of the tensors is still in cache (a compiled kernel, or
+chunked numpy). Tensors on an accelerator go through
+:func:`changed_indices`, which runs on their device in bounded chunks; only
 the changed indices and values travel to the host.
 """
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import kernels
 from .codec import ParamSpec
 from .encodings import DTYPES
 from .errors import ModelMismatchError
@@ -67,6 +72,12 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
 
 def _to_numpy_bits(t: torch.Tensor) -> np.ndarray:
     return t.cpu().numpy().view(_NP_BITS[t.dtype])
+
+
+def _numpy_bits(t: torch.Tensor) -> np.ndarray:
+    """Unsigned bit patterns of a contiguous CPU float tensor, sharing its memory."""
+    b = bits_view(t.detach())
+    return b.numpy().view(_NP_BITS[b.dtype])
 
 
 def changed_indices(
@@ -150,13 +161,11 @@ def extract(
 
     ``base`` and ``new`` map source (Hugging Face or fused) names to tensors;
     unchanged parameters are yielded too, with no indices, so a caller sees
-    the whole model.
+    the whole model. ``chunk_elems`` bounds the scratch memory of the scan
+    on an accelerator; the CPU scan works in cache-sized pieces on its own.
     """
     for p in plan:
-        idx_parts: list[np.ndarray] = []
-        new_parts: list[np.ndarray] = []
-        old_parts: list[np.ndarray] = []
-        views: list[tuple[int, torch.Tensor]] = []
+        pairs: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         for blk in p.blocks:
             try:
                 tb, tn = base[blk.source], new[blk.source]
@@ -169,22 +178,32 @@ def extract(
                     raise ModelMismatchError(
                         f"{blk.source}: {which} weights are {list(t.shape)} {t.dtype}, the plan expects {list(blk.spec.shape)} {blk.spec.dtype}"
                     )
-            tb, tn = tb.contiguous(), tn.contiguous()
-            idx = changed_indices(tb, tn, chunk_elems)
-            vb, vn = bits_view(tb), bits_view(tn)
-            views.append((blk.offset, vn))
-            if idx.numel():
-                new_parts.append(_to_numpy_bits(vn[idx]))
-                old_parts.append(_to_numpy_bits(vb[idx]))
-                idx_parts.append(idx.cpu().numpy() + blk.offset)
-        np_bits = DTYPES[p.spec.dtype].bits
+            pairs.append((blk.offset, tb.contiguous(), tn.contiguous()))
+        bits_dtype = DTYPES[p.spec.dtype].bits
+        if all(tb.device.type == "cpu" and tn.device.type == "cpu" for _, tb, tn in pairs):
+            # All blocks in one pass, into one set of arrays (no concatenation).
+            idx, new_bits, old_bits = kernels.scan_blocks(
+                [(off, _numpy_bits(tb), _numpy_bits(tn)) for off, tb, tn in pairs]
+            )
+        else:
+            idx_parts: list[np.ndarray] = []
+            new_parts: list[np.ndarray] = []
+            old_parts: list[np.ndarray] = []
+            for off, tb, tn in pairs:
+                t_idx = changed_indices(tb, tn, chunk_elems)
+                if t_idx.numel():
+                    new_parts.append(_to_numpy_bits(bits_view(tn)[t_idx]))
+                    old_parts.append(_to_numpy_bits(bits_view(tb)[t_idx]))
+                    idx_parts.append(t_idx.cpu().numpy() + off)
+            idx = _cat(idx_parts, np.dtype(np.int64))
+            new_bits, old_bits = _cat(new_parts, bits_dtype), _cat(old_parts, bits_dtype)
         yield ParamDelta(
             p.name,
             p.spec,
-            _cat(idx_parts, np.dtype(np.int64)),
-            _cat(new_parts, np_bits),
-            _cat(old_parts, np_bits),
-            tuple(views),
+            idx,
+            new_bits,
+            old_bits,
+            tuple((off, bits_view(tn)) for off, _, tn in pairs),
         )
 
 

@@ -490,6 +490,13 @@ class Ledger:
         x = self.r.hget(self.k_step(v), "version")
         return None if x is None else int(x)
 
+    def unsettled(self, v: int) -> int | None:
+        """Prompts of step ``v`` not accepted yet (pending or leased); None: no such step."""
+        total, settled = self.r.hmget(self.k_step(v), "total", "settled")
+        if total is None:
+            return None
+        return int(total) - int(settled or 0)
+
     def step_status(self, v: int) -> StepStatus:
         h = self.r.hgetall(self.k_step(v))
         if not h:

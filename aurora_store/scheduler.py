@@ -92,14 +92,21 @@ class Eligibility:
         return self.ready + self.needs_commit
 
 
-def eligibility(actors: Sequence[ActorView], v: int) -> Eligibility:
+def eligibility(actors: Sequence[ActorView], v: int, require_staged: bool = True) -> Eligibility:
+    """Classify Actors for step ``v``.
+
+    ``require_staged=False`` also admits Actors on ``v-1`` that are still
+    staging ``v``: with one-step asynchrony the next batch is created the
+    moment ``v`` is published, before anyone could have staged it; such an
+    Actor claims its share once it has activated ``v``.
+    """
     ready, commit, excluded = [], [], []
     for a in sorted(actors, key=lambda a: a.actor):
         if not a.alive or a.active is None:
             excluded.append(a.actor)
         elif a.active == v:
             ready.append(a.actor)
-        elif a.active == v - 1 and a.staged is not None and a.staged >= v:
+        elif a.active == v - 1 and (not require_staged or (a.staged is not None and a.staged >= v)):
             commit.append(a.actor)
         else:
             excluded.append(a.actor)
@@ -164,9 +171,9 @@ class StepPlan:
     """Estimates after this step's decay of excluded Actors."""
 
 
-def plan_step(actors: Sequence[ActorView], v: int, batch: int, cfg: SchedulerConfig) -> StepPlan:
+def plan_step(actors: Sequence[ActorView], v: int, batch: int, cfg: SchedulerConfig, require_staged: bool = True) -> StepPlan:
     """Eligibility, decay of the excluded, and the throughput-proportional split."""
-    el = eligibility(actors, v)
+    el = eligibility(actors, v, require_staged)
     taus = {a.actor: max(cfg.min_tau, a.tau) for a in actors}
     for a in el.excluded:
         taus[a] = decay(taus[a], cfg.alpha, cfg.min_tau)

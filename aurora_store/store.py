@@ -113,6 +113,10 @@ class Store:
             opts["config_kwargs"] = ck
             # Other processes write the run: a cached listing would hide their versions.
             opts.setdefault("use_listings_cache", False)
+            # s3fs's default (10) turns every whole-object get into HEAD + ranged
+            # GETs: an extra round trip per segment. We stripe across objects
+            # ourselves (PublishConfig.streams), so one request per object.
+            opts.setdefault("max_concurrency", 1)
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
             if endpoint and "endpoint_url" not in opts.get("client_kwargs", {}):
                 opts.setdefault("client_kwargs", {})["endpoint_url"] = endpoint

@@ -1,0 +1,317 @@
+"""An Actor: bootstrap, stage in the background, activate at safe points, generate, settle.
+
+Three threads (docs/WORKERS.md):
+
+- main: at each safe point (between batches) activate staged versions that
+  an open step or a Commit asks for; claim leases of steps on the active
+  version; generate; settle with (active version, its state digest);
+- stager: follow announcements (the region's Relay mirror while its
+  heartbeat key exists, else origin), fetch + verify + decode the next delta
+  on top of the newest staged state, keep it staged;
+- heartbeat: report active and staged versions every ``heartbeat_s``.
+
+A delta is accepted only on top of the base it declares
+(``expect_base_state``); a version that fails validation is never staged,
+so it can never be applied. SIGTERM is a graceful leave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aurora_store.bus import COMMIT, Bus, BusGap
+from aurora_store.checkpoint import StagedDelta
+from aurora_store.errors import AuroraError
+from aurora_store.ledger import Lease, Ledger
+from aurora_store.lineage import fetch_delta, materialize, scan_versions
+from aurora_store.redisconn import connect
+from aurora_store.store import Store, open_store
+
+from .common import Endpoints, RunKeys, read_model_description, record_digest
+from .engine import EngineConfig, TorchEngine
+
+__all__ = ["ActorConfig", "Actor", "add_arguments", "main"]
+
+log = logging.getLogger("aurora.actor")
+
+
+@dataclass(frozen=True, slots=True)
+class ActorConfig:
+    actor_id: str = field(default_factory=lambda: f"actor-{uuid.uuid4().hex[:8]}")
+    region: str = "default"
+    engine: str = "torch"
+    claim: int = 8
+    """Prompts leased per claim (one generation batch)."""
+    max_new_tokens: int = 14
+    temperature: float = 1.0
+    seed: int = 0
+    heartbeat_s: float = 1.0
+    poll_s: float = 0.05
+    slowdown: float = 1.0
+    """>1 makes this Actor that many times slower (heterogeneity experiments)."""
+    streams: int = 8
+
+
+@dataclass(slots=True)
+class ActorStats:
+    activations: list[tuple[int, float, float]] = field(default_factory=list)
+    """(version, stage seconds, activation seconds)"""
+    settled: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+
+
+class Actor:
+    def __init__(self, ep: Endpoints, cfg: ActorConfig) -> None:
+        self.ep = ep
+        self.cfg = cfg
+        self.origin: Store = open_store(ep.store, dict(ep.storage_options))
+        self.redis = connect(ep.redis)
+        self.bus_redis = connect(ep.redis, block_s=1.0)
+        self.ledger = Ledger(self.redis, ep.run)
+        self.bus = Bus(self.bus_redis, ep.run)
+        self.keys = RunKeys(ep.run)
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.staged: deque[tuple[StagedDelta, str, float]] = deque()
+        """(delta, its state, seconds it took to stage) in version order."""
+        self.staged_version = -1
+        self.staged_state = ""
+        self.commit_seen = -1
+        self.stats = ActorStats()
+        self._mirror: tuple[str, Store] | None = None
+
+    # -- bootstrap ----------------------------------------------------------------
+    def bootstrap(self) -> None:
+        model, self.tokenizer = read_model_description(self.origin)
+        self.engine = TorchEngine(self.tokenizer, EngineConfig())
+        self.engine.load(model)
+        index = scan_versions(self.origin)
+        if index.latest is None:
+            raise AuroraError(f"{self.origin.url}: no version to bootstrap from")
+        t0 = time.perf_counter()
+        tensors, state = materialize(self.origin, index.latest, self.cfg.streams)
+        self.engine.load_weights(tensors, version=index.latest)
+        self.active, self.active_state = index.latest, state
+        self.staged_version, self.staged_state = index.latest, state
+        record_digest(self.redis, self.keys, self.cfg.actor_id, self.active, self.engine.digest())
+        log.info("%s bootstrapped at v%d in %.2fs", self.cfg.actor_id, self.active, time.perf_counter() - t0)
+        self.ledger.register(self.cfg.actor_id, self.cfg.region, self.cfg.engine)
+        self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        ok = self.ledger.heartbeat(self.cfg.actor_id, active=self.active, staged=self.staged_version, active_state=self.active_state)
+        if not ok and not self.stop.is_set():
+            # Reaped (we were silent too long) or Redis lost its state: join again.
+            log.warning("%s: heartbeat refused; registering again", self.cfg.actor_id)
+            self.ledger.register(self.cfg.actor_id, self.cfg.region, self.cfg.engine)
+            self.ledger.heartbeat(self.cfg.actor_id, active=self.active, staged=self.staged_version, active_state=self.active_state)
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stop.wait(self.cfg.heartbeat_s):
+            try:
+                self._heartbeat()
+            except Exception as e:  # noqa: BLE001 - keep beating through Redis hiccups
+                log.warning("heartbeat failed: %s", e)
+
+    # -- staging --------------------------------------------------------------------
+    def _source(self) -> tuple[Store, str | None]:
+        """The region's mirror while its Relay heartbeats, else origin."""
+        url = self.redis.get(self.keys.relay(self.cfg.region))
+        if url:
+            u = url.decode()
+            if self._mirror is None or self._mirror[0] != u:
+                self._mirror = (u, open_store(u))
+            return self._mirror[1], self.cfg.region
+        return self.origin, None
+
+    def _stage_available(self) -> None:
+        """Stage every delta after ``staged_version`` that the store holds."""
+        store, region = self._source()
+        index = scan_versions(store)
+        latest = max(index.deltas, default=-1)
+        if region is not None and latest <= self.staged_version:
+            # The mirror may lag: origin is the truth.
+            store, index = self.origin, scan_versions(self.origin)
+            latest = max(index.deltas, default=-1)
+        v = self.staged_version + 1
+        while v <= latest and v in index.deltas and not self.stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                m, staged = fetch_delta(store, v, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state)
+            except AuroraError as e:
+                if store is not self.origin:
+                    log.warning("stage v%d from mirror failed (%s); trying origin", v, e)
+                    store = self.origin
+                    continue
+                log.error("stage v%d failed: %s", v, e)
+                return
+            with self.lock:
+                self.staged.append((staged, m.state, time.perf_counter() - t0))
+                self.staged_version, self.staged_state = v, m.state
+            v += 1
+
+    def _stager_loop(self) -> None:
+        last = "$"
+        region = None
+        while not self.stop.is_set():
+            try:
+                _, new_region = self._source()
+                if new_region != region or last == "$":
+                    # Source changed (Relay up or down): start from the newest entry.
+                    info_id = self._stream_tail(new_region)
+                    region, last = new_region, info_id
+                    self._stage_available()
+                events = self.bus.read(last, block_ms=500, region=region)
+                for ev in events:
+                    last = ev.id
+                    if ev.type == COMMIT:
+                        self.commit_seen = max(self.commit_seen, ev.version)
+                if events:
+                    self._stage_available()
+            except BusGap:
+                last = "$"
+            except Exception as e:  # noqa: BLE001 - the stager must survive store/Redis trouble
+                log.warning("stager: %s: %s", type(e).__name__, e)
+                self.stop.wait(0.5)
+                last = "$"
+
+    def _stream_tail(self, region: str | None) -> str:
+        key = self.bus.stream(region)
+        info = self.bus_redis.xinfo_stream(key) if self.bus_redis.exists(key) else None
+        if not info:
+            return "0"
+        lg = info.get("last-generated-id") or info.get(b"last-generated-id")
+        return lg.decode() if isinstance(lg, bytes) else str(lg)
+
+    # -- safe point -------------------------------------------------------------------
+    def _wanted_version(self) -> int:
+        """The version to run next.
+
+        Stay on the active version while an open step generated on it has
+        prompts not yet accepted (a lease that expires comes back to the pool
+        and needs someone on this version); then move to the newest version
+        that a step or a Commit asks for. With one-step asynchrony this is
+        exactly: finish batch b+1 on v_b, then activate v_b+1 for batch b+2.
+        """
+        wanted = self.commit_seen
+        for s in self.ledger.open_steps():
+            sv, left = self.ledger.step_version(s), self.ledger.unsettled(s)
+            if sv is None or not left:
+                continue
+            if sv == self.active:
+                return self.active
+            wanted = max(wanted, sv)
+        return wanted
+
+    def _activate(self) -> None:
+        """Between batches: apply staged deltas up to the version the run needs."""
+        wanted = self._wanted_version()
+        while self.active < wanted:
+            with self.lock:
+                if not self.staged or self.staged[0][0].base_version != self.active:
+                    # Drop anything that does not continue the active version.
+                    while self.staged and self.staged[0][0].version <= self.active:
+                        self.staged.popleft()
+                    if not self.staged or self.staged[0][0].base_version != self.active:
+                        return
+                staged, state, stage_s = self.staged.popleft()
+            t0 = time.perf_counter()
+            self.engine.apply(staged)
+            self.active, self.active_state = staged.version, state
+            act_s = time.perf_counter() - t0
+            self.stats.activations.append((self.active, stage_s, act_s))
+            record_digest(self.redis, self.keys, self.cfg.actor_id, self.active, self.engine.digest())
+            self._heartbeat()
+            log.info("%s activated v%d (staged in %.3fs, applied in %.4fs)", self.cfg.actor_id, self.active, stage_s, act_s)
+
+    # -- work -------------------------------------------------------------------------
+    def _work_once(self) -> bool:
+        for s in self.ledger.open_steps():
+            if self.ledger.step_version(s) != self.active:
+                continue
+            status, leases = self.ledger.claim(self.cfg.actor_id, s, self.cfg.claim)
+            if status == "not_alive":
+                self._heartbeat()
+                return False
+            if leases:
+                self._generate_and_settle(leases)
+                return True
+        return False
+
+    def _generate_and_settle(self, leases: list[Lease]) -> None:
+        prompts = [json.loads(le.payload)["ids"] for le in leases]
+        group = leases[0].group
+        t0 = time.perf_counter()
+        gen = self.engine.generate(prompts, group, self.cfg.max_new_tokens, seed=self.cfg.seed ^ leases[0].token, temperature=self.cfg.temperature)
+        if self.cfg.slowdown > 1:
+            time.sleep(gen.seconds * (self.cfg.slowdown - 1))
+        gen_s = time.perf_counter() - t0
+        items = []
+        for le, comps in zip(leases, gen.completions, strict=True):
+            body = {
+                "completions": [list(c.token_ids) for c in comps],
+                "texts": [c.text for c in comps],
+                "new_tokens": sum(len(c.token_ids) for c in comps),
+                "gen_s": gen_s / len(leases),
+            }
+            items.append((le, self.active, self.active_state, json.dumps(body).encode()))
+        for st in self.ledger.settle_many(self.cfg.actor_id, items):
+            if st.accepted:
+                self.stats.settled += 1
+            else:
+                self.stats.rejected[st.reason] = self.stats.rejected.get(st.reason, 0) + 1
+        self.stats.tokens += gen.new_tokens
+
+    def run(self) -> ActorStats:
+        self.bootstrap()
+        threads = [threading.Thread(target=f, daemon=True, name=n) for f, n in ((self._heartbeat_loop, "heartbeat"), (self._stager_loop, "stager"))]
+        for t in threads:
+            t.start()
+        try:
+            while not self.stop.is_set():
+                self._activate()
+                if not self._work_once():
+                    self.stop.wait(self.cfg.poll_s)
+        finally:
+            self.stop.set()
+            released = self.ledger.leave(self.cfg.actor_id)
+            log.info("%s left: %d settled, %d prompt(s) released, rejections %s", self.cfg.actor_id, self.stats.settled, released, self.stats.rejected)
+        return self.stats
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", required=True, metavar="URL", help="run root at origin")
+    p.add_argument("--redis", required=True, metavar="URL")
+    p.add_argument("--run", required=True, metavar="NAME")
+    p.add_argument("--region", default="default", help="region name; the Actor uses its Relay's mirror while it is alive")
+    p.add_argument("--id", dest="actor_id", default=None, help="Actor id (default: random)")
+    p.add_argument("--engine", default="torch", choices=("torch",))
+    p.add_argument("--claim", type=int, default=ActorConfig().claim, help="prompts per generation batch")
+    p.add_argument("--slowdown", type=float, default=1.0, help="run N times slower (experiments)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE")
+
+
+def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
+    from .common import install_stop_handlers, limit_torch_threads, setup_logging
+
+    setup_logging(f"actor[{args.actor_id or ''}]")
+    limit_torch_threads()
+    cfg = ActorConfig(
+        **({"actor_id": args.actor_id} if args.actor_id else {}),
+        region=args.region, engine=args.engine, claim=args.claim, slowdown=args.slowdown, seed=args.seed,
+    )
+    actor = Actor(Endpoints(args.store, args.redis, args.run, storage_options), cfg)
+    install_stop_handlers(actor.stop)
+    actor.run()
+    return 0

@@ -1,0 +1,157 @@
+"""What the Trainer, Actors and Relays share: the run's keys, the model
+description in the store, and the weight digests both sides publish.
+
+See docs/WORKERS.md for the contract these helpers implement.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aurora_store.errors import ConfigError, ObjectNotFound
+from aurora_store.redisconn import key_prefix
+from aurora_store.store import Store
+
+__all__ = [
+    "MODEL_CONFIG_KEY",
+    "TOKENIZER_KEY",
+    "RunKeys",
+    "write_model_description",
+    "read_model_description",
+    "record_digest",
+    "read_digests",
+    "install_stop_handlers",
+    "limit_torch_threads",
+    "setup_logging",
+    "Endpoints",
+]
+
+MODEL_CONFIG_KEY = "model/config.json"
+TOKENIZER_KEY = "model/tokenizer.json"
+
+log = logging.getLogger("aurora.workers")
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    """Where a worker finds the run."""
+
+    store: str
+    """Run root URL at origin."""
+    redis: str
+    """Redis URL."""
+    run: str
+    """Run name (the Redis key namespace)."""
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+class RunKeys:
+    """Redis keys of docs/WORKERS.md (beyond the ledger's and the bus's)."""
+
+    def __init__(self, run: str) -> None:
+        self.p = key_prefix(run)
+
+    @property
+    def trainer(self) -> str:
+        return f"{self.p}trainer"
+
+    @property
+    def trainer_digests(self) -> str:
+        return f"{self.p}digest:trainer"
+
+    @property
+    def actor_digests(self) -> str:
+        return f"{self.p}digest:actors"
+
+    def relay(self, region: str) -> str:
+        return f"{self.p}relay:{region}"
+
+
+def write_model_description(store: Store, config_json: str, tokenizer_json: str) -> None:
+    """Create-only: a run's model is fixed for its whole life."""
+    store.put(MODEL_CONFIG_KEY, config_json.encode("utf-8"), mode="create")
+    store.put(TOKENIZER_KEY, tokenizer_json.encode("utf-8"), mode="create")
+
+
+def read_model_description(store: Store) -> tuple[Any, Any]:
+    """(model skeleton in bf16 with random weights, tokenizer) from ``model/`` in the store."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .tokenizer import CharTokenizer
+
+    try:
+        cfg_raw = store.get(MODEL_CONFIG_KEY)
+        tok_raw = store.get(TOKENIZER_KEY)
+    except ObjectNotFound as e:
+        raise ConfigError(f"{e}: the run has no model description yet (has the Trainer started?)") from None
+    try:
+        cfg_dict = json.loads(cfg_raw)
+        model_type = cfg_dict.pop("model_type")
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{store.where(MODEL_CONFIG_KEY)}: not a model config: {e}") from None
+    cfg = AutoConfig.for_model(model_type, **cfg_dict)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg)
+    torch.nn.Module.to(model, dtype=torch.bfloat16)
+    tokenizer = CharTokenizer.from_json(tok_raw.decode("utf-8"), where=store.where(TOKENIZER_KEY))
+    return model.eval(), tokenizer
+
+
+def record_digest(redis: Any, keys: RunKeys, who: str, version: int, digest: str) -> None:
+    """``who`` is ``trainer`` or an Actor id."""
+    if who == "trainer":
+        redis.hset(keys.trainer_digests, str(version), digest)
+    else:
+        redis.hset(keys.actor_digests, f"{who}|{version}", digest)
+
+
+def read_digests(redis: Any, keys: RunKeys) -> tuple[dict[int, str], dict[tuple[str, int], str]]:
+    """(trainer digests by version, actor digests by (actor, version))."""
+    t = {int(k): v.decode() for k, v in redis.hgetall(keys.trainer_digests).items()}
+    a: dict[tuple[str, int], str] = {}
+    for k, v in redis.hgetall(keys.actor_digests).items():
+        who, _, ver = k.decode().rpartition("|")
+        a[(who, int(ver))] = v.decode()
+    return t, a
+
+
+def install_stop_handlers(stop: threading.Event) -> None:
+    """SIGTERM (a spot preemption notice) and SIGINT set ``stop``: leave gracefully."""
+
+    def handler(signum: int, frame: Any) -> None:
+        log.info("signal %d: stopping gracefully", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def limit_torch_threads(default: int = 1) -> None:
+    """Small CPU machines run several workers: one torch thread each unless told otherwise.
+
+    Measured here: two torch threads per process on a busy 2-core machine ran a
+    warm start 6x slower than one. ``AURORA_TORCH_THREADS`` overrides.
+    """
+    n = int(os.environ.get("AURORA_TORCH_THREADS", default))
+    if n > 0:
+        torch.set_num_threads(n)
+
+
+def setup_logging(name: str, verbose: bool = False) -> logging.Logger:
+    """Configure the root logger for a worker process (never at import time)."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format=f"%(asctime)s {name} %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    return logging.getLogger(f"aurora.{name}")
