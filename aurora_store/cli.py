@@ -288,10 +288,57 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+def cmd_testbed(args: argparse.Namespace) -> int:
+    from . import testbed
 
-    return run_demo(args.dir, steps=args.steps)
+    if args.action == "down":
+        res = testbed.stop_background(args.dir)
+        _say(f"testbed in {os.path.abspath(args.dir)} stopped: {'; '.join(res['stopped'])}")
+        return 0
+    if args.background:
+        state = testbed.start_background(args.dir, args.s3_port, args.redis_port, args.bucket)
+        print(testbed.banner(state, background=True), flush=True)
+        _say(f"(state {os.path.join(state['dir'], testbed.STATE_FILE)}, log {state['log']})")
+        return 0
+    return testbed.serve(args.dir, args.s3_port, args.redis_port, args.bucket)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    import redis as redis_lib
+
+    from .redisconn import connect
+    from .status import collect_status, render
+
+    if args.watch is not None and args.watch <= 0:
+        raise ConfigError(f"--watch {args.watch}: the refresh period must be positive")
+    client = connect(args.redis)
+    where = args.redis.rsplit("@", 1)[-1]
+    tty = sys.stdout.isatty()
+    first = True
+    try:
+        while True:
+            try:
+                st = collect_status(client, args.run)
+                text = json.dumps(st, sort_keys=True) if args.json else render(st)
+            except redis_lib.RedisError as e:
+                if args.watch is None:
+                    raise ConfigError(f"Redis at {where}: {e}") from None
+                text = f"Redis at {where}: {e} (retrying)"
+            if args.watch is not None and tty and not args.json:
+                text = "\x1b[H\x1b[2J" + text
+            elif args.watch is not None and not first and not args.json:
+                text = "\n" + text
+            print(text, flush=True)
+            first = False
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
 
 
 def cmd_bench_codec(args: argparse.Namespace) -> int:
@@ -387,12 +434,32 @@ def build_parser() -> argparse.ArgumentParser:
     relay_mod.add_arguments(rl)
     rl.set_defaults(func=relay_mod.run_from_args)
 
-    dm = sub.add_parser("demo", help="end-to-end demonstration on a tiny model")
-    dm.add_argument(
-        "--dir", default="demo-run", help="where the demo's store goes (default ./demo-run)"
+    tbp = sub.add_parser("testbed", help="local Redis and S3-protocol server on loopback for trying a run").add_subparsers(
+        dest="action", required=True
     )
-    dm.add_argument("--steps", type=int, default=5)
-    dm.set_defaults(func=cmd_demo)
+    tbu = tbp.add_parser("up", help="start Redis and an S3 server (minio if on PATH, else moto); run until Ctrl-C")
+    tbu.add_argument("--dir", default=".aurora-testbed", help="state, logs and data (default ./.aurora-testbed)")
+    tbu.add_argument("--s3-port", type=int, default=0, metavar="N", help="S3 server port (default: a free one)")
+    tbu.add_argument("--redis-port", type=int, default=0, metavar="N", help="Redis port (default: a free one)")
+    tbu.add_argument("--bucket", default="aurora", help="bucket to create (default aurora)")
+    tbu.add_argument("--background", action="store_true", help="detach, write DIR/testbed.json and return")
+    tbu.set_defaults(func=cmd_testbed)
+    tbd = tbp.add_parser("down", help="stop the testbed started with --background (SIGTERM, then SIGKILL)")
+    tbd.add_argument("--dir", default=".aurora-testbed", help="its folder (default ./.aurora-testbed)")
+    tbd.set_defaults(func=cmd_testbed)
+
+    stp = sub.add_parser("status", help="a run at a glance: Trainer head, Relays, Actors, open steps")
+    stp.add_argument("--redis", required=True, metavar="URL")
+    stp.add_argument("--run", required=True, metavar="NAME")
+    stp.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS", help="refresh every SECONDS (default 2) until Ctrl-C")
+    stp.add_argument("--json", action="store_true", help="one JSON object (one per refresh with --watch)")
+    stp.set_defaults(func=cmd_status)
+
+    from workers import demo as demo_mod
+
+    dm = sub.add_parser("demo", help="the whole system on one machine: Redis, S3 server, Trainer, Relay, Actors (--codec: codec only)")
+    demo_mod.add_arguments(dm)
+    dm.set_defaults(func=demo_mod.main)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
     bc = bench.add_parser("codec", help="delta size, extraction and apply rates vs baselines")

@@ -91,10 +91,23 @@ class Actor:
         self._mirror: tuple[str, Store] | None = None
 
     # -- bootstrap ----------------------------------------------------------------
-    def bootstrap(self) -> None:
+    def wait_for_version(self, version: int) -> None:
+        """Join only once the run's head reaches ``version`` (a node that becomes available later)."""
+        while not self.stop.is_set():
+            head = self.redis.hget(self.keys.trainer, "head")
+            if head is not None and int(head) >= version:
+                return
+            self.stop.wait(0.1)
+
+    def prepare(self) -> None:
+        """Build the engine from the run's model description (no weights yet)."""
         model, self.tokenizer = read_model_description(self.origin)
         self.engine = TorchEngine(self.tokenizer, EngineConfig())
         self.engine.load(model)
+
+    def bootstrap(self) -> None:
+        if not hasattr(self, "engine"):
+            self.prepare()
         index = scan_versions(self.origin)
         if index.latest is None:
             raise AuroraError(f"{self.origin.url}: no version to bootstrap from")
@@ -203,20 +216,22 @@ class Actor:
         that a step or a Commit asks for. With one-step asynchrony this is
         exactly: finish batch b+1 on v_b, then activate v_b+1 for batch b+2.
         """
-        wanted = self.commit_seen
+        needed: list[int] = []
         for s in self.ledger.open_steps():
             sv, left = self.ledger.step_version(s), self.ledger.unsettled(s)
             if sv is None or not left:
                 continue
             if sv == self.active:
                 return self.active
-            wanted = max(wanted, sv)
-        return wanted
+            if sv > self.active:
+                needed.append(sv)
+        # The oldest version an open step still needs comes first: skipping it
+        # would strand that step's prompts on a version nobody holds.
+        return min(needed) if needed else max(self.active, self.commit_seen)
 
     def _activate(self) -> None:
         """Between batches: apply staged deltas up to the version the run needs."""
-        wanted = self._wanted_version()
-        while self.active < wanted:
+        while self.active < self._wanted_version():
             with self.lock:
                 if not self.staged or self.staged[0][0].base_version != self.active:
                     # Drop anything that does not continue the active version.
@@ -231,6 +246,7 @@ class Actor:
             act_s = time.perf_counter() - t0
             self.stats.activations.append((self.active, stage_s, act_s))
             record_digest(self.redis, self.keys, self.cfg.actor_id, self.active, self.engine.digest())
+            self.redis.hset(self.keys.activations, f"{self.cfg.actor_id}|{self.active}", json.dumps({"stage_s": stage_s, "activate_s": act_s}))
             self._heartbeat()
             log.info("%s activated v%d (staged in %.3fs, applied in %.4fs)", self.cfg.actor_id, self.active, stage_s, act_s)
 
@@ -299,6 +315,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--claim", type=int, default=ActorConfig().claim, help="prompts per generation batch")
     p.add_argument("--slowdown", type=float, default=1.0, help="run N times slower (experiments)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE")
 
 
@@ -313,5 +330,10 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
     )
     actor = Actor(Endpoints(args.store, args.redis, args.run, storage_options), cfg)
     install_stop_handlers(actor.stop)
+    if args.join_at_version is not None:
+        actor.prepare()
+        actor.wait_for_version(args.join_at_version)
+        if actor.stop.is_set():
+            return 0
     actor.run()
     return 0

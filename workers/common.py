@@ -72,6 +72,11 @@ class RunKeys:
     def actor_digests(self) -> str:
         return f"{self.p}digest:actors"
 
+    @property
+    def activations(self) -> str:
+        """hash ``actor|version`` -> JSON {stage_s, activate_s, source}: how each activation went."""
+        return f"{self.p}activations"
+
     def relay(self, region: str) -> str:
         return f"{self.p}relay:{region}"
 

@@ -62,21 +62,22 @@ class TrainerConfig:
 
     steps: int = 20
     """Optimizer steps (versions published after v0)."""
-    batch: int = 24
+    batch: int = 32
     """Prompts per batch."""
     group: int = 8
     """Completions per prompt (GRPO group)."""
     max_new_tokens: int = 14
-    lr: float = 3e-4
+    lr: float = 1e-3
     clip: float = 0.2
     """PPO-style ratio clip."""
-    epochs: int = 2
+    epochs: int = 4
     """Passes over each batch (the ratio moves away from 1 after the first)."""
     kl_coef: float = 0.0
     """Weight of the KL to the warm-started reference (0: no reference kept)."""
     snapshot_every: int = 10
     """Write a full snapshot every N versions (late joiners start there)."""
-    warm_start_steps: int = 100
+    warm_start_steps: int = 85
+    """Supervised steps before RL: enough for some rewarded samples (about 10% here), not more."""
     difficulty: int = 1
     seed: int = 0
     streams: int = 8
@@ -140,6 +141,8 @@ class Trainer:
         self.states: dict[int, str] = {}
         self.logs: list[StepLog] = []
         self.stop = threading.Event()
+        self.accepted_twice = 0
+        self.accepted_wrong_version = 0
 
     # -- setup ------------------------------------------------------------------
     def setup(self) -> None:
@@ -184,9 +187,14 @@ class Trainer:
 
     # -- batches ------------------------------------------------------------------
     def _actor_views(self) -> list[ActorView]:
+        # An Actor nobody has measured yet starts at the median of the measured
+        # ones: a newcomer gets a fair first share, and its own throughput
+        # takes over after its first settlement.
+        measured = sorted(self.tau.values())
+        start = measured[len(measured) // 2] if measured else self.cfg.scheduler.initial_tau
         views = []
         for a in self.ledger.actors():
-            tau = self.tau.get(a.actor, a.tau if a.tau > 0 else self.cfg.scheduler.initial_tau)
+            tau = self.tau.get(a.actor, a.tau if a.tau > 0 else start)
             views.append(ActorView(a.actor, a.active, a.staged, tau, a.status == "alive"))
         return views
 
@@ -229,7 +237,12 @@ class Trainer:
             try:
                 for r in self.ledger.collect(b, pos):
                     pos += 1
-                    if r.prompt not in self.collected[b]:  # the ledger accepts once; we check again
+                    # The ledger accepts once and only on the job's version; we check again.
+                    if r.prompt in self.collected[b]:
+                        self.accepted_twice += 1
+                    elif r.version != gen_version:
+                        self.accepted_wrong_version += 1
+                    else:
                         self.collected[b][r.prompt] = r
                         self.completion_ms.append(max(1, r.settled_ms - r.leased_ms))
                 self.ledger.reap(int(self.cfg.heartbeat_timeout_s * 1000))
