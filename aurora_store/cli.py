@@ -485,6 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
     bl = bench.add_parser("ledger", help="lease-and-settle rate of the Redis ledger with N simulated Actors (local redis-server)")
     bench_ledger.add_arguments(bl)
     bl.set_defaults(func=lambda a: bench_ledger.main(a))
+    from workers import bench_e2e
+
+    be = bench.add_parser("e2e", help="what the weight path adds to step time: the demo's workload with and without weight transfer")
+    bench_e2e.add_arguments(be)
+    be.set_defaults(func=bench_e2e.main)
     return ap
 
 

@@ -294,10 +294,16 @@ class Actor:
         for t in threads:
             t.start()
         try:
+            idle = self.cfg.poll_s
             while not self.stop.is_set():
                 self._activate()
-                if not self._work_once():
-                    self.stop.wait(self.cfg.poll_s)
+                if self._work_once():
+                    idle = self.cfg.poll_s
+                else:
+                    # Back off while there is nothing to do: idle Actors polling
+                    # Redis steal CPU from whoever shares the machine.
+                    self.stop.wait(idle)
+                    idle = min(0.25, idle * 1.5)
         finally:
             self.stop.set()
             released = self.ledger.leave(self.cfg.actor_id)

@@ -86,6 +86,9 @@ class TrainerConfig:
     """An Actor silent this long is marked gone and its work released."""
     wait_timeout_s: float = 300.0
     """Give up on a batch nobody finishes."""
+    weight_transfer: bool = True
+    """False: the "ideal" baseline of ``aurora bench e2e``: versions are trained but never
+    shipped, every batch is generated on v0, so the weight path costs nothing."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     options: EncodeOptions = field(default_factory=EncodeOptions)
 
@@ -325,7 +328,7 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------
     def train_step(self, b: int) -> StepLog:
         t0 = time.perf_counter()
-        gen_version = max(0, b - 1)
+        gen_version = max(0, b - 1) if self.cfg.weight_transfer else 0
         self._wait_batch(b, gen_version)
         t_wait = time.perf_counter() - t0
         prompts, comps, rewards, _, tokens, by_actor, bad = self._rollouts(b)
@@ -341,27 +344,31 @@ class Trainer:
         def announce(ev: SegmentEvent) -> None:
             self.bus.announce(SEGMENT, ev.version, index=ev.index, key=ev.key, bytes=ev.bytes, sha256=ev.sha256)
 
-        m = publish_delta(self.store, self.ep.run, v, extract(self.plan, self.published, new), self.states[v - 1], self._pub_cfg(), on_segment=announce, producer={"step": b})
-        self.published = new
-        self.states[v] = m.state
-        self._after_publish(v, m.state, "delta", m.total_bytes)
-        if self.cfg.snapshot_every and v % self.cfg.snapshot_every == 0:
-            publish_snapshot(self.store, self.ep.run, v, fused_weights(self.published, self.plan), m.state, self._pub_cfg())
+        delta_bytes = changed = 0
+        if self.cfg.weight_transfer:
+            m = publish_delta(self.store, self.ep.run, v, extract(self.plan, self.published, new), self.states[v - 1], self._pub_cfg(), on_segment=announce, producer={"step": b})
+            self.published = new
+            self.states[v] = m.state
+            delta_bytes, changed = m.total_bytes, m.nnz
+            self._after_publish(v, m.state, "delta", m.total_bytes)
+            if self.cfg.snapshot_every and v % self.cfg.snapshot_every == 0:
+                publish_snapshot(self.store, self.ep.run, v, fused_weights(self.published, self.plan), m.state, self._pub_cfg())
         t_pub = time.perf_counter() - t2
         eligible, excluded = ([], [])
         if v + 1 < self.cfg.steps:
-            eligible, excluded = self._create_batch(v + 1, v)
-        self.bus.announce(COMMIT, v)
+            eligible, excluded = self._create_batch(v + 1, v if self.cfg.weight_transfer else 0)
+        if self.cfg.weight_transfer:
+            self.bus.announce(COMMIT, v)
         step_s = time.perf_counter() - t0
         entry = StepLog(
             step=b, version=v, gen_version=gen_version, reward=sum(rewards) / max(1, len(rewards)), wait_s=t_wait, train_s=t_train,
-            extract_publish_s=t_pub, step_s=step_s, delta_bytes=m.total_bytes, full_bytes=self.full_bytes, changed=m.nnz,
+            extract_publish_s=t_pub, step_s=step_s, delta_bytes=delta_bytes, full_bytes=self.full_bytes, changed=changed,
             tokens=tokens, tokens_per_s=tokens / max(1e-9, step_s), eligible=eligible, excluded=excluded, by_actor=by_actor, rejected_payloads=bad,
         )
         self.logs.append(entry)
         log.info(
             "step %d -> v%d: reward %.3f, %d tokens (%.0f tok/s), wait %.2fs train %.2fs extract+publish %.2fs, delta %d B (%.1f%% of full), eligible %s excluded %s",
-            b, v, entry.reward, tokens, entry.tokens_per_s, t_wait, t_train, t_pub, m.total_bytes, 100 * m.total_bytes / max(1, self.full_bytes), eligible, excluded,
+            b, v, entry.reward, tokens, entry.tokens_per_s, t_wait, t_train, t_pub, delta_bytes, 100 * delta_bytes / max(1, self.full_bytes), eligible, excluded,
         )
         if self.on_step:
             self.on_step(entry)
