@@ -169,6 +169,14 @@ class DecodedEntry:
     """``new`` (overwrite) or ``xor``."""
 
 
+def _nbytes(payload: bytes | np.ndarray) -> int:
+    return payload.nbytes if isinstance(payload, np.ndarray) else len(payload)
+
+
+def _as_bytes(payload: bytes | np.ndarray) -> bytes:
+    return payload.tobytes() if isinstance(payload, np.ndarray) else payload
+
+
 def _pick_stream(raw: bytes, allow_zstd: bool, level: int) -> tuple[str, bytes]:
     """The smaller of the raw stream and its zstd frame."""
     if allow_zstd and raw:
@@ -212,32 +220,39 @@ def encode_entry(
         if best is None or e.nbytes < best.nbytes:
             best = e
 
-    def value_choices(new: np.ndarray, xor: np.ndarray | None) -> list[tuple[str, str, bytes, str]]:
-        out: list[tuple[str, str, bytes, str]] = []
-        streams: list[tuple[str, bytes, str]] = []
+    cctx = enc.zstd_compressor(level) if allow_zstd else None
+
+    def zstd(raw: bytes | np.ndarray) -> bytes:
+        return enc.zstd_compress(raw, level, cctx)
+
+    def value_choices(
+        new: np.ndarray, xor: np.ndarray | None
+    ) -> list[tuple[str, str, bytes | np.ndarray, str]]:
+        # Streams stay numpy arrays (no copy) until one is chosen; zstd reads them in place.
+        out: list[tuple[str, str, bytes | np.ndarray, str]] = []
+        streams: list[tuple[str, np.ndarray, str]] = []
+        le = info.bits.newbyteorder("<")
         if can_new:
-            streams.append(
-                ("new", new.astype(info.bits.newbyteorder("<"), copy=False).tobytes(), info.st_code)
-            )
+            streams.append(("new", np.ascontiguousarray(new.astype(le, copy=False)), info.st_code))
         if xor is not None and can_xor:
-            streams.append(
-                (
-                    "xor",
-                    xor.astype(info.bits.newbyteorder("<"), copy=False).tobytes(),
-                    info.bits_code,
-                )
-            )
+            streams.append(("xor", np.ascontiguousarray(xor.astype(le, copy=False)), info.bits_code))
         for mode, raw, code in streams:
             if allow_raw:
                 out.append((mode, "none", raw, code))
-            if allow_zstd and raw:
-                z = enc.zstd_compress(raw, level)
-                if len(z) < len(raw) or not allow_raw:
+            if allow_zstd and raw.size:
+                z = zstd(raw)
+                if len(z) < raw.nbytes or not allow_raw:
                     out.append((mode, "zstd", z, "U8"))
         if not out and streams:  # zstd only allowed, and an empty stream
             mode, raw, code = streams[0]
-            out.append((mode, "zstd", enc.zstd_compress(raw, level), "U8"))
+            out.append((mode, "zstd", zstd(raw), "U8"))
         return out
+
+    def smallest_value(
+        vals: list[tuple[str, str, bytes | np.ndarray, str]],
+    ) -> tuple[str, str, bytes, str]:
+        vmode, vcodec, payload, vdtype = min(vals, key=lambda t: _nbytes(t[2]))
+        return vmode, vcodec, _as_bytes(payload), vdtype
 
     xor_sparse = (new_bits ^ old_bits) if old_bits is not None else None
 
@@ -272,15 +287,15 @@ def encode_entry(
             if allow_raw:
                 idx_options.append((e, "none", raw))
             if allow_zstd and raw:
-                z = enc.zstd_compress(raw, level)
+                z = zstd(raw)
                 if len(z) < len(raw) or not allow_raw:
                     idx_options.append((e, "zstd", z))
             elif not allow_raw:
-                idx_options.append((e, "zstd", enc.zstd_compress(raw, level)))
+                idx_options.append((e, "zstd", zstd(raw)))
         ienc, icodec, ibytes = min(idx_options, key=lambda t: len(t[2]))
         vals = value_choices(new_bits, xor_sparse)
         if vals:
-            vmode, vcodec, vbytes, vdtype = min(vals, key=lambda t: len(t[2]))
+            vmode, vcodec, vbytes, vdtype = smallest_value(vals)
             consider(
                 EncodedEntry(
                     param,
@@ -319,7 +334,7 @@ def encode_entry(
                 )
                 vals = [v for v in vals if not (v[0] == "new" and new_range is None)]
                 if vals:
-                    vmode, vcodec, vbytes, vdtype = min(vals, key=lambda t: len(t[2]))
+                    vmode, vcodec, vbytes, vdtype = smallest_value(vals)
                     consider(
                         EncodedEntry(
                             param,

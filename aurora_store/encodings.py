@@ -25,6 +25,7 @@ __all__ = [
     "indices_size",
     "decode_indices",
     "index_stream_bound",
+    "zstd_compressor",
     "zstd_compress",
     "zstd_decompress",
 ]
@@ -198,9 +199,26 @@ def _decode_leb128_reference(b: np.ndarray, start: int, stop: int, nnz: int) -> 
 # zstd
 
 
-def zstd_compress(data: bytes, level: int) -> bytes:
-    """One zstd frame with the content size recorded in its header."""
-    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
+def zstd_compressor(level: int) -> zstandard.ZstdCompressor:
+    """A compressor for :func:`zstd_compress`. Reusing one for several streams
+    (all those of one entry) saves setting up its tables each time; it is
+    not safe to share between threads."""
+    return zstandard.ZstdCompressor(level=level, write_content_size=True)
+
+
+def zstd_compress(
+    data: bytes | memoryview | np.ndarray,
+    level: int,
+    compressor: zstandard.ZstdCompressor | None = None,
+) -> bytes:
+    """One zstd frame with the content size recorded in its header.
+
+    ``data`` is anything with the buffer protocol (a contiguous array is
+    compressed without a copy); ``compressor``, from :func:`zstd_compressor`
+    at the same ``level``, is used instead of a new one when given.
+    """
+    cctx = compressor if compressor is not None else zstd_compressor(level)
+    return cctx.compress(np.ascontiguousarray(data).data if isinstance(data, np.ndarray) else data)
 
 
 def zstd_decompress(frame: bytes | memoryview, expected: int | None, bound: int) -> bytes:

@@ -17,11 +17,17 @@ elements that changed, a byte stream of variable-length integers, a scatter):
 They are compiled with numba (``njit(cache=True, nogil=True)``) the first
 time each is used, not at import: importing numba costs a quarter of a
 second and compiling a kernel about as much again, once per machine (the
-compiled code is cached next to this file). The kernels are serial. The
-codec's targets are per core, and numba's parallel mode would bring in a
+compiled code is cached in ``__pycache__`` next to this file; where that is
+not writable, numba's user cache, and failing that nothing is cached). The
+kernels are serial: the codec's targets are per core, the scan runs near
+memory bandwidth on one, and numba's parallel mode would bring in a
 threading layer whose default (workqueue) aborts the process when two Python
 threads launch parallel kernels at once, which a publisher with upload
-threads would do; ``nogil`` lets callers run kernels on threads instead.
+threads could do. ``nogil`` lets callers run kernels on threads instead.
+
+Positions inside the kernels are unsigned integers. numba checks every
+array access with a signed index for a negative (wrap-around) value, and
+those checks alone halve the speed of the scan and the decoder.
 
 Every kernel has a pure numpy twin, used when numba is not installed or
 ``AURORA_NO_JIT=1`` is set, and the tests run both and compare them bit for
@@ -43,6 +49,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,6 +60,8 @@ __all__ = [
     "jit_available",
     "jit_enabled",
     "path",
+    "numba_version",
+    "warm_up",
     "scan_changes",
     "scan_blocks",
     "apply_bits",
@@ -120,7 +129,39 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     numba = _numba()
     if numba is None:
         raise RuntimeError("numba is not installed; the compiled kernels are unavailable")
-    return numba.njit(cache=True, nogil=True)(fn)
+    try:
+        return numba.njit(cache=True, nogil=True)(fn)
+    except RuntimeError:
+        # No writable cache location at all (a read-only install, no home):
+        # compile in every process instead of failing.
+        return numba.njit(cache=False, nogil=True)(fn)
+
+
+def numba_version() -> str | None:
+    """The installed numba's version, or ``None``."""
+    numba = _numba()
+    return None if numba is None else str(numba.__version__)
+
+
+def warm_up() -> float:
+    """Compile (or load from the cache) every kernel now, on tiny inputs, so
+    that a timed section does not pay for it; returns the seconds it took.
+    A no-op on the numpy path."""
+    t0 = time.perf_counter()
+    if not jit_enabled():
+        return 0.0
+    for dt in (np.uint16, np.uint32):
+        a = np.arange(64, dtype=dt)
+        b = (a + 1).astype(dt)
+        scan_changes(a, b)
+        apply_bits(b, np.arange(3, dtype=np.int64), a[:3], True)
+    idx = np.array([1, 200, 70000], dtype=np.int64)
+    stream = leb128_encode_gaps(idx, 0)
+    leb128_indices(stream, 0, 70001, 3)
+    leb128_decode(stream)
+    leb128_size(idx)
+    leb128_encode(idx)
+    return time.perf_counter() - t0
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -137,8 +178,8 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 # Kernel bodies (plain Python in numba's subset; compiled lazily by _compiled)
 
 
-def _scan_words16(a, b, wa, wb, w, base, idx, new, old, k):  # type: ignore[no-untyped-def]
-    """Changed 16-bit lanes of ``a`` vs ``b`` from word ``w`` on, appended at ``k``.
+def _scan_words16(a: Any, b: Any, wa: Any, wb: Any, w0: Any, base: Any, idx: Any, new: Any, old: Any, k0: Any) -> Any:
+    """Changed 16-bit lanes of ``a`` vs ``b`` from word ``w0`` on, appended at ``k0``.
 
     ``wa``/``wb`` are the 64-bit words over the whole-word prefix of ``a``/``b``
     (4 lanes each, little-endian). Blocks of 8 words are OR-reduced first (a
@@ -149,224 +190,280 @@ def _scan_words16(a, b, wa, wb, w, base, idx, new, old, k):  # type: ignore[no-u
     boundary, when the output might not hold another block, so the caller
     can grow it and go on.
 
-    :func:`_scan_words32` is the same loop for 32-bit lanes: the lane count
-    must be a compile-time constant for the lane loop to unroll, which is
-    worth a third of the time.
+    Positions are unsigned (see the module docstring). The lane count is a
+    compile-time constant (:func:`_scan_words32` is the same loop for 32-bit
+    lanes) so that the lane loop unrolls, which is worth a third.
     """
-    nwords = wa.size
-    cap = idx.size
-    while w + 8 <= nwords:
-        if k + 32 > cap:
-            return w * 4, k
+    u0, u1, u4, u8, u32 = np.uint64(0), np.uint64(1), np.uint64(4), np.uint64(8), np.uint64(32)
+    lane_mask = np.uint64(0xFFFF)
+    nwords = np.uint64(wa.size)
+    cap = np.uint64(idx.size)
+    w = np.uint64(w0)
+    k = np.uint64(k0)
+    while w + u8 <= nwords:
+        if k + u32 > cap:
+            return np.int64(w * u4), np.int64(k)
         d = wa[w] ^ wb[w]
-        for j in range(w + 1, w + 8):
+        for j in range(w + u1, w + u8):
             d |= wa[j] ^ wb[j]
-        if d != np.uint64(0):
-            for j in range(w, w + 8):
+        if d != u0:
+            for j in range(w, w + u8):
                 x = wa[j] ^ wb[j]
-                if x != np.uint64(0):
+                if x != u0:
                     for lane in range(4):
-                        i = 4 * j + lane
-                        idx[k] = base + i
+                        i = u4 * j + np.uint64(lane)
+                        idx[k] = base + np.int64(i)
                         new[k] = b[i]
                         old[k] = a[i]
-                        k += ((x >> np.uint64(16 * lane)) & np.uint64(0xFFFF)) != np.uint64(0)
-        w += 8
+                        k += np.uint64(((x >> np.uint64(16 * lane)) & lane_mask) != u0)
+        w += u8
     # The last < 8 words and the lanes past the last whole word.
-    if k + 32 > cap:
-        return w * 4, k
-    for i in range(w * 4, a.size):
-        if a[i] != b[i]:
-            idx[k] = base + i
-            new[k] = b[i]
-            old[k] = a[i]
-            k += 1
-    return a.size, k
+    if k + u32 > cap:
+        return np.int64(w * u4), np.int64(k)
+    for t in range(w * u4, np.uint64(a.size)):
+        if a[t] != b[t]:
+            idx[k] = base + np.int64(t)
+            new[k] = b[t]
+            old[k] = a[t]
+            k += u1
+    return np.int64(a.size), np.int64(k)
 
 
-def _scan_words32(a, b, wa, wb, w, base, idx, new, old, k):  # type: ignore[no-untyped-def]
+def _scan_words32(a: Any, b: Any, wa: Any, wb: Any, w0: Any, base: Any, idx: Any, new: Any, old: Any, k0: Any) -> Any:
     """:func:`_scan_words16` for 32-bit lanes (2 per word)."""
-    nwords = wa.size
-    cap = idx.size
-    while w + 8 <= nwords:
-        if k + 16 > cap:
-            return w * 2, k
+    u0, u1, u2, u8, u16 = np.uint64(0), np.uint64(1), np.uint64(2), np.uint64(8), np.uint64(16)
+    lane_mask = np.uint64(0xFFFFFFFF)
+    nwords = np.uint64(wa.size)
+    cap = np.uint64(idx.size)
+    w = np.uint64(w0)
+    k = np.uint64(k0)
+    while w + u8 <= nwords:
+        if k + u16 > cap:
+            return np.int64(w * u2), np.int64(k)
         d = wa[w] ^ wb[w]
-        for j in range(w + 1, w + 8):
+        for j in range(w + u1, w + u8):
             d |= wa[j] ^ wb[j]
-        if d != np.uint64(0):
-            for j in range(w, w + 8):
+        if d != u0:
+            for j in range(w, w + u8):
                 x = wa[j] ^ wb[j]
-                if x != np.uint64(0):
+                if x != u0:
                     for lane in range(2):
-                        i = 2 * j + lane
-                        idx[k] = base + i
+                        i = u2 * j + np.uint64(lane)
+                        idx[k] = base + np.int64(i)
                         new[k] = b[i]
                         old[k] = a[i]
-                        k += ((x >> np.uint64(32 * lane)) & np.uint64(0xFFFFFFFF)) != np.uint64(0)
-        w += 8
-    if k + 16 > cap:
-        return w * 2, k
-    for i in range(w * 2, a.size):
-        if a[i] != b[i]:
-            idx[k] = base + i
-            new[k] = b[i]
-            old[k] = a[i]
-            k += 1
-    return a.size, k
+                        k += np.uint64(((x >> np.uint64(32 * lane)) & lane_mask) != u0)
+        w += u8
+    if k + u16 > cap:
+        return np.int64(w * u2), np.int64(k)
+    for t in range(w * u2, np.uint64(a.size)):
+        if a[t] != b[t]:
+            idx[k] = base + np.int64(t)
+            new[k] = b[t]
+            old[k] = a[t]
+            k += u1
+    return np.int64(a.size), np.int64(k)
 
 
-def _apply(flat, idx, bits, xor):  # type: ignore[no-untyped-def]
+def _apply(flat: Any, idx: Any, bits: Any, xor: Any) -> Any:
     """``flat[idx] ^= bits`` or ``flat[idx] = bits``; False (nothing written)
-    if an index is outside ``flat``."""
-    n = flat.size
-    bad = False
-    for k in range(idx.size):
-        i = idx[k]
-        bad |= (i < 0) | (i >= n)
-    if bad:
+    if an index is outside ``flat``. (A negative index, cast to unsigned,
+    becomes a huge one and is refused like any other outside.)"""
+    n = np.uint64(flat.size)
+    m = np.uint64(idx.size)
+    top = np.uint64(0)
+    for k in range(m):
+        top = max(top, np.uint64(idx[k]))
+    if m and top >= n:
         return False
     if xor:
-        for k in range(idx.size):
-            flat[idx[k]] ^= bits[k]
+        for k in range(m):
+            i = np.uint64(idx[k])
+            flat[i] ^= bits[k]
     else:
-        for k in range(idx.size):
-            flat[idx[k]] = bits[k]
+        for k in range(m):
+            flat[np.uint64(idx[k])] = bits[k]
     return True
 
 
-def _leb128_decode(b, out):  # type: ignore[no-untyped-def]
+def _leb128_decode(b: Any, out: Any) -> Any:
     """Varints of ``b`` into ``out`` (sized to the count of terminal bytes).
 
     False on any malformed varint: truncated, longer than 10 bytes (caught
     at the tenth byte, which may then only be 0 or 1), or above 2^63.
     """
-    n = b.size
-    p = 0
-    k = 0
+    u0, u1, u7, u63 = np.uint64(0), np.uint64(1), np.uint64(7), np.uint64(63)
+    payload, more = np.uint64(0x7F), np.uint64(0x80)
+    n = np.uint64(b.size)
+    p = u0
+    k = u0
     while p < n:
-        c = b[p]
-        p += 1
-        v = np.uint64(c & 0x7F)
-        if c >= 0x80:
-            s = 7
+        c = np.uint64(b[p])
+        p += u1
+        v = c & payload
+        if c >= more:
+            s = u7
             while True:
                 if p >= n:
                     return False
-                c = b[p]
-                p += 1
-                if s == 63 and c > 1:
+                c = np.uint64(b[p])
+                p += u1
+                if s == u63 and c > u1:
                     return False
-                v |= np.uint64(c & 0x7F) << np.uint64(s)
-                if c < 0x80:
+                v |= (c & payload) << s
+                if c < more:
                     break
-                s += 7
+                s += u7
             if v > _MAX_VARINT_VALUE:
                 return False
         out[k] = v
-        k += 1
+        k += u1
     return True
 
 
-def _leb128_indices(b, start, stop, out):  # type: ignore[no-untyped-def]
+def _leb128_indices(b: Any, start: Any, stop: Any, out: Any) -> Any:
     """Gap stream ``b`` -> absolute indices in ``out`` (``nnz = out.size``).
 
     Accepts exactly what the reference accepts: well-formed varints, exactly
     ``nnz`` of them, every gap below the span, no gap of 0 after the first,
     every index below ``stop`` (``0 <= start < stop < 2^63``, so the running
     sum, kept in uint64, cannot wrap). False on anything else.
+
+    Gaps of one or two bytes (nearly all of them at RL densities) are read
+    without a data-dependent branch: both bytes are loaded, and the second
+    counts only when the first has its continuation bit set.
     """
-    n = b.size
-    nnz = out.size
+    u0, u1, u2, u7, u14, u63 = (
+        np.uint64(0), np.uint64(1), np.uint64(2), np.uint64(7), np.uint64(14), np.uint64(63)
+    )
+    payload, more = np.uint64(0x7F), np.uint64(0x80)
+    n = np.uint64(b.size)
+    nnz = np.uint64(out.size)
     span = np.uint64(stop - start)
     stop_u = np.uint64(stop)
     pos = np.uint64(start)
-    p = 0
-    k = 0
+    p = u0
+    k = u0
     while p < n:
         if k == nnz:
             return False
-        c = b[p]
-        p += 1
-        v = np.uint64(c & 0x7F)
-        if c >= 0x80:
-            s = 7
+        c0 = np.uint64(b[p])
+        c1 = np.uint64(b[p + u1]) if p + u1 < n else u0
+        cont = c0 >> u7
+        if (cont & (c1 >> u7)) != u0:
+            # Three bytes or more: the general loop, from the third byte.
+            v = (c0 & payload) | ((c1 & payload) << u7)
+            p += u2
+            s = u14
             while True:
                 if p >= n:
                     return False
-                c = b[p]
-                p += 1
-                if s == 63 and c > 1:
+                c = np.uint64(b[p])
+                p += u1
+                if s == u63 and c > u1:
                     return False
-                v |= np.uint64(c & 0x7F) << np.uint64(s)
-                if c < 0x80:
+                v |= (c & payload) << s
+                if c < more:
                     break
-                s += 7
+                s += u7
+        else:
+            if p + cont >= n:
+                return False  # the stream ends inside a two-byte varint
+            v = (c0 & payload) | (((c1 & payload) << u7) * cont)
+            p += u1 + cont
         # v >= span also catches values above 2^63 (the span is below it).
         if v >= span:
             return False
-        if k == 0:
+        if k == u0:
             pos = np.uint64(start) + v
-        elif v == np.uint64(0):
+        elif v == u0:
             return False
         else:
             pos += v
         if pos >= stop_u:
             return False
         out[k] = np.int64(pos)
-        k += 1
+        k += u1
     return k == nnz
 
 
-def _leb128_size(values):  # type: ignore[no-untyped-def]
-    total = 0
-    for k in range(values.size):
-        v = np.uint64(values[k])
-        total += 1
-        while v >= np.uint64(0x80):
-            v >>= np.uint64(7)
-            total += 1
-    return total
+def _leb128_size(values: Any) -> Any:
+    """LEB128 bytes of uint64 ``values``."""
+    u0, u7 = np.uint64(0), np.uint64(7)
+    total = np.uint64(values.size)
+    for k in range(np.uint64(values.size)):
+        v = values[k]
+        total += np.uint64(v >= np.uint64(1 << 7))
+        if v >= np.uint64(1 << 14):
+            v >>= np.uint64(14)
+            while v != u0:
+                v >>= u7
+                total += np.uint64(1)
+    return np.int64(total)
 
 
-def _leb128_write(values, out):  # type: ignore[no-untyped-def]
-    p = 0
-    for k in range(values.size):
-        v = np.uint64(values[k])
-        while v >= np.uint64(0x80):
-            out[p] = np.uint8((v & np.uint64(0x7F)) | np.uint64(0x80))
-            v >>= np.uint64(7)
-            p += 1
-        out[p] = np.uint8(v)
-        p += 1
-    return p
+def _leb128_write(values: Any, out: Any) -> Any:
+    """LEB128 of uint64 ``values`` into ``out`` (one byte longer than the
+    encoding: a one-byte varint also stores a throwaway second byte, so
+    values below 2^14 are written without a data-dependent branch)."""
+    u1, u7 = np.uint64(1), np.uint64(7)
+    payload, more = np.uint64(0x7F), np.uint64(0x80)
+    p = np.uint64(0)
+    for k in range(np.uint64(values.size)):
+        v = values[k]
+        if v < np.uint64(1 << 14):
+            two = np.uint64(v >= more)
+            out[p] = np.uint8((v & payload) | (two << u7))
+            out[p + u1] = np.uint8(v >> u7)
+            p += u1 + two
+        else:
+            while v >= more:
+                out[p] = np.uint8((v & payload) | more)
+                v >>= u7
+                p += u1
+            out[p] = np.uint8(v)
+            p += u1
+    return np.int64(p)
 
 
-def _leb128_gaps(indices, start):  # type: ignore[no-untyped-def]
+def _leb128_gaps(indices: Any, start: Any) -> Any:
     """LEB128 of ``indices[0] - start, indices[1] - indices[0], ...``
-    (sorted, unique, ``>= start``: the encoder trusts its input)."""
-    total = 0
-    prev = start
-    for k in range(indices.size):
+    (sorted, unique, ``>= start``: the encoder trusts its input; a negative
+    gap wraps to uint64, as in the numpy twin). Same two passes as
+    :func:`_leb128_size` and :func:`_leb128_write`, on the gaps."""
+    u0, u1, u7 = np.uint64(0), np.uint64(1), np.uint64(7)
+    payload, more = np.uint64(0x7F), np.uint64(0x80)
+    n = np.uint64(indices.size)
+    total = n
+    prev = np.int64(start)
+    for k in range(n):
         v = np.uint64(indices[k] - prev)
         prev = indices[k]
-        total += 1
-        while v >= np.uint64(0x80):
-            v >>= np.uint64(7)
-            total += 1
-    out = np.empty(total, np.uint8)
-    p = 0
-    prev = start
-    for k in range(indices.size):
+        total += np.uint64(v >= more)
+        if v >= np.uint64(1 << 14):
+            v >>= np.uint64(14)
+            while v != u0:
+                v >>= u7
+                total += u1
+    out = np.empty(total + u1, np.uint8)
+    p = u0
+    prev = np.int64(start)
+    for k in range(n):
         v = np.uint64(indices[k] - prev)
         prev = indices[k]
-        while v >= np.uint64(0x80):
-            out[p] = np.uint8((v & np.uint64(0x7F)) | np.uint64(0x80))
-            v >>= np.uint64(7)
-            p += 1
-        out[p] = np.uint8(v)
-        p += 1
-    return out
+        if v < np.uint64(1 << 14):
+            two = np.uint64(v >= more)
+            out[p] = np.uint8((v & payload) | (two << u7))
+            out[p + u1] = np.uint8(v >> u7)
+            p += u1 + two
+        else:
+            while v >= more:
+                out[p] = np.uint8((v & payload) | more)
+                v >>= u7
+                p += u1
+            out[p] = np.uint8(v)
+            p += u1
+    return out[:total]
 
 
 # ---------------------------------------------------------------------------
@@ -562,9 +659,10 @@ def leb128_size(values: np.ndarray, jit: bool | None = None) -> int:
     """Bytes of the LEB128 encoding of non-negative ``values``."""
     if values.size == 0:
         return 0
+    v = np.ascontiguousarray(values).reshape(-1).astype(np.uint64, copy=False)
     if _use_jit(jit):
-        return int(_compiled(_leb128_size)(_readonly(np.ascontiguousarray(values))))
-    return int(_byte_lengths(values.astype(np.uint64, copy=False)).sum())
+        return int(_compiled(_leb128_size)(_readonly(v)))
+    return int(_byte_lengths(v).sum())
 
 
 def leb128_encode(values: np.ndarray, jit: bool | None = None) -> np.ndarray:
@@ -572,12 +670,14 @@ def leb128_encode(values: np.ndarray, jit: bool | None = None) -> np.ndarray:
     v = np.ascontiguousarray(values).reshape(-1)
     if v.size == 0:
         return np.empty(0, np.uint8)
+    v = v.astype(np.uint64, copy=False)
     if _use_jit(jit):
         v = _readonly(v)
-        out = np.empty(_compiled(_leb128_size)(v), np.uint8)
+        size = _compiled(_leb128_size)(v)
+        out = np.empty(size + 1, np.uint8)
         _compiled(_leb128_write)(v, out)
-        return out
-    return _encode_numpy(v.astype(np.uint64, copy=False))
+        return out[:size]
+    return _encode_numpy(v)
 
 
 def leb128_encode_gaps(indices: np.ndarray, start: int, jit: bool | None = None) -> np.ndarray:
@@ -586,7 +686,8 @@ def leb128_encode_gaps(indices: np.ndarray, start: int, jit: bool | None = None)
         return np.empty(0, np.uint8)
     idx = np.ascontiguousarray(indices, dtype=np.int64)
     if _use_jit(jit):
-        return _compiled(_leb128_gaps)(_readonly(idx), np.int64(start))  # type: ignore[no-any-return]
+        out: np.ndarray = _compiled(_leb128_gaps)(_readonly(idx), np.int64(start))
+        return out
     return _encode_numpy(np.diff(idx, prepend=np.int64(start)).astype(np.uint64))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -28,7 +29,8 @@ __all__ = [
     "MasterWeights",
 ]
 
-#: Elements per chunk of the elementwise passes (1 MiB of fp32: fits in L2).
+#: Elements per chunk of the elementwise passes (1 MiB of fp32 per buffer:
+#: the few buffers of a pass stay in cache).
 _CHUNK = 1 << 18
 _EXP_MASK = 0x7F800000
 _MANT_MASK = 0x007FFFFF
@@ -129,9 +131,11 @@ class MasterWeights:
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], seed: int = 0) -> None:
-        self.gen = torch.Generator().manual_seed(seed + 1)
+        # numpy's generator fills float32 buffers about 1.5x faster than torch's.
+        self.gen = np.random.default_rng(seed + 1)
         self.master: dict[str, torch.Tensor] = {}
-        r = torch.empty(_CHUNK)
+        r_np = np.empty(_CHUNK, dtype=np.float32)
+        r = torch.from_numpy(r_np)
         u = torch.empty(_CHUNK)
         for name, t in weights.items():
             m = torch.empty(t.shape, dtype=torch.float32)
@@ -142,13 +146,15 @@ class MasterWeights:
                 mc.copy_(src[lo:hi])
                 ulp = _ulp_bf16(mc, u[: hi - lo])
                 # (rand - 0.5) * ulp: anywhere in the rounding cell of the start.
-                mc.add_(torch.rand(hi - lo, generator=self.gen, out=r[: hi - lo]).sub_(0.5).mul_(ulp))
+                self.gen.random(out=r_np[: hi - lo], dtype=np.float32)
+                mc.add_(r[: hi - lo].sub_(0.5).mul_(ulp))
             self.master[name] = m
 
     def step(self, lr: float = 1e-6, frozen: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         """One optimizer step: every element moves by about ``lr``; returns bf16 weights."""
         out: dict[str, torch.Tensor] = {}
-        u = torch.empty(_CHUNK)
+        u_np = np.empty(_CHUNK, dtype=np.float32)
+        u = torch.from_numpy(u_np)
         s = torch.empty(_CHUNK)
         for name, m in self.master.items():
             b = torch.empty(m.shape, dtype=torch.bfloat16)
@@ -161,7 +167,8 @@ class MasterWeights:
                     # random sign and a magnitude uniform in [0.5, 1.5), so steps
                     # are lr-sized, not identical. v = 2u - 1 is uniform in
                     # [-1, 1); v + copysign(0.5, v) maps it onto that set.
-                    v = torch.rand(hi - lo, generator=self.gen, out=u[: hi - lo]).mul_(2).sub_(1)
+                    self.gen.random(out=u_np[: hi - lo], dtype=np.float32)
+                    v = u[: hi - lo].mul_(2).sub_(1)
                     v.add_(torch.sign(v, out=s[: hi - lo]), alpha=0.5)
                     mc.add_(v, alpha=lr)
                 bflat[lo:hi].copy_(mc)
@@ -170,12 +177,13 @@ class MasterWeights:
 
 
 def _ulp_bf16(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Half-open rounding width of bf16 at each (bf16-valued) element of ``x``.
+    """bf16 spacing at each (bf16-valued) element of ``x``, written to ``out``.
 
-    The bf16 spacing at ``x`` is 2^(e - 7) for ``2^e <= |x| < 2^(e + 1)``,
-    read off the exponent bits. At an exact power of two the spacing *below*
-    is half that, so there the width is halved: an offset of up to half a
-    width either way then stays inside the rounding cell. Zero gets width 0.
+    The spacing is 2^(e - 7) for ``2^e <= |x| < 2^(e + 1)``, read off the
+    exponent bits. At an exact power of two the spacing *below* is half that
+    (frexp's mantissa is 0.5 there), so there it is halved: an offset of up
+    to half the spacing either way then stays inside the rounding cell.
+    Zero (and subnormals) get 0.
     """
     bits = x.view(torch.int32)
     ob = out.view(torch.int32)

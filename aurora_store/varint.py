@@ -23,6 +23,8 @@ __all__ = [
     "encoded_size",
     "encode",
     "decode",
+    "decode_reference",
+    "as_bytes",
 ]
 
 MAX_VARINT_BYTES = 10
