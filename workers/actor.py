@@ -189,7 +189,10 @@ class Actor:
                     last = ev.id
                     if ev.type == COMMIT:
                         self.commit_seen = max(self.commit_seen, ev.version)
-                if events:
+                head = self.redis.hget(self.keys.trainer, "head")
+                # Announcements are hints: a silent stream (a Relay that just died,
+                # before its key expires) must not stop us from staging what exists.
+                if events or (head is not None and int(head) > self.staged_version):
                     self._stage_available()
             except BusGap:
                 last = "$"
