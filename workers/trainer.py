@@ -198,7 +198,10 @@ class Trainer:
         views = []
         for a in self.ledger.actors():
             tau = self.tau.get(a.actor, a.tau if a.tau > 0 else start)
-            views.append(ActorView(a.actor, a.active, a.staged, tau, a.status == "alive"))
+            # A staged version is activated at the Actor's next safe point, which
+            # comes as soon as its current batch is settled: count it as held.
+            held = a.active if a.staged is None or a.active is None else max(a.active, a.staged)
+            views.append(ActorView(a.actor, held, a.staged, tau, a.status == "alive"))
         return views
 
     def _create_batch(self, b: int, gen_version: int) -> tuple[list[str], list[str]]:
