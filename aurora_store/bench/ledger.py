@@ -34,11 +34,9 @@ CPU-bound numbers (client-side Python is usually the limit, not Redis).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import threading
 import time
 import uuid
@@ -416,18 +414,9 @@ def _fmt_table(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    as_json = bool(getattr(args, "json", False))
+    from . import run_and_report
 
-    def log(msg: str) -> None:
-        if not as_json:
-            print(msg, file=sys.stderr, flush=True)
-
-    result = run_benchmark(args, log)
-    if as_json:
-        print(json.dumps(result))
-    else:
-        print(_fmt_table(result))
-    return 0 if result["ok"] else 1
+    return run_and_report(args, run_benchmark, _fmt_table, lambda result: bool(result["ok"]))
 
 
 if __name__ == "__main__":  # pragma: no cover - `aurora bench ledger` is the entry point

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import logging
 import math
 import os
@@ -1018,18 +1017,9 @@ def _fmt_table(r: Mapping[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """``aurora bench transfer``: exit status 0 when everything staged was lossless."""
-    as_json = bool(getattr(args, "json", False))
+    from . import run_and_report
 
-    def log(msg: str) -> None:
-        if not as_json:
-            print(msg, file=sys.stderr, flush=True)
-
-    result = run_benchmark(args, log)
-    if as_json:
-        print(json.dumps(result))
-    else:
-        print(_fmt_table(result))
-    return 0 if result["lossless"] else 1
+    return run_and_report(args, run_benchmark, _fmt_table, lambda result: bool(result["lossless"]))
 
 
 if __name__ == "__main__":  # pragma: no cover - `aurora bench transfer` is the entry point
