@@ -139,8 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--settle",
         choices=("single", "many"),
-        default="single",
-        help="one settle call per lease (single) or one settle_many per claimed batch (many)",
+        default="many",
+        help="one settle_many per claimed batch (many: what Actors do, the default) or one settle call per lease (single)",
     )
     parser.add_argument("--payload-bytes", type=int, default=256, help="size of each result payload")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
