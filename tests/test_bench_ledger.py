@@ -19,7 +19,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_bench_ledger_json(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(_args("--actors", "2", "3", "--prompts", "40", "--claim", "4", "--workers", "2", "--json"))
+    rc = main(_args("--actors", "2", "3", "--prompts", "40", "--claim", "4", "--workers", "2", "--settle", "single", "--json"))
     out = capsys.readouterr().out
     assert rc == 0
     result = json.loads(out)  # exactly one JSON object, nothing else on stdout
