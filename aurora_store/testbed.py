@@ -556,7 +556,7 @@ def serve(
     d.mkdir(parents=True, exist_ok=True)
     _check_free(d, lambda m: print(f"aurora testbed: {m}", file=sys.stderr, flush=True))
     stop = threading.Event()
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())

@@ -263,7 +263,10 @@ class Trainer:
 
     # -- GRPO -------------------------------------------------------------------------
     def _rollouts(self, b: int) -> tuple[list[list[int]], list[list[int]], list[float], list[int], int, dict[str, int], int]:
-        prompts, comps, rewards, groups = [], [], [], []
+        prompts: list[list[int]] = []
+        comps: list[list[int]] = []
+        rewards: list[float] = []
+        groups: list[int] = []
         tokens = 0
         by_actor: dict[str, int] = {}
         bad = 0
@@ -357,7 +360,8 @@ class Trainer:
             if self.cfg.snapshot_every and v % self.cfg.snapshot_every == 0:
                 publish_snapshot(self.store, self.ep.run, v, fused_weights(self.published, self.plan), m.state, self._pub_cfg())
         t_pub = time.perf_counter() - t2
-        eligible, excluded = ([], [])
+        eligible: list[str] = []
+        excluded: list[str] = []
         if v + 1 < self.cfg.steps:
             eligible, excluded = self._create_batch(v + 1, v if self.cfg.weight_transfer else 0)
         if self.cfg.weight_transfer:
