@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aurora_store.redisconn import connect
+from aurora_store.store import Store, open_store
 
 from .common import Endpoints, RunKeys, read_digests
 from .trainer import StepLog, Trainer, TrainerConfig
@@ -75,8 +76,8 @@ class DemoResult:
     wall_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        first = [lg.reward for lg in self.logs[:3]]
-        last = [lg.reward for lg in self.logs[-3:]]
+        first = [lg.reward for lg in self.logs[:5]]
+        last = [lg.reward for lg in self.logs[-5:]]
         return {
             "steps": len(self.logs),
             "bit_identical": self.bit_identical,
@@ -228,6 +229,13 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
             procs.stop_all()
         if failure:
             raise failure[0]
+        if cfg.store is None:
+            # The S3 server lives only as long as the demo: keep a copy of the run
+            # for `aurora lineage`/`verify` and notebooks/lineage.ipynb.
+            local = os.path.join(workdir, "store")
+            shutil.rmtree(local, ignore_errors=True)
+            _copy_run(trainer.store, open_store(f"file://{local}"))
+            say(f"run copied to {local} (aurora lineage {local}; notebooks/lineage.ipynb)")
         tdig, adig = read_digests(r, keys)
         mismatches = [(a, v) for (a, v), d in sorted(adig.items()) if tdig.get(v) != d]
         acts = {}
@@ -251,6 +259,13 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
     finally:
         for s in reversed(servers):
             getattr(s, "close", s.stop)()
+
+
+def _copy_run(src: Store, dst: Store) -> None:
+    """Every object of a run root, manifests last (so the copy is never half-visible)."""
+    keys = src.list()
+    for k in sorted(keys, key=lambda k: k.endswith("manifest.json")):
+        dst.put(k, src.get(k))
 
 
 def summary_table(res: DemoResult) -> str:
@@ -311,7 +326,7 @@ def main(args: argparse.Namespace) -> int:
     print(summary_table(res))
     j = res.to_json()
     print()
-    print(f"reward {j['reward_first']:.3f} (first 3 steps) -> {j['reward_last']:.3f} (last 3 steps); mean delta {j['delta_bytes_mean'] / 1e3:.1f} kB vs {j['full_bytes'] / 1e3:.1f} kB full")
+    print(f"reward {j['reward_first']:.3f} (first 5 steps) -> {j["reward_last"]:.3f} (last 5 steps); mean delta {j['delta_bytes_mean'] / 1e3:.1f} kB vs {j['full_bytes'] / 1e3:.1f} kB full")
     print(f"actors killed {res.actors_killed}, joined {res.actors_joined}; prompts lost {res.prompts_lost}, accepted twice {res.accepted_twice}, on a wrong version {res.accepted_wrong_version}")
     if res.bit_identical:
         print(f"every Actor's weights matched the Trainer's bit for bit at every version it activated ({res.activations_compared} activations compared)")

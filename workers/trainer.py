@@ -164,6 +164,12 @@ class Trainer:
 
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.published = self._bf16_weights()
+        # The policy each batch was sampled from (bf16, as the Actors ran it),
+        # kept for the two versions a batch can be generated on.
+        import copy
+
+        self.behavior = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.versions_bf16: dict[int, dict[str, torch.Tensor]] = {0: self.published}
         # The plan describes what is shipped: the bf16 weights (the fp32 master is the Trainer's own).
         self.plan = fusion_plan_for(self.published, tied=is_tied(hf_weights(self.model)))
         write_model_description(self.store, self.model.config.to_json_string(), self.tokenizer.to_json())
@@ -303,7 +309,20 @@ class Trainer:
             self.ledger.set_tau(a, self.tau[a])
         return prompts, comps, rewards, groups, tokens, by_actor, bad
 
-    def _grpo(self, prompts: list[list[int]], comps: list[list[int]], rewards: list[float]) -> None:
+    def _behavior_logprobs(self, gen_version: int, packed: Any) -> torch.Tensor:
+        """Log-probs under the weights that generated the batch: version ``gen_version`` in bf16.
+
+        With one-step asynchrony the batch was sampled from an older policy
+        than the one being trained; the clipped ratio must be taken against
+        that behaviour policy, not against the current weights.
+        """
+        weights = self.versions_bf16[gen_version]
+        with torch.no_grad():
+            for name, t in hf_weights(self.behavior).items():
+                t.copy_(weights[name].to(t.dtype))
+            return logprobs(self.behavior, *packed, reduction="none")
+
+    def _grpo(self, prompts: list[list[int]], comps: list[list[int]], rewards: list[float], gen_version: int) -> None:
         g = self.cfg.group
         r = torch.tensor(rewards, dtype=torch.float32).view(-1, g)
         adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)
@@ -313,8 +332,8 @@ class Trainer:
         idx = torch.nonzero(keep).view(-1).tolist()
         packed = pack_completions([prompts[i] for i in idx], [comps[i] for i in idx], self.tokenizer.pad_id)
         a = adv[idx]
+        old = self._behavior_logprobs(gen_version, packed)
         with torch.no_grad():
-            old = logprobs(self.model, *packed, reduction="none")
             ref = logprobs(self.reference, *packed, reduction="none") if self.reference is not None else None
         mask = packed.completion_mask.float()
         for _ in range(self.cfg.epochs):
@@ -341,7 +360,7 @@ class Trainer:
         self.ledger.close_step(b)
         t1 = time.perf_counter()
         if prompts:
-            self._grpo(prompts, comps, rewards)
+            self._grpo(prompts, comps, rewards, gen_version)
         t_train = time.perf_counter() - t1
         v = b + 1
         new = self._bf16_weights()
@@ -354,6 +373,8 @@ class Trainer:
         if self.cfg.weight_transfer:
             m = publish_delta(self.store, self.ep.run, v, extract(self.plan, self.published, new), self.states[v - 1], self._pub_cfg(), on_segment=announce, producer={"step": b})
             self.published = new
+            self.versions_bf16[v] = new
+            self.versions_bf16.pop(v - 2, None)
             self.states[v] = m.state
             delta_bytes, changed = m.total_bytes, m.nnz
             self._after_publish(v, m.state, "delta", m.total_bytes)
