@@ -326,7 +326,7 @@ def main(args: argparse.Namespace) -> int:
     print(summary_table(res))
     j = res.to_json()
     print()
-    print(f"reward {j['reward_first']:.3f} (first 5 steps) -> {j["reward_last"]:.3f} (last 5 steps); mean delta {j['delta_bytes_mean'] / 1e3:.1f} kB vs {j['full_bytes'] / 1e3:.1f} kB full")
+    print(f"reward {j['reward_first']:.3f} (first 5 steps) -> {j['reward_last']:.3f} (last 5 steps); mean delta {j['delta_bytes_mean'] / 1e3:.1f} kB vs {j['full_bytes'] / 1e3:.1f} kB full")
     print(f"actors killed {res.actors_killed}, joined {res.actors_joined}; prompts lost {res.prompts_lost}, accepted twice {res.accepted_twice}, on a wrong version {res.accepted_wrong_version}")
     if res.bit_identical:
         print(f"every Actor's weights matched the Trainer's bit for bit at every version it activated ({res.activations_compared} activations compared)")
