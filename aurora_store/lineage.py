@@ -100,13 +100,19 @@ def plan_chain(index: VersionIndex, target: int, held: int | None = None) -> Cha
 
 
 def scan_versions(store: Store) -> VersionIndex:
-    """List committed versions: a version exists exactly when its manifest does."""
+    """List committed versions: a version exists exactly when its manifest does.
+
+    One recursive listing per kind (a single request per 1,000 keys on S3),
+    not a request per version.
+    """
     found: dict[str, set[int]] = {"delta": set(), "snapshot": set()}
     for kind in found:
-        for name in store.list_dirs(f"{kind}s"):
-            v = parse_version_dir(name)
-            if v is not None and store.exists(manifest_key(kind, v)):
-                found[kind].add(v)
+        for key in store.list(f"{kind}s"):
+            parts = key.split("/")
+            if len(parts) == 3 and parts[2] == "manifest.json":
+                v = parse_version_dir(parts[1])
+                if v is not None:
+                    found[kind].add(v)
     return VersionIndex(frozenset(found["delta"]), frozenset(found["snapshot"]))
 
 
