@@ -68,6 +68,21 @@ class Bus:
         eid = self.r.xadd(self.stream(region), body, maxlen=self.maxlen, approximate=True)
         return eid.decode() if isinstance(eid, bytes) else str(eid)
 
+    def tail_id(self, region: str | None = None) -> str:
+        """Id of the newest entry ever added to a stream, or ``"0"``.
+
+        A consumer that is about to list the store takes this *first* and then
+        reads after it, so nothing announced in between is missed.
+        """
+        key = self.stream(region)
+        if not self.r.exists(key):
+            return "0"
+        info = self.r.xinfo_stream(key)
+        lg = info.get("last-generated-id") or info.get(b"last-generated-id")
+        if lg is None:
+            return "0"
+        return lg.decode() if isinstance(lg, bytes) else str(lg)
+
     def read(self, last_id: str = "0", block_ms: int | None = None, count: int = 1000, region: str | None = None) -> list[Event]:
         """Events after ``last_id`` (``"0"``: from the start), waiting up to ``block_ms``.
 

@@ -181,7 +181,7 @@ class Actor:
                 _, new_region = self._source()
                 if new_region != region or last == "$":
                     # Source changed (Relay up or down): start from the newest entry.
-                    info_id = self._stream_tail(new_region)
+                    info_id = self.bus.tail_id(new_region)
                     region, last = new_region, info_id
                     self._stage_available()
                 events = self.bus.read(last, block_ms=500, region=region)
@@ -200,14 +200,6 @@ class Actor:
                 log.warning("stager: %s: %s", type(e).__name__, e)
                 self.stop.wait(0.5)
                 last = "$"
-
-    def _stream_tail(self, region: str | None) -> str:
-        key = self.bus.stream(region)
-        info = self.bus_redis.xinfo_stream(key) if self.bus_redis.exists(key) else None
-        if not info:
-            return "0"
-        lg = info.get("last-generated-id") or info.get(b"last-generated-id")
-        return lg.decode() if isinstance(lg, bytes) else str(lg)
 
     # -- safe point -------------------------------------------------------------------
     def _wanted_version(self) -> int:

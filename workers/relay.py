@@ -292,14 +292,7 @@ class Relay:
     # -- stream ------------------------------------------------------------------
     def _tail_id(self) -> str:
         """Id of the newest entry ever added to the origin stream (``$``), or ``0``."""
-        key = self.bus.stream()
-        if not self.redis.exists(key):
-            return "0"
-        info = self.redis.xinfo_stream(key)
-        lg = info.get("last-generated-id") or info.get(b"last-generated-id")
-        if lg is None:
-            return "0"
-        return lg.decode() if isinstance(lg, bytes) else str(lg)
+        return str(self.bus.tail_id())
 
     def _tail_id_until(self, stop: threading.Event) -> str:
         delay = 0.1

@@ -320,7 +320,7 @@ class Trainer:
         with torch.no_grad():
             for name, t in hf_weights(self.behavior).items():
                 t.copy_(weights[name].to(t.dtype))
-            return logprobs(self.behavior, *packed, reduction="none")
+            return logprobs(self.behavior, packed.input_ids, packed.attention_mask, packed.completion_mask, reduction="none")
 
     def _grpo(self, prompts: list[list[int]], comps: list[list[int]], rewards: list[float], gen_version: int) -> None:
         g = self.cfg.group
