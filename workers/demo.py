@@ -211,6 +211,9 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
 
         t = threading.Thread(target=train, name="trainer")
         t.start()
+        live = threading.Thread(target=_live_line, args=(cfg, r, t), name="live", daemon=True)
+        if cfg.display and sys.stdout.isatty():
+            live.start()
         while 0 not in trainer.states and t.is_alive():
             time.sleep(0.1)
         if cfg.relay and mirror_url is not None and cfg.actors_relay:
@@ -259,6 +262,43 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
     finally:
         for s in reversed(servers):
             getattr(s, "close", s.stop)()
+
+
+_TTY_LOCK = threading.Lock()
+
+
+def _live_line(cfg: DemoConfig, redis: Any, trainer_thread: threading.Thread) -> None:
+    """On a terminal: one status line, redrawn twice a second, under the step lines."""
+    from aurora_store.ledger import Ledger, LedgerLost
+
+    ledger = Ledger(redis, cfg.run)
+    keys = RunKeys(cfg.run)
+    while trainer_thread.is_alive():
+        try:
+            step = redis.hget(keys.trainer, "step")
+            head = redis.hget(keys.trainer, "head")
+            parts = []
+            if step is not None:
+                try:
+                    st = ledger.step_status(int(step))
+                    parts.append(f"batch {int(step)}: {st.settled}/{st.total} settled, {st.leased} leased")
+                except LedgerLost:
+                    pass
+            if head is not None:
+                parts.append(f"head v{int(head)}")
+            for a in ledger.actors():
+                if a.status == "alive":
+                    staged = f"+{a.staged - a.active}" if a.staged is not None and a.active is not None and a.staged > a.active else ""
+                    parts.append(f"{a.actor} v{a.active}{staged}")
+            with _TTY_LOCK:
+                sys.stdout.write("\r\033[K  " + " | ".join(parts)[: shutil.get_terminal_size().columns - 3])
+                sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - a display must never break the run
+            pass
+        time.sleep(0.5)
+    with _TTY_LOCK:
+        sys.stdout.write("\r\033[K")
+        sys.stdout.flush()
 
 
 def _copy_run(src: Store, dst: Store) -> None:
@@ -312,7 +352,14 @@ def main(args: argparse.Namespace) -> int:
         workdir=os.path.abspath(args.dir), display=not args.json, relay=not args.no_relay,
         kill_at=args.kill_at, join_at=args.join_at,
     )
-    say = (lambda *a, **k: None) if args.json else print
+    def say(*a: Any, **k: Any) -> None:
+        if args.json:
+            return
+        with _TTY_LOCK:
+            if sys.stdout.isatty():
+                sys.stdout.write("\r\033[K")
+            print(*a, **k, flush=True)
+
     if not args.json:
         import logging
 

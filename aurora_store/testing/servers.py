@@ -28,10 +28,14 @@ class S3Server:
     _server: Any = field(default=None, repr=False)
 
     def start(self) -> S3Server:
+        import logging
+
         from moto.server import ThreadedMotoServer
 
         for k, v in _CREDS.items():
             os.environ.setdefault(k, v)
+        # The server logs every request at INFO: far too loud beside a demo or a test run.
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
         host, port = self._server.get_host_and_port()
