@@ -490,6 +490,20 @@ class Ledger:
         x = self.r.hget(self.k_step(v), "version")
         return None if x is None else int(x)
 
+    def open_step_info(self) -> list[tuple[int, int, int]]:
+        """(step, version, unsettled prompts) of every open step, in one round trip."""
+        steps = self.open_steps()
+        if not steps:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for v in steps:
+            pipe.hmget(self.k_step(v), "version", "total", "settled")
+        out = []
+        for v, (ver, total, settled) in zip(steps, pipe.execute(), strict=True):
+            if ver is not None and total is not None:
+                out.append((v, int(ver), int(total) - int(settled or 0)))
+        return out
+
     def unsettled(self, v: int) -> int | None:
         """Prompts of step ``v`` not accepted yet (pending or leased); None: no such step."""
         total, settled = self.r.hmget(self.k_step(v), "total", "settled")

@@ -212,9 +212,8 @@ class Actor:
         exactly: finish batch b+1 on v_b, then activate v_b+1 for batch b+2.
         """
         needed: list[int] = []
-        for s in self.ledger.open_steps():
-            sv, left = self.ledger.step_version(s), self.ledger.unsettled(s)
-            if sv is None or not left:
+        for _, sv, left in self.ledger.open_step_info():
+            if not left:
                 continue
             if sv == self.active:
                 return self.active
@@ -247,8 +246,8 @@ class Actor:
 
     # -- work -------------------------------------------------------------------------
     def _work_once(self) -> bool:
-        for s in self.ledger.open_steps():
-            if self.ledger.step_version(s) != self.active:
+        for s, sv, _ in self.ledger.open_step_info():
+            if sv != self.active:
                 continue
             status, leases = self.ledger.claim(self.cfg.actor_id, s, self.cfg.claim)
             if status == "not_alive":
