@@ -51,12 +51,22 @@ class SchedulerConfig:
     """Estimate of an Actor nobody has measured yet (relative units)."""
     min_tau: float = 1e-6
     """An estimate never reaches zero, so a decayed Actor can come back."""
+    min_prompts: int = 1
+    """Prompts every eligible Actor gets at least (when the batch has enough).
+
+    A claim takes only an Actor's own assignments and the pool, so an Actor
+    whose estimate decayed while it was excluded would get a zero share, never
+    settle anything, never be measured again and never come back. One prompt
+    each is the probe that re-measures it; the rest is split by throughput.
+    """
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha <= 1 or not 0 < self.beta <= 1:
             raise ConfigError(f"SchedulerConfig: alpha and beta must be in (0, 1], got {self.alpha}, {self.beta}")
         if self.lease_k <= 0 or self.min_lease_ms <= 0 or self.max_lease_ms < self.min_lease_ms:
             raise ConfigError(f"SchedulerConfig: bad lease settings {self.lease_k}, {self.min_lease_ms}, {self.max_lease_ms}")
+        if self.min_prompts < 0:
+            raise ConfigError(f"SchedulerConfig: min_prompts must be >= 0, got {self.min_prompts}")
         if self.initial_tau <= 0 or self.min_tau <= 0:
             raise ConfigError("SchedulerConfig: tau values must be positive")
 
@@ -113,13 +123,20 @@ def eligibility(actors: Sequence[ActorView], v: int, require_staged: bool = True
     return Eligibility(v, tuple(ready), tuple(commit), tuple(excluded))
 
 
-def split(total: int, taus: Mapping[str, float]) -> dict[str, int]:
+def split(total: int, taus: Mapping[str, float], min_each: int = 0) -> dict[str, int]:
     """Split ``total`` prompts in proportion to ``taus``; the parts sum to ``total``.
 
     Floors first (the paper's B_a = floor(B * tau_a / T)), then the prompts
     left over go one each to the largest remainders (ties: by name, so the
-    split is deterministic).
+    split is deterministic). With ``min_each``, every part first gets that
+    many when ``total`` allows it for all, and only the rest is split by
+    ``taus``.
     """
+    if min_each < 0:
+        raise ValueError(f"min_each must be >= 0, got {min_each}")
+    if min_each and taus and total >= min_each * len(taus):
+        rest = split(total - min_each * len(taus), taus)
+        return {a: n + min_each for a, n in rest.items()}
     if total < 0:
         raise ValueError(f"cannot split {total} prompts")
     if not taus:
@@ -177,5 +194,5 @@ def plan_step(actors: Sequence[ActorView], v: int, batch: int, cfg: SchedulerCon
     taus = {a.actor: max(cfg.min_tau, a.tau) for a in actors}
     for a in el.excluded:
         taus[a] = decay(taus[a], cfg.alpha, cfg.min_tau)
-    quotas = split(batch, {a: taus[a] for a in el.eligible}) if el.eligible else {}
+    quotas = split(batch, {a: taus[a] for a in el.eligible}, cfg.min_prompts) if el.eligible else {}
     return StepPlan(v, el, quotas, taus)

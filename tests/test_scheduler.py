@@ -235,3 +235,27 @@ def test_config_defaults_are_the_papers() -> None:
     cfg = SchedulerConfig()
     assert 2.0 <= cfg.lease_k <= 3.0
     assert 0 < cfg.alpha <= 1 and 0 < cfg.beta <= 1
+
+
+def test_split_min_each_gives_every_part_a_probe_then_splits_the_rest() -> None:
+    assert split(10, {"fast": 1000.0, "decayed": 1e-6}) == {"fast": 10, "decayed": 0}
+    assert split(10, {"fast": 1000.0, "decayed": 1e-6}, min_each=1) == {"fast": 9, "decayed": 1}
+    assert split(7, {"a": 1.0, "b": 2.0, "c": 3.0}, min_each=2) == {"a": 2, "b": 2, "c": 3}
+    # Not enough for everyone: plain proportional split, still summing to the total.
+    assert split(2, {"a": 1.0, "b": 1.0, "c": 5.0}, min_each=1) == {"a": 0, "b": 0, "c": 2}
+    with pytest.raises(ValueError, match="min_each"):
+        split(4, {"a": 1.0}, min_each=-1)
+
+
+def test_plan_step_decayed_actor_gets_a_probe_prompt_when_eligible_again() -> None:
+    # An Actor excluded for a while has a tiny estimate; once it is back on the
+    # version it must get work, or it is never measured again and never recovers.
+    cfg = SchedulerConfig(alpha=0.1)
+    tau = 50.0
+    for _ in range(6):
+        tau = plan_step([_v("back", 0, tau=tau), _v("fast", 9, tau=50.0)], 9, 16, cfg).taus["back"]
+    plan = plan_step([_v("back", 9, tau=tau), _v("fast", 9, tau=50.0)], 9, 16, cfg)
+    assert plan.quotas == {"back": 1, "fast": 15}
+    assert plan_step([_v("back", 9, tau=tau), _v("fast", 9, tau=50.0)], 9, 16, SchedulerConfig(min_prompts=0)).quotas["back"] == 0
+    with pytest.raises(ConfigError):
+        SchedulerConfig(min_prompts=-1)
