@@ -20,6 +20,12 @@ from workers.demo import DemoConfig, run_system_demo
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 
+def _log_tail(workdir, name: str, lines: int = 40) -> str:  # type: ignore[no-untyped-def]
+    """The end of a worker's log, for a failure message (timing-dependent failures are diagnosed from it)."""
+    path = workdir / "logs" / f"{name}.log"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else f"(no {path})"
+
+
 def test_system_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with RedisServer() as rs:
         cfg = DemoConfig(
@@ -44,12 +50,12 @@ def test_system_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
         # The late joiner caught up (activations after its join) and got work.
         late_versions = sorted(v for a, v in res.activations if a == "us-late")
         assert late_versions and late_versions[0] >= 4
-        assert any("us-late" in lg.by_actor for lg in res.logs[4:])
+        assert any("us-late" in lg.by_actor for lg in res.logs[4:]), ([lg.by_actor for lg in res.logs], _log_tail(tmp_path, "us-late"))
         # After the Relay died, its remaining Actor kept staging and activating
         # new versions (from origin, once the Relay's key expired) and kept working.
         eu1_versions = sorted(v for a, v in res.activations if a == "eu-1")
-        assert eu1_versions[-1] >= 5, eu1_versions  # the Relay died after step 2 (v3)
-        assert sum("eu-1" in lg.by_actor for lg in res.logs[4:]) >= 2, [lg.by_actor for lg in res.logs]
+        assert eu1_versions[-1] >= 5, (eu1_versions, _log_tail(tmp_path, "eu-1"))  # the Relay died after step 2 (v3)
+        assert sum("eu-1" in lg.by_actor for lg in res.logs[4:]) >= 2, ([lg.by_actor for lg in res.logs], _log_tail(tmp_path, "eu-1"))
         # SIGTERM: every Actor left gracefully and holds no lease.
         ledger = Ledger(connect(rs.url), "e2e")
         states = {a.actor: a.status for a in ledger.actors()}
