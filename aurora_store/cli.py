@@ -490,6 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
     be = bench.add_parser("e2e", help="what the weight path adds to step time: the demo's workload with and without weight transfer")
     bench_e2e.add_arguments(be)
     be.set_defaults(func=bench_e2e.main)
+    from .bench import wan as bench_wan  # light: the runs import the workers
+
+    bw = bench.add_parser("wan", help="the paper's comparisons over an emulated WAN: delta vs full broadcast, lag bounds, streams, Relays, split, churn")
+    bench_wan.add_arguments(bw)
+    bw.set_defaults(func=bench_wan.main)
     return ap
 
 

@@ -59,6 +59,9 @@ class SchedulerConfig:
     settle anything, never be measured again and never come back. One prompt
     each is the probe that re-measures it; the rest is split by throughput.
     """
+    split: str = "proportional"
+    """``proportional`` (the paper's B_a = B * tau_a / T) or ``uniform`` (B / |eligible| each:
+    the baseline of the heterogeneity experiment, which leaves fast Actors waiting on slow ones)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha <= 1 or not 0 < self.beta <= 1:
@@ -69,6 +72,8 @@ class SchedulerConfig:
             raise ConfigError(f"SchedulerConfig: min_prompts must be >= 0, got {self.min_prompts}")
         if self.initial_tau <= 0 or self.min_tau <= 0:
             raise ConfigError("SchedulerConfig: tau values must be positive")
+        if self.split not in ("proportional", "uniform"):
+            raise ConfigError(f"SchedulerConfig: split must be proportional or uniform, got {self.split!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,10 +194,11 @@ class StepPlan:
 
 
 def plan_step(actors: Sequence[ActorView], v: int, batch: int, cfg: SchedulerConfig, require_staged: bool = True) -> StepPlan:
-    """Eligibility, decay of the excluded, and the throughput-proportional split."""
+    """Eligibility, decay of the excluded, and the split (by throughput unless ``cfg.split`` is uniform)."""
     el = eligibility(actors, v, require_staged)
     taus = {a.actor: max(cfg.min_tau, a.tau) for a in actors}
     for a in el.excluded:
         taus[a] = decay(taus[a], cfg.alpha, cfg.min_tau)
-    quotas = split(batch, {a: taus[a] for a in el.eligible}, cfg.min_prompts) if el.eligible else {}
+    weights = {a: 1.0 if cfg.split == "uniform" else taus[a] for a in el.eligible}
+    quotas = split(batch, weights, cfg.min_prompts) if el.eligible else {}
     return StepPlan(v, el, quotas, taus)

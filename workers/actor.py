@@ -37,7 +37,7 @@ from aurora_store.redisconn import connect
 from aurora_store.store import Store, open_store
 
 from .common import Endpoints, RunKeys, read_model_description, record_digest
-from .engine import EngineConfig, TorchEngine
+from .engine import RemoteStaged, StoreStaging, make_engine
 
 __all__ = ["ActorConfig", "Actor", "add_arguments", "main"]
 
@@ -59,6 +59,10 @@ class ActorConfig:
     slowdown: float = 1.0
     """>1 makes this Actor that many times slower (heterogeneity experiments)."""
     streams: int = 8
+    mirror_grace_s: float = 2.0
+    """While the region's Relay is alive, a version its mirror lacks is read from origin only
+    once it was published this long ago: otherwise every Actor races the Relay's cut-through
+    copy and the region pays for the version once per Actor."""
 
 
 @dataclass(slots=True)
@@ -82,7 +86,7 @@ class Actor:
         self.keys = RunKeys(ep.run)
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.staged: deque[tuple[StagedDelta, str, float]] = deque()
+        self.staged: deque[tuple[StagedDelta | RemoteStaged, str, float]] = deque()
         """(delta, its state, seconds it took to stage) in version order."""
         self.staged_version = -1
         self.staged_state = ""
@@ -102,7 +106,7 @@ class Actor:
     def prepare(self) -> None:
         """Build the engine from the run's model description (no weights yet)."""
         model, self.tokenizer = read_model_description(self.origin)
-        self.engine = TorchEngine(self.tokenizer, EngineConfig())
+        self.engine = make_engine(self.cfg.engine, self.tokenizer)
         self.engine.load(model)
 
     def bootstrap(self) -> None:
@@ -112,8 +116,11 @@ class Actor:
         if index.latest is None:
             raise AuroraError(f"{self.origin.url}: no version to bootstrap from")
         t0 = time.perf_counter()
-        tensors, state = materialize(self.origin, index.latest, self.cfg.streams)
-        self.engine.load_weights(tensors, version=index.latest)
+        if isinstance(self.engine, StoreStaging):  # its workers read the store themselves
+            _, state = self.engine.bootstrap_from_store(self.origin, self.ep.storage_options, index.latest, self.cfg.streams)
+        else:
+            tensors, state = materialize(self.origin, index.latest, self.cfg.streams)
+            self.engine.load_weights(tensors, version=index.latest)
         self.active, self.active_state = index.latest, state
         self.staged_version, self.staged_state = index.latest, state
         record_digest(self.redis, self.keys, self.cfg.actor_id, self.active, self.engine.digest())
@@ -153,14 +160,21 @@ class Actor:
         index = scan_versions(store)
         latest = max(index.deltas, default=-1)
         if region is not None and latest <= self.staged_version:
-            # The mirror may lag: origin is the truth.
+            # The mirror may lag: origin is the truth, once the Relay had its chance.
+            published = self.redis.hget(self.keys.trainer, "published_ms")
+            if published is not None and time.time() * 1000 - int(published) < self.cfg.mirror_grace_s * 1000:
+                return
             store, index = self.origin, scan_versions(self.origin)
             latest = max(index.deltas, default=-1)
         v = self.staged_version + 1
         while v <= latest and v in index.deltas and not self.stop.is_set():
             t0 = time.perf_counter()
             try:
-                m, staged = fetch_delta(store, v, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state)
+                if isinstance(self.engine, StoreStaging):
+                    opts = self.ep.storage_options if store is self.origin else {}
+                    m, staged = self.engine.stage_from_store(store, opts, v, self.staged_state, self.cfg.streams)
+                else:
+                    m, staged = fetch_delta(store, v, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state)
             except AuroraError as e:
                 if store is not self.origin:
                     log.warning("stage v%d from mirror failed (%s); trying origin", v, e)
@@ -171,7 +185,11 @@ class Actor:
             with self.lock:
                 self.staged.append((staged, m.state, time.perf_counter() - t0))
                 self.staged_version, self.staged_state = v, m.state
+            self._on_staged(v, m.total_bytes, time.perf_counter() - t0, store is not self.origin)
             v += 1
+
+    def _on_staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
+        """Called in the stager thread after each version is staged (benchmarks record it)."""
 
     def _stager_loop(self) -> None:
         last = "$"
@@ -300,6 +318,8 @@ class Actor:
                     idle = min(0.25, idle * 1.5)
         finally:
             self.stop.set()
+            if hasattr(self.engine, "close"):  # an engine with processes of its own (vLLM)
+                self.engine.close()
             released = self.ledger.leave(self.cfg.actor_id)
             log.info("%s left: %d settled, %d prompt(s) released, rejections %s", self.cfg.actor_id, self.stats.settled, released, self.stats.rejected)
         return self.stats
@@ -311,17 +331,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, metavar="NAME")
     p.add_argument("--region", default="default", help="region name; the Actor uses its Relay's mirror while it is alive")
     p.add_argument("--id", dest="actor_id", default=None, help="Actor id (default: random)")
-    p.add_argument("--engine", default="torch", choices=("torch",))
+    p.add_argument("--engine", default="torch", choices=("torch", "vllm"), help="vllm: pip install 'aurora-store[vllm]' (docs/WORKERS.md)")
     p.add_argument("--claim", type=int, default=ActorConfig().claim, help="prompts per generation batch")
     p.add_argument("--slowdown", type=float, default=1.0, help="run N times slower (experiments)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE")
+    from .synthetic import add_actor_arguments
+
+    add_actor_arguments(p)
 
 
 def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
     from .common import install_stop_handlers, limit_torch_threads, setup_logging
 
+    if getattr(args, "workload", "grpo") == "synthetic":
+        from .synthetic import actor_main
+
+        return actor_main(args, storage_options)
     setup_logging(f"actor[{args.actor_id or ''}]")
     limit_torch_threads()
     cfg = ActorConfig(

@@ -13,6 +13,7 @@ activated, was every prompt settled exactly once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -59,6 +60,8 @@ class DemoConfig:
     seed: int = 0
     weight_transfer: bool = True
     """False: the ideal baseline (versions never shipped; everything generated on v0)."""
+    engine: str = "torch"
+    """The Actors' engine: ``torch`` or ``vllm`` (the model then gets vLLM-CPU-sized heads)."""
 
 
 @dataclass(slots=True)
@@ -196,11 +199,10 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
                 events.append(f"step {lg.step}: us-late joined")
                 say(f"  ++ us-late joins after step {lg.step}: bootstraps from the newest snapshot + deltas, then gets work")
 
-        trainer = Trainer(
-            Endpoints(origin_url, redis_url, cfg.run, storage_options),
-            TrainerConfig(steps=cfg.steps, batch=cfg.batch, group=cfg.group, snapshot_every=cfg.snapshot_every, seed=cfg.seed, weight_transfer=cfg.weight_transfer),
-            on_step=on_step,
-        )
+        tcfg = TrainerConfig(steps=cfg.steps, batch=cfg.batch, group=cfg.group, snapshot_every=cfg.snapshot_every, seed=cfg.seed, weight_transfer=cfg.weight_transfer)
+        if cfg.engine == "vllm":
+            tcfg = dataclasses.replace(tcfg, head_dim=32)  # vLLM's CPU attention needs heads of 32 or more
+        trainer = Trainer(Endpoints(origin_url, redis_url, cfg.run, storage_options), tcfg, on_step=on_step)
         failure: list[BaseException] = []
 
         def train() -> None:
@@ -219,10 +221,10 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
         if cfg.relay and mirror_url is not None and cfg.actors_relay:
             procs.start("relay-eu", ["relay", "--store", origin_url, "--mirror", mirror_url, *common, "--region", "eu"])
         for name, region in actors:
-            procs.start(name, ["actor", "--store", origin_url, *common, "--region", region, "--id", name])
+            procs.start(name, ["actor", "--store", origin_url, *common, "--region", region, "--id", name, "--engine", cfg.engine])
         if 0 < join_at < cfg.steps:
             # Started now so its imports are done, it joins when the run reaches join_at.
-            procs.start("us-late", ["actor", "--store", origin_url, *common, "--region", "us", "--id", "us-late", "--join-at-version", str(join_at)])
+            procs.start("us-late", ["actor", "--store", origin_url, *common, "--region", "us", "--id", "us-late", "--join-at-version", str(join_at), "--engine", cfg.engine])
         say(f"trainer ready at v0; {len(actors)} actors starting ({cfg.actors_relay} in eu behind a relay, {cfg.actors_origin} in us from origin)")
         try:
             t.join()
@@ -337,6 +339,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-at", type=int, default=None, help="step at which an Actor is SIGKILLed (-1: never)")
     p.add_argument("--join-at", type=int, default=None, help="step at which a new Actor joins (-1: never)")
     p.add_argument("--codec", action="store_true", help="only the codec demonstration (no servers, no workers)")
+    p.add_argument("--engine", default="torch", choices=("torch", "vllm"), help="the Actors' engine (vllm: pip install 'aurora-store[vllm]')")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -347,10 +350,14 @@ def main(args: argparse.Namespace) -> int:
 
         return run_demo(args.dir, steps=min(args.steps, 10))
     limit_torch_threads()
+    if args.engine == "vllm":
+        from .engine_vllm import import_vllm
+
+        import_vllm()  # before any server starts: a missing vLLM is one clear line
     cfg = DemoConfig(
         steps=args.steps, batch=args.batch, store=args.store, redis=args.redis, run=args.run,
         workdir=os.path.abspath(args.dir), display=not args.json, relay=not args.no_relay,
-        kill_at=args.kill_at, join_at=args.join_at,
+        kill_at=args.kill_at, join_at=args.join_at, engine=args.engine,
     )
     def say(*a: Any, **k: Any) -> None:
         if args.json:

@@ -12,6 +12,10 @@ weights that deltas are written into are the very tensors that generate:
 there is no second copy in another dtype, so an applied version is the
 version sampled from. Generation and weight writes share one lock, so a
 delta lands between batches (the paper's safe point), never inside one.
+
+:class:`workers.engine_vllm.VLLMEngine` is the vLLM engine (``make_engine("vllm", …)``).
+An engine that generates in processes of its own also implements
+:class:`StoreStaging`: its workers read versions from the store themselves.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ from aurora_store.fusion import FusionPlan
 from .model import fusion_plan_for, hf_weights
 
 if TYPE_CHECKING:
+    from aurora_store.manifest import Manifest
+    from aurora_store.store import Store
+
     from .task import Problem
 
 __all__ = [
@@ -44,10 +51,13 @@ __all__ = [
     "EngineConfig",
     "EvalResult",
     "Generation",
+    "RemoteStaged",
+    "StoreStaging",
     "TextCodec",
     "TokenCodec",
     "TorchEngine",
     "evaluate",
+    "make_engine",
 ]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -150,6 +160,40 @@ class Engine(Protocol):
 
     def param_specs(self) -> Mapping[str, ParamSpec]:
         """Fused name -> spec: what deltas for this engine must match."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteStaged:
+    """A delta staged inside an engine's own processes (see :class:`StoreStaging`)."""
+
+    version: int
+    base_version: int
+    state: str
+    """The version's ``state`` digest (its manifest's)."""
+    nnz: int
+
+
+@runtime_checkable
+class StoreStaging(Protocol):
+    """An engine whose workers read versions from the store themselves.
+
+    Why: an engine that generates in other processes (vLLM) would otherwise
+    receive every delta twice over a process boundary; with this, the
+    workers fetch, verify and decode segments and only a handle comes back.
+    An Actor uses it when its engine has it, and ``fetch_delta`` otherwise.
+    """
+
+    def bootstrap_from_store(
+        self, store: Store, storage_options: Mapping[str, Any] | None = None, version: int | None = None, streams: int = 8
+    ) -> tuple[int, str]:
+        """Reach ``version`` (default: the newest) from the store; returns (version, state)."""
+        ...
+
+    def stage_from_store(
+        self, store: Store, storage_options: Mapping[str, Any] | None, version: int, expect_base_state: str | None, streams: int = 8
+    ) -> tuple[Manifest, RemoteStaged | StagedDelta]:
+        """Stage delta ``version`` on top of ``expect_base_state``; ``apply`` takes the handle."""
         ...
 
 
@@ -478,6 +522,19 @@ class TorchEngine:
         if self._model is None or self._plan is None:
             raise RuntimeError("no model loaded: call TorchEngine.load(model) first")
         return self._model, self._plan
+
+
+def make_engine(name: str, tokenizer: TokenCodec) -> Any:
+    """An unloaded engine by name: ``torch`` (:class:`TorchEngine`) or ``vllm``
+    (:class:`workers.engine_vllm.VLLMEngine`, configured from ``AURORA_VLLM_*``)."""
+    if name == "torch":
+        return TorchEngine(tokenizer, EngineConfig())
+    if name == "vllm":
+        from .engine_vllm import VLLMConfig, VLLMEngine, import_vllm
+
+        import_vllm()  # fail now, with the install command, not later in a worker
+        return VLLMEngine(tokenizer, VLLMConfig.from_env())
+    raise ConfigError(f"unknown engine {name!r}: torch or vllm")
 
 
 def _check_entries(staged: StagedDelta, specs: Mapping[str, ParamSpec]) -> None:

@@ -8,9 +8,11 @@ reference) -> version b+1, publish its delta cut-through over S connections
 with each segment announced, announce the version, create batch b+2 on
 version b+1 split by the scheduler, announce Commit(b+1).
 
-On one CPU process here; the model trains in float32 and every published
-version is its bfloat16 rounding, so the deltas are exactly what an RL run
-in bf16 inference would ship.
+The model trains in float32 and every published version is its bfloat16
+rounding, so the deltas are exactly what an RL run in bf16 inference would
+ship. One process by default; with several (``torchrun`` or ``--nproc N``)
+the fp32 weights and optimizer state are sharded with FSDP2 and rank 0 is
+the Trainer described here, the other ranks follow it (workers/fsdp.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ from aurora_store.scheduler import ActorView, SchedulerConfig, ema, lease_ms, pl
 from aurora_store.store import Store, open_store
 
 from .common import Endpoints, RunKeys, record_digest, write_model_description
+from .fsdp import (
+    SINGLE,
+    DistContext,
+    GrpoBatch,
+    broadcast_module,
+    exchange,
+    gather_bf16,
+    grpo_epochs,
+    shard_model,
+)
 from .model import (
     fused_weights,
     fusion_plan_for,
@@ -79,6 +91,8 @@ class TrainerConfig:
     warm_start_steps: int = 85
     """Supervised steps before RL: enough for some rewarded samples (about 10% here), not more."""
     difficulty: int = 1
+    head_dim: int = 16
+    """Attention head size of the tiny policy model; vLLM's CPU attention needs >= 32 (``aurora demo --engine vllm``)."""
     seed: int = 0
     streams: int = 8
     segment_bytes: int = 1 << 20
@@ -89,12 +103,21 @@ class TrainerConfig:
     weight_transfer: bool = True
     """False: the "ideal" baseline of ``aurora bench e2e``: versions are trained but never
     shipped, every batch is generated on v0, so the weight path costs nothing."""
+    transfer: str = "delta"
+    """How each version is shipped (``aurora bench wan`` baselines): ``delta`` (sparse delta,
+    Aurora), ``full`` (a full snapshot every version), ``none`` (nothing moves: the version
+    and its state are only announced; Actors of the synthetic workload advance for free)."""
+    max_lag: int = 1
+    """Lag bound K: batch b is generated on version max(0, b - K). 1 is one-step asynchrony;
+    2 and 4 are the full-broadcast baselines that hide transfer behind K batches."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     options: EncodeOptions = field(default_factory=EncodeOptions)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1 or self.group < 2:
             raise ValueError("steps >= 1, batch >= 1 and group >= 2 are required (GRPO needs a group)")
+        if self.transfer not in ("delta", "full", "none") or self.max_lag < 1:
+            raise ValueError(f"transfer must be delta, full or none and max_lag >= 1 (got {self.transfer!r}, {self.max_lag})")
 
 
 @dataclass(slots=True)
@@ -122,12 +145,24 @@ class StepLog:
     rejected_payloads: int = 0
 
 
+def unshipped_state(v: int) -> str:
+    """``state`` of a version announced but never shipped (``transfer="none"``)."""
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(f"unshipped:{v}".encode()).hexdigest()
+
+
 class Trainer:
     """One training run against a store and a Redis ledger."""
 
-    def __init__(self, ep: Endpoints, cfg: TrainerConfig, on_step: Callable[[StepLog], None] | None = None) -> None:
+    def __init__(
+        self, ep: Endpoints, cfg: TrainerConfig, on_step: Callable[[StepLog], None] | None = None, ctx: DistContext = SINGLE
+    ) -> None:
+        if not ctx.leader:
+            raise ValueError("the Trainer runs on rank 0; other ranks run follow()")
         self.ep = ep
         self.cfg = cfg
+        self.ctx = ctx
         self.on_step = on_step
         self.store: Store = open_store(ep.store, dict(ep.storage_options))
         self.redis = connect(ep.redis)
@@ -152,40 +187,45 @@ class Trainer:
         if scan_versions(self.store).latest is not None:
             raise RuntimeError(f"{self.store.url} already holds versions; resuming a run is not supported yet, use a fresh run root")
         t0 = time.perf_counter()
-        self.model = tiny_qwen3(self.tokenizer.vocab_size, seed=self.cfg.seed, dtype=torch.float32)
+        self.model = tiny_qwen3(self.tokenizer.vocab_size, seed=self.cfg.seed, dtype=torch.float32, head_dim=self.cfg.head_dim)
         warm = make_problems(2000, seed=self.cfg.seed + 1, difficulty=self.cfg.difficulty)
         rep = warm_start(self.model, self.tokenizer, warm, steps=self.cfg.warm_start_steps, seed=self.cfg.seed)
         log.info("warm start: %d steps in %.1fs, loss %.3f -> %.3f", rep.steps, rep.seconds, rep.first_loss, rep.last_loss)
         self.model.train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
-        self.reference = None
-        if self.cfg.kl_coef > 0:
-            import copy
-
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.published = self._bf16_weights()
-        # The policy each batch was sampled from (bf16, as the Actors ran it),
-        # kept for the two versions a batch can be generated on.
         import copy
 
+        self.reference = None
+        if self.cfg.kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # The policy each batch was sampled from (bf16, as the Actors ran it),
+        # kept for the two versions a batch can be generated on.
         self.behavior = copy.deepcopy(self.model).eval().requires_grad_(False)
+        tied = is_tied(hf_weights(self.model))
+        if self.ctx.sharded:
+            torch.nn.Module.to(self.model, self.ctx.device)
+            broadcast_module(self.model)
+            shard_model(self.model, self.ctx)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
+        self.published = self._bf16_weights()
+        self._followers_joined = self.ctx.sharded
         self.versions_bf16: dict[int, dict[str, torch.Tensor]] = {0: self.published}
         # The plan describes what is shipped: the bf16 weights (the fp32 master is the Trainer's own).
-        self.plan = fusion_plan_for(self.published, tied=is_tied(hf_weights(self.model)))
+        self.plan = fusion_plan_for(self.published, tied=tied)
         write_model_description(self.store, self.model.config.to_json_string(), self.tokenizer.to_json())
         m = publish_snapshot(self.store, self.ep.run, 0, fused_weights(self.published, self.plan), None, self._pub_cfg())
         self.states[0] = m.state
         self.full_bytes = m.total_bytes
         self._after_publish(0, m.state, "snapshot", m.total_bytes)
         log.info("v0 snapshot published (%d bytes) in %.1fs total setup", m.total_bytes, time.perf_counter() - t0)
-        self._create_batch(0, 0)
-        self._create_batch(1, 0)
+        for b in range(self.cfg.max_lag + 1):
+            self._create_batch(b, 0)
 
     def _pub_cfg(self) -> PublishConfig:
         return PublishConfig(streams=self.cfg.streams, segment_bytes=self.cfg.segment_bytes, options=self.cfg.options)
 
     def _bf16_weights(self) -> dict[str, torch.Tensor]:
-        return {n: t.detach().to(torch.bfloat16).contiguous() for n, t in hf_weights(self.model).items()}
+        """The bf16 rounding of the master weights, in host memory (gathered one parameter at a time when sharded)."""
+        return gather_bf16(list(self.model.named_parameters(remove_duplicate=False)), self.ctx)
 
     def _after_publish(self, v: int, state: str, kind: str, nbytes: int) -> None:
         from aurora_store.apply import weights_digest
@@ -210,7 +250,8 @@ class Trainer:
             views.append(ActorView(a.actor, held, a.staged, tau, a.status == "alive"))
         return views
 
-    def _create_batch(self, b: int, gen_version: int) -> tuple[list[str], list[str]]:
+    def _batch_prompts(self, b: int) -> list[tuple[str, bytes]]:
+        """(prompt id, payload) of batch ``b``; the answers stay here."""
         problems = make_problems(self.cfg.batch, seed=self.cfg.seed * 100_003 + b + 7, difficulty=self.cfg.difficulty)
         prompts = []
         for p in problems:
@@ -218,6 +259,10 @@ class Trainer:
             self.problems[pid] = p
             body = {"id": pid, "text": p.prompt_text, "ids": self.tokenizer.encode(p.prompt_text, bos=True)}
             prompts.append((pid, json.dumps(body).encode()))
+        return prompts
+
+    def _create_batch(self, b: int, gen_version: int) -> tuple[list[str], list[str]]:
+        prompts = self._batch_prompts(b)
         self.batch_prompts[b] = prompts
         views = self._actor_views()
         plan = plan_step(views, gen_version, len(prompts), self.cfg.scheduler, require_staged=False) if views else None
@@ -301,13 +346,16 @@ class Trainer:
                 prompts.append(ids)
                 comps.append(c if c else [self.tokenizer.eos_id])
                 rewards.append(reward(self.tokenizer.decode(c), prob.answer))
-        # Throughput estimates: tokens/s each Actor reported for its own generation.
+        self._update_tau(gen_tok, gen_s)
+        return prompts, comps, rewards, groups, tokens, by_actor, bad
+
+    def _update_tau(self, gen_tok: Mapping[str, int], gen_s: Mapping[str, float]) -> None:
+        """Throughput estimates: tokens/s each Actor reported for its own generation."""
         for a, n in gen_tok.items():
             observed = n / gen_s[a]
             prev = self.tau.get(a)
             self.tau[a] = observed if prev is None or prev <= self.cfg.scheduler.initial_tau else ema(prev, observed, self.cfg.scheduler.beta)
             self.ledger.set_tau(a, self.tau[a])
-        return prompts, comps, rewards, groups, tokens, by_actor, bad
 
     def _behavior_logprobs(self, gen_version: int, packed: Any) -> torch.Tensor:
         """Log-probs under the weights that generated the batch: version ``gen_version`` in bf16.
@@ -322,69 +370,53 @@ class Trainer:
                 t.copy_(weights[name].to(t.dtype))
             return logprobs(self.behavior, packed.input_ids, packed.attention_mask, packed.completion_mask, reduction="none")
 
-    def _grpo(self, prompts: list[list[int]], comps: list[list[int]], rewards: list[float], gen_version: int) -> None:
+    def _grpo_batch(self, prompts: list[list[int]], comps: list[list[int]], rewards: list[float], gen_version: int) -> GrpoBatch | None:
+        """Advantages and the fixed log-probabilities of a batch; None when no group has any signal."""
+        if not prompts:
+            return None
         g = self.cfg.group
         r = torch.tensor(rewards, dtype=torch.float32).view(-1, g)
         adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)
         keep = adv.abs() > 1e-6
         if not bool(keep.any()):
-            return  # every group uniform: no signal this step
+            return None  # every group uniform: no signal this step
         idx = torch.nonzero(keep).view(-1).tolist()
         packed = pack_completions([prompts[i] for i in idx], [comps[i] for i in idx], self.tokenizer.pad_id)
-        a = adv[idx]
         old = self._behavior_logprobs(gen_version, packed)
         with torch.no_grad():
             ref = logprobs(self.reference, *packed, reduction="none") if self.reference is not None else None
-        mask = packed.completion_mask.float()
-        for _ in range(self.cfg.epochs):
-            self.opt.zero_grad(set_to_none=True)
-            new = logprobs(self.model, *packed, reduction="none")
-            ratio = torch.exp(new - old)
-            obj = torch.minimum(ratio * a[:, None], ratio.clamp(1 - self.cfg.clip, 1 + self.cfg.clip) * a[:, None])
-            loss = -(obj * mask).sum() / mask.sum()
-            if ref is not None:
-                # k3 estimator of KL(pi || ref), per token
-                d = ref - new
-                loss = loss + self.cfg.kl_coef * ((torch.exp(d) - d - 1) * mask).sum() / mask.sum()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.opt.step()
+        return GrpoBatch(packed.input_ids, packed.attention_mask, packed.completion_mask, adv[idx], old, ref)
+
+    def _grpo(self, prompts: list[list[int]], comps: list[list[int]], rewards: list[float], gen_version: int) -> None:
+        batch = self._grpo_batch(prompts, comps, rewards, gen_version)
+        if self.ctx.sharded:
+            exchange(("train", batch) if batch is not None else ("skip", None), self.ctx)
+        if batch is not None:
+            grpo_epochs(self.model, self.opt, batch, self.ctx, self.cfg.epochs, self.cfg.clip, self.cfg.kl_coef, logprobs)
 
     # -- the loop ---------------------------------------------------------------------
     def train_step(self, b: int) -> StepLog:
         t0 = time.perf_counter()
-        gen_version = max(0, b - 1) if self.cfg.weight_transfer else 0
+        gen_version = max(0, b - self.cfg.max_lag) if self.cfg.weight_transfer else 0
         self._wait_batch(b, gen_version)
         t_wait = time.perf_counter() - t0
         prompts, comps, rewards, _, tokens, by_actor, bad = self._rollouts(b)
         self.ledger.close_step(b)
         t1 = time.perf_counter()
-        if prompts:
-            self._grpo(prompts, comps, rewards, gen_version)
+        self._grpo(prompts, comps, rewards, gen_version)
         t_train = time.perf_counter() - t1
         v = b + 1
         new = self._bf16_weights()
         t2 = time.perf_counter()
-
-        def announce(ev: SegmentEvent) -> None:
-            self.bus.announce(SEGMENT, ev.version, index=ev.index, key=ev.key, bytes=ev.bytes, sha256=ev.sha256)
-
         delta_bytes = changed = 0
         if self.cfg.weight_transfer:
-            m = publish_delta(self.store, self.ep.run, v, extract(self.plan, self.published, new), self.states[v - 1], self._pub_cfg(), on_segment=announce, producer={"step": b})
-            self.published = new
-            self.versions_bf16[v] = new
-            self.versions_bf16.pop(v - 2, None)
-            self.states[v] = m.state
-            delta_bytes, changed = m.total_bytes, m.nnz
-            self._after_publish(v, m.state, "delta", m.total_bytes)
-            if self.cfg.snapshot_every and v % self.cfg.snapshot_every == 0:
-                publish_snapshot(self.store, self.ep.run, v, fused_weights(self.published, self.plan), m.state, self._pub_cfg())
+            delta_bytes, changed = self._publish_version(v, b, new)
         t_pub = time.perf_counter() - t2
         eligible: list[str] = []
         excluded: list[str] = []
-        if v + 1 < self.cfg.steps:
-            eligible, excluded = self._create_batch(v + 1, v if self.cfg.weight_transfer else 0)
+        # Batch v + K is the first one generated on version v (lag bound K).
+        if v + self.cfg.max_lag < self.cfg.steps:
+            eligible, excluded = self._create_batch(v + self.cfg.max_lag, v if self.cfg.weight_transfer else 0)
         if self.cfg.weight_transfer:
             self.bus.announce(COMMIT, v)
         step_s = time.perf_counter() - t0
@@ -402,14 +434,78 @@ class Trainer:
             self.on_step(entry)
         return entry
 
+    def _publish_version(self, v: int, b: int, new: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """Ship version ``v`` as ``cfg.transfer`` says; returns (bytes written, changed elements)."""
+
+        def announce(ev: SegmentEvent) -> None:
+            self.bus.announce(SEGMENT, ev.version, index=ev.index, key=ev.key, bytes=ev.bytes, sha256=ev.sha256)
+
+        nbytes = changed = 0
+        if self.cfg.transfer == "delta":
+            m = publish_delta(self.store, self.ep.run, v, extract(self.plan, self.published, new), self.states[v - 1], self._pub_cfg(), on_segment=announce, producer={"step": b})
+            state, kind, nbytes, changed = m.state, "delta", m.total_bytes, m.nnz
+        elif self.cfg.transfer == "full":
+            m = publish_snapshot(self.store, self.ep.run, v, self._snapshot_tensors(new), None, self._pub_cfg(), producer={"step": b})
+            state, kind, nbytes = m.state, "snapshot", m.total_bytes
+        else:
+            # Nothing moves: the version exists only as an announcement.
+            state, kind = unshipped_state(v), "none"
+        self.published = new
+        self.versions_bf16[v] = new
+        self.versions_bf16.pop(v - 2, None)
+        self.states[v] = state
+        self._after_publish(v, state, kind, nbytes)
+        if self.cfg.transfer == "delta" and self.cfg.snapshot_every and v % self.cfg.snapshot_every == 0:
+            publish_snapshot(self.store, self.ep.run, v, self._snapshot_tensors(self.published), state, self._pub_cfg())
+        return nbytes, changed
+
+    def _snapshot_tensors(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full weights under fused names, as a snapshot holds them."""
+        return fused_weights(weights, self.plan)
+
     def run(self) -> list[StepLog]:
-        self.setup()
-        for b in range(self.cfg.steps):
-            if self.stop.is_set():
-                break
-            self.train_step(b)
+        try:
+            self.setup()
+            for b in range(self.cfg.steps):
+                if self.stop.is_set():
+                    break
+                self.train_step(b)
+        finally:
+            # Only once the other ranks wait for messages: before that they wait
+            # in another collective and a message would not match it.
+            if getattr(self, "_followers_joined", False):
+                exchange(("stop", None), self.ctx)
         self.redis.hset(self.keys.trainer, "status", "done")
         return self.logs
+
+
+def follow(cfg: TrainerConfig, ctx: DistContext) -> int:
+    """A rank > 0 of a sharded Trainer: hold a shard, run each update rank 0 sends, join each gather.
+
+    Returns the number of updates taken part in. The model is built like
+    rank 0's and then overwritten by rank 0's warm-started weights, so every
+    rank starts from the same parameters without a file in between.
+    """
+    if ctx.leader:
+        raise ValueError("rank 0 runs the Trainer, not follow()")
+    tokenizer = CharTokenizer()
+    model = tiny_qwen3(tokenizer.vocab_size, seed=cfg.seed, dtype=torch.float32, head_dim=cfg.head_dim)
+    torch.nn.Module.to(model, ctx.device)
+    model.train()
+    broadcast_module(model)
+    shard_model(model, ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    params = list(model.named_parameters(remove_duplicate=False))
+    gather_bf16(params, ctx)  # v0
+    updates = 0
+    while True:
+        kind, batch = exchange(None, ctx)
+        if kind == "stop":
+            return updates
+        if kind == "train" and batch is not None:
+            grpo_epochs(model, opt, batch, ctx, cfg.epochs, cfg.clip, cfg.kl_coef, logprobs)
+            updates += 1
+        gather_bf16(params, ctx)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -426,6 +522,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-every", type=int, default=d.snapshot_every)
     p.add_argument("--streams", type=int, default=d.streams)
     p.add_argument("--seed", type=int, default=d.seed)
+    from .synthetic import add_trainer_arguments
+
+    add_trainer_arguments(p)
+    p.add_argument(
+        "--nproc", type=int, default=1, metavar="N",
+        help="train with N processes sharding the weights with FSDP2 (one per GPU; gloo on CPU). "
+        "Under torchrun (WORLD_SIZE set) this is ignored: torchrun made the processes",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainerConfig:
@@ -435,12 +539,48 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     )
 
 
-def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
-    from .common import install_stop_handlers, limit_torch_threads, setup_logging
+def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace, storage_options: Mapping[str, Any]) -> None:
+    import os
 
-    setup_logging("trainer")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rc = main(args, storage_options)
+    if rc:
+        raise SystemExit(rc)
+
+
+def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
+    import os
+
+    if getattr(args, "workload", "grpo") == "synthetic":
+        from .synthetic import trainer_main
+
+        return trainer_main(args, storage_options)
+    from .common import install_stop_handlers, limit_torch_threads, setup_logging
+    from .fsdp import init_from_env
+
+    nproc = getattr(args, "nproc", 1)
+    if nproc < 1:
+        raise SystemExit(f"--nproc must be >= 1, got {nproc}")
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        # The parsed arguments travel to the new processes: only plain values pickle.
+        plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
+        mp.spawn(_spawned_rank, args=(nproc, port, plain, dict(storage_options)), nprocs=nproc)
+        return 0
+    ctx = init_from_env()
+    setup_logging("trainer" if ctx.leader else f"trainer-rank{ctx.rank}")
     limit_torch_threads()
-    tr = Trainer(Endpoints(args.store, args.redis, args.run, storage_options), config_from_args(args))
+    if not ctx.leader:
+        n = follow(config_from_args(args), ctx)
+        log.info("rank %d: %d updates, done", ctx.rank, n)
+        return 0
+    tr = Trainer(Endpoints(args.store, args.redis, args.run, storage_options), config_from_args(args), ctx=ctx)
     install_stop_handlers(tr.stop)
     try:
         logs = tr.run()

@@ -1,0 +1,308 @@
+"""The vLLM engine on this machine's CPU: bootstrap, deltas in place, bit-identity with the Trainer.
+
+One vLLM instance serves the whole module (it takes 20-40 s to start). The
+"Trainer" here is the tiny Qwen3 of ``workers.model`` (head size 32: vLLM's
+CPU attention needs at least that) taking real Adam steps; its versions are
+published to a ``file://`` store that vLLM's worker processes read
+themselves. Digests are computed inside the workers over vLLM's own fused
+parameters and compared with the Trainer's ``weights_digest``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from aurora_store.apply import weights_digest
+from aurora_store.checkpoint import StagedDelta
+from aurora_store.codec import DecodedEntry
+from aurora_store.errors import ChainError, ConfigError, IntegrityError, ModelMismatchError
+from aurora_store.extract import extract
+from aurora_store.fusion import FusionPlan
+from aurora_store.lineage import fetch_delta, read_manifest
+from aurora_store.manifest import version_dir
+from aurora_store.publish import PublishConfig, publish_delta, publish_snapshot
+from aurora_store.store import Store, open_store
+from workers.engine import Engine, RemoteStaged, StoreStaging, make_engine
+from workers.model import (
+    fused_weights,
+    fusion_plan_for,
+    hf_weights,
+    logprobs,
+    pack_completions,
+    tiny_qwen3,
+)
+from workers.task import make_problems
+from workers.tokenizer import CharTokenizer
+
+TOK = CharTokenizer()
+CFG = PublishConfig(streams=2, segment_bytes=16 << 10)
+HEAD_DIM = 32
+VERSIONS = 4
+BIG_STEP = 3
+"""Version made by a large step: its logits differ visibly from its base's."""
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vllm is not installed: pip install 'aurora-store[vllm]' (make venv installs it)",
+)
+
+
+def test_choosing_vllm_without_it_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers import engine_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'aurora-store\[vllm\]'"):
+        engine_vllm.import_vllm()
+    with pytest.raises(ConfigError, match=r"aurora-store\[vllm\]"):
+        make_engine("vllm", TOK)
+    with pytest.raises(ConfigError, match="unknown engine"):
+        make_engine("tensorrt", TOK)
+
+
+def test_vllm_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.engine_vllm import VLLMConfig
+
+    monkeypatch.setenv("AURORA_VLLM_TP", "2")
+    monkeypatch.setenv("AURORA_VLLM_KV_CACHE_MIB", "64")
+    monkeypatch.setenv("AURORA_VLLM_MAX_MODEL_LEN", "512")
+    assert VLLMConfig.from_env() == VLLMConfig(tensor_parallel_size=2, kv_cache_mib=64, max_model_len=512)
+    monkeypatch.setenv("AURORA_VLLM_TP", "two")
+    with pytest.raises(ConfigError, match="AURORA_VLLM_TP"):
+        VLLMConfig.from_env()
+    with pytest.raises(ConfigError):
+        VLLMConfig(kv_cache_mib=0)
+
+
+# ---------------------------------------------------------------------------
+# a Trainer's run in a file:// store
+
+
+@dataclass
+class Run:
+    store: Store
+    root: Path
+    plan: FusionPlan
+    digests: dict[int, str]
+    """The Trainer's weights_digest of each version."""
+    states: dict[int, str]
+    skeleton: torch.nn.Module
+
+
+def _step(model: torch.nn.Module, lr: float, seed: int) -> torch.nn.Module:
+    """The Trainer's copy after one Adam step (float32 master, rounded to bf16)."""
+    master = copy.deepcopy(model).float().train().requires_grad_(True)
+    probs = make_problems(16, seed)
+    packed = pack_completions(
+        [TOK.encode(p.prompt_text, bos=True) for p in probs],
+        [TOK.encode(p.solution, eos=True) for p in probs],
+        TOK.pad_id,
+    )
+    opt = torch.optim.Adam(master.parameters(), lr=lr)
+    (-logprobs(master, *packed, reduction="mean").mean()).backward()
+    opt.step()
+    return master.to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def make_run(root: Path) -> Run:
+    """Snapshot v0 and deltas 1..VERSIONS of a Trainer taking Adam steps, under ``root``."""
+    root.mkdir(parents=True)
+    store = open_store(f"file://{root}")
+    model = tiny_qwen3(TOK.vocab_size, seed=0, head_dim=HEAD_DIM)
+    plan = fusion_plan_for(model)
+    base = {n: t.clone() for n, t in hf_weights(model).items()}
+    snap = publish_snapshot(store, "t", 0, fused_weights(base, plan), None, CFG)
+    digests, states = {0: weights_digest(base, plan)}, {0: snap.state}
+    for v in range(1, VERSIONS + 1):
+        model = _step(model, lr=1e-2 if v == BIG_STEP else 1e-5, seed=v)
+        new = {n: t.clone() for n, t in hf_weights(model).items()}
+        m = publish_delta(store, "t", v, extract(plan, base, new), states[v - 1], CFG)
+        digests[v], states[v], base = weights_digest(new, plan), m.state, new
+    return Run(store, root, plan, digests, states, tiny_qwen3(TOK.vocab_size, seed=0, head_dim=HEAD_DIM))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return make_run(tmp_path_factory.mktemp("vllm") / "run")
+
+
+@pytest.fixture(scope="module")
+def engine(run: Run) -> Iterator[object]:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed: pip install 'aurora-store[vllm]'")
+    from workers.engine_vllm import VLLMConfig, VLLMEngine
+
+    e = VLLMEngine(TOK, VLLMConfig(kv_cache_mib=64))
+    e.load(run.skeleton)
+    yield e
+    e.close()
+
+
+def _stage(engine: object, run: Run, v: int) -> RemoteStaged:
+    assert isinstance(engine, StoreStaging)
+    m, staged = engine.stage_from_store(run.store, {}, v, run.states[v - 1], 2)
+    assert isinstance(staged, RemoteStaged) and m.state == run.states[v] == staged.state
+    return staged
+
+
+def _ptrs(engine: object) -> list[dict[str, int]]:
+    return [p["ptrs"] for p in engine.probe()]  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------
+# the engine
+
+
+pytestmark = [pytest.mark.slow]
+
+
+@needs_vllm
+def test_vllm_bootstraps_and_applies_deltas_bit_identical(engine, run: Run) -> None:  # type: ignore[no-untyped-def]
+    assert isinstance(engine, Engine) and isinstance(engine, StoreStaging)
+    assert engine.param_specs() == run.plan.specs()  # fused names, whole shapes: vocab padding hidden
+    assert engine.bootstrap_from_store(run.store, {}, 0, 2) == (0, run.states[0])
+    assert engine.version == 0 and engine.digest() == run.digests[0]
+    ptrs = _ptrs(engine)
+    # Deltas staged by the workers themselves, activated in place.
+    for v in range(1, VERSIONS):
+        engine.apply(_stage(engine, run, v))
+        assert engine.version == v
+        assert engine.digest() == run.digests[v], f"v{v} differs from the Trainer's"
+    # A delta decoded in this process and shipped to the workers: same bits.
+    _, staged = fetch_delta(run.store, VERSIONS, engine.param_specs(), expect_base_state=run.states[VERSIONS - 1])
+    engine.apply(staged)
+    assert engine.digest() == run.digests[VERSIONS]
+    assert _ptrs(engine) == ptrs  # no parameter was reallocated
+    assert engine.probe()[0]["staged"] == []  # nothing left behind in the worker
+    # Joining late: newest snapshot plus every delta, inside the worker.
+    assert engine.bootstrap_from_store(run.store, {}, None, 2) == (VERSIONS, run.states[VERSIONS])
+    assert engine.digest() == run.digests[VERSIONS]
+    # Whole weights shipped from this process (Hugging Face names), then back to v0 from the store.
+    weights = hf_weights(tiny_qwen3(TOK.vocab_size, seed=0, head_dim=HEAD_DIM))
+    engine.load_weights(weights, version=0)
+    assert engine.digest() == run.digests[0] and _ptrs(engine) == ptrs
+
+
+@needs_vllm
+def test_vllm_generates_seeded_batches(engine, run: Run) -> None:  # type: ignore[no-untyped-def]
+    engine.bootstrap_from_store(run.store, {}, 0, 2)
+    prompts = [TOK.encode(p.prompt_text, bos=True) for p in make_problems(5, seed=3)]
+    a = engine.generate(prompts, group=3, max_new_tokens=10, seed=5)
+    b = engine.generate(prompts, group=3, max_new_tokens=10, seed=5)
+    c = engine.generate(prompts, group=3, max_new_tokens=10, seed=6)
+    assert a.completions == b.completions != c.completions
+    assert len(a.completions) == 5 and all(len(g) == 3 for g in a.completions)
+    assert a.new_tokens == sum(len(x.token_ids) for g in a.completions for x in g) > 0
+    assert a.tokens_per_s > 0
+    for g in a.completions:
+        for x in g:
+            assert 1 <= len(x.token_ids) <= 10
+            assert x.finished == (x.token_ids[-1] == TOK.eos_id)
+            assert TOK.eos_id not in x.token_ids[:-1]
+            assert x.text == TOK.decode(x.token_ids)
+    # Per-request seeds: a prompt's samples do not depend on the rest of the batch.
+    alone = engine.generate(prompts[:1], group=3, max_new_tokens=10, seed=5)
+    assert alone.completions[0] == a.completions[0]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[1, 10_000]], group=1, max_new_tokens=4, seed=0)
+
+
+@needs_vllm
+def test_vllm_outputs_follow_a_delta_that_changes_the_logits(engine, run: Run) -> None:  # type: ignore[no-untyped-def]
+    engine.bootstrap_from_store(run.store, {}, BIG_STEP - 1, 2)
+    prompts = [TOK.encode(p.prompt_text, bos=True) for p in make_problems(6, seed=9)]
+    before = engine.generate(prompts, group=2, max_new_tokens=12, seed=11)
+    engine.apply(_stage(engine, run, BIG_STEP))
+    after = engine.generate(prompts, group=2, max_new_tokens=12, seed=11)
+    assert before.completions != after.completions
+    # And back: the same version gives the same samples again.
+    engine.bootstrap_from_store(run.store, {}, BIG_STEP - 1, 2)
+    assert engine.generate(prompts, group=2, max_new_tokens=12, seed=11).completions == before.completions
+
+
+@needs_vllm
+def test_vllm_forgets_prompt_kv_of_the_old_weights(engine, run: Run) -> None:  # type: ignore[no-untyped-def]
+    """vLLM caches the KV of whole prompt blocks (128 tokens on CPU); a switch must not reuse the old version's."""
+    long = [TOK.encode((" ".join(p.prompt_text for _ in range(20)))[:230], bos=True) for p in make_problems(3, seed=4)]
+    assert all(len(p) > 128 for p in long)
+    engine.bootstrap_from_store(run.store, {}, BIG_STEP - 1, 2)
+    engine.generate(long, group=2, max_new_tokens=8, seed=3)  # fills the prefix cache at v(BIG_STEP-1)
+    engine.apply(_stage(engine, run, BIG_STEP))
+    switched = engine.generate(long, group=2, max_new_tokens=8, seed=3)
+    assert engine._llm.reset_prefix_cache()  # the same weights, nothing cached
+    fresh = engine.generate(long, group=2, max_new_tokens=8, seed=3)
+    assert switched.completions == fresh.completions
+
+
+@needs_vllm
+def test_vllm_refuses_a_bad_delta_without_touching_weights(engine, run: Run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    engine.bootstrap_from_store(run.store, {}, 1, 2)
+    digest, ptrs = engine.digest(), _ptrs(engine)
+    _, good = fetch_delta(run.store, 2, engine.param_specs(), expect_base_state=run.states[1])
+    first = good.entries[0]
+    # A valid entry first, then one past the end of its parameter: nothing may be written.
+    past = DecodedEntry(first.param, first.spec, 0, first.spec.numel, 1,
+                        np.array([first.spec.numel + 5], dtype=np.int64), np.ones(1, np.uint16), "new")
+    unknown = DecodedEntry("model.layers.9.mlp.gate_up_proj.weight", first.spec, 0, 1, 1,
+                           np.array([0], dtype=np.int64), np.ones(1, np.uint16), "new")
+    wide = DecodedEntry(first.param, first.spec, 0, 1, 1, np.array([0], dtype=np.int64), np.ones(1, np.uint32), "new")
+    for bad in (past, unknown, wide):
+        with pytest.raises(ModelMismatchError):
+            engine.apply(StagedDelta(2, 1, (*good.entries, bad)))
+        assert engine.digest() == digest and engine.version == 1
+    # On another base than the held version.
+    with pytest.raises(ChainError):
+        engine.apply(StagedDelta(3, 2, good.entries))
+    # A corrupted segment in the store: the worker refuses it while staging.
+    copy_root = tmp_path / "run"
+    shutil.copytree(run.root, copy_root)
+    bad_store = open_store(f"file://{copy_root}")
+    m = read_manifest(bad_store, "delta", 2)
+    seg = copy_root / version_dir("delta", 2) / m.segments[0].key
+    raw = bytearray(seg.read_bytes())
+    raw[-1] ^= 0xFF
+    seg.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError):
+        engine.stage_from_store(bad_store, {}, 2, run.states[1], 2)
+    # A delta on the wrong base state is refused before anything is fetched.
+    with pytest.raises(ChainError):
+        engine.stage_from_store(run.store, {}, 2, run.states[0], 2)
+    assert engine.digest() == digest and _ptrs(engine) == ptrs
+    # The engine still works: the good delta applies.
+    engine.apply(_stage(engine, run, 2))
+    assert engine.digest() == run.digests[2]
+
+
+@needs_vllm
+def test_vllm_repeated_activations_keep_memory_flat(engine, run: Run) -> None:  # type: ignore[no-untyped-def]
+    def cycle() -> None:
+        engine.bootstrap_from_store(run.store, {}, 0, 2)
+        for v in range(1, VERSIONS + 1):
+            engine.apply(_stage(engine, run, v))
+
+    cycle()  # warm-up: allocator pools, thread pool, store handles
+    ptrs = _ptrs(engine)
+    rss0 = engine.probe()[0]["rss"]
+    for _ in range(4):
+        cycle()
+    # XOR deltas shipped from here: every second one restores the weights.
+    spec = engine.param_specs()["model.layers.0.mlp.gate_up_proj.weight"]
+    rng = np.random.default_rng(0)
+    idx = np.unique(rng.integers(0, spec.numel, 2000)).astype(np.int64)
+    bits = rng.integers(1, 1 << 15, idx.size).astype(np.uint16)
+    entry = DecodedEntry("model.layers.0.mlp.gate_up_proj.weight", spec, 0, spec.numel, idx.size, idx, bits, "xor")
+    for k in range(40):
+        engine.apply(StagedDelta(VERSIONS + k + 1, VERSIONS + k, (entry,)))
+    assert engine.digest() == run.digests[VERSIONS]
+    rss1 = engine.probe()[0]["rss"]
+    assert _ptrs(engine) == ptrs
+    assert rss1 - rss0 < 48 << 20, f"worker RSS grew by {(rss1 - rss0) >> 20} MiB over 60 activations"
