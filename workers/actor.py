@@ -61,7 +61,7 @@ class ActorConfig:
     streams: int = 8
     mirror_grace_s: float = 2.0
     """While the region's Relay is alive, a version its mirror lacks is read from origin only
-    once it was published this long ago: otherwise every Actor races the Relay's cut-through
+    once it has been missing this long: otherwise every Actor races the Relay's cut-through
     copy and the region pays for the version once per Actor."""
 
 
@@ -93,6 +93,9 @@ class Actor:
         self.commit_seen = -1
         self.stats = ActorStats()
         self._mirror: tuple[str, Store] | None = None
+        self._missing_since: dict[int, float] = {}
+        self._mirror_behind = False
+        """version -> when the stager first found it missing from the region's mirror."""
 
     # -- bootstrap ----------------------------------------------------------------
     def wait_for_version(self, version: int) -> None:
@@ -159,11 +162,23 @@ class Actor:
         store, region = self._source()
         index = scan_versions(store)
         latest = max(index.deltas, default=-1)
+        if region is not None and latest > self.staged_version and self._mirror_behind:
+            log.info("mirror of region %s caught up (v%d); reading from it again", region, latest)
+            self._mirror_behind = False
         if region is not None and latest <= self.staged_version:
-            # The mirror may lag: origin is the truth, once the Relay had its chance.
-            published = self.redis.hget(self.keys.trainer, "published_ms")
-            if published is not None and time.time() * 1000 - int(published) < self.cfg.mirror_grace_s * 1000:
-                return
+            # The mirror may lag: origin is the truth, once the Relay had its chance
+            # (the next version has been missing from the mirror for mirror_grace_s).
+            # A mirror that missed the grace once (a Relay that died and whose key
+            # has not expired yet, or one slower than the run) is skipped without
+            # waiting until it is ahead again: a grace per version would keep this
+            # Actor one grace behind the run for as long as the key lives.
+            head = self.redis.hget(self.keys.trainer, "head")
+            if not self._mirror_behind and head is not None and int(head) > self.staged_version:
+                first = self._missing_since.setdefault(self.staged_version + 1, time.monotonic())
+                if time.monotonic() - first < self.cfg.mirror_grace_s:
+                    return
+                log.warning("mirror of region %s lacks v%d after %.1fs; reading from origin until it catches up", region, self.staged_version + 1, self.cfg.mirror_grace_s)
+                self._mirror_behind = True
             store, index = self.origin, scan_versions(self.origin)
             latest = max(index.deltas, default=-1)
         v = self.staged_version + 1
@@ -207,9 +222,12 @@ class Actor:
                     last = ev.id
                     if ev.type == COMMIT:
                         self.commit_seen = max(self.commit_seen, ev.version)
-                head = self.redis.hget(self.keys.trainer, "head")
+                head, commit = self.redis.hmget(self.keys.trainer, "head", "commit")
                 # Announcements are hints: a silent stream (a Relay that just died,
-                # before its key expires) must not stop us from staging what exists.
+                # before its key expires) must not stop us from staging what exists,
+                # nor from activating what the Trainer committed.
+                if commit is not None:
+                    self.commit_seen = max(self.commit_seen, int(commit))
                 if events or (head is not None and int(head) > self.staged_version):
                     self._stage_available()
             except BusGap:
@@ -333,6 +351,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--id", dest="actor_id", default=None, help="Actor id (default: random)")
     p.add_argument("--engine", default="torch", choices=("torch", "vllm"), help="vllm: pip install 'aurora-store[vllm]' (docs/WORKERS.md)")
     p.add_argument("--claim", type=int, default=ActorConfig().claim, help="prompts per generation batch")
+    p.add_argument(
+        "--mirror-grace-s", type=float, default=ActorConfig().mirror_grace_s, metavar="S",
+        help="with the region's Relay alive, wait this long for its mirror to have a version before reading origin (default %(default)s)",
+    )
     p.add_argument("--slowdown", type=float, default=1.0, help="run N times slower (experiments)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")
@@ -354,6 +376,7 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
     cfg = ActorConfig(
         **({"actor_id": args.actor_id} if args.actor_id else {}),
         region=args.region, engine=args.engine, claim=args.claim, slowdown=args.slowdown, seed=args.seed,
+        mirror_grace_s=args.mirror_grace_s,
     )
     actor = Actor(Endpoints(args.store, args.redis, args.run, storage_options), cfg)
     install_stop_handlers(actor.stop)

@@ -62,6 +62,8 @@ class DemoConfig:
     """False: the ideal baseline (versions never shipped; everything generated on v0)."""
     engine: str = "torch"
     """The Actors' engine: ``torch`` or ``vllm`` (the model then gets vLLM-CPU-sized heads)."""
+    mirror_grace_s: float | None = None
+    """The eu Actors' wait for the Relay's mirror before reading origin (None: the Actor's default)."""
 
 
 @dataclass(slots=True)
@@ -220,8 +222,9 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
             time.sleep(0.1)
         if cfg.relay and mirror_url is not None and cfg.actors_relay:
             procs.start("relay-eu", ["relay", "--store", origin_url, "--mirror", mirror_url, *common, "--region", "eu"])
+        grace = ["--mirror-grace-s", str(cfg.mirror_grace_s)] if cfg.mirror_grace_s is not None else []
         for name, region in actors:
-            procs.start(name, ["actor", "--store", origin_url, *common, "--region", region, "--id", name, "--engine", cfg.engine])
+            procs.start(name, ["actor", "--store", origin_url, *common, "--region", region, "--id", name, "--engine", cfg.engine, *grace])
         if 0 < join_at < cfg.steps:
             # Started now so its imports are done, it joins when the run reaches join_at.
             procs.start("us-late", ["actor", "--store", origin_url, *common, "--region", "us", "--id", "us-late", "--join-at-version", str(join_at), "--engine", cfg.engine])

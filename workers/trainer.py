@@ -419,6 +419,9 @@ class Trainer:
             eligible, excluded = self._create_batch(v + self.cfg.max_lag, v if self.cfg.weight_transfer else 0)
         if self.cfg.weight_transfer:
             self.bus.announce(COMMIT, v)
+            # Also in the Trainer's hash: an Actor following a Relay's stream
+            # that went silent (the Relay died) still learns of the Commit.
+            self.redis.hset(self.keys.trainer, "commit", v)
         step_s = time.perf_counter() - t0
         entry = StepLog(
             step=b, version=v, gen_version=gen_version, reward=sum(rewards) / max(1, len(rewards)), wait_s=t_wait, train_s=t_train,

@@ -74,9 +74,11 @@ def write_plots(out: Mapping[str, Any], folder: str) -> list[str]:
         bars = ax.bar(labels, [r["transfer_s"] for r in rs], color=["#c44" if r["transfer"] == "full" else "#36c" for r in rs])
         for b, r in zip(bars, rs, strict=True):
             ax.text(b.get_x() + b.get_width() / 2, r["transfer_s"], f"{r['transfer_s']:.2f}s", ha="center", va="bottom", fontsize=8)
-        ax.set_yscale("log")
+        ts = [r["transfer_s"] for r in rs]
+        if max(ts) > 20 * min(ts):
+            ax.set_yscale("log")
         ax.set_ylabel("publish to staged, s")
-        ax.set_title(f"One vs several streams ({_link(rs[0])}, {size})", fontsize=10)
+        ax.set_title(f"One vs several streams ({_link(rs[0])}, {size})", fontsize=8)
         save(fig, "wan_streams.png")
 
     rs = [r for r in _ok(res, "relay") if r["mode"] == "delta" and r.get("object_bytes_per_version")]
@@ -118,6 +120,9 @@ def write_plots(out: Mapping[str, Any], folder: str) -> list[str]:
         if join is not None:
             ax.axvline(join + 0.5, color="#3a3", ls="--", lw=1, label=f"Actor joins after step {join}")
         ax.set_xlabel("step")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("tokens/s")
         ax.set_title(f"Churn: {r['actors']} Actors, {_link(r)}", fontsize=10)
         ax.legend(fontsize=8)

@@ -285,9 +285,11 @@ def summarize(
     fetch: list[float] = []
     # Every version that reached an Actor: with a lag bound K, versions past the last batch's
     # are never needed, so those of the warm-up are the ones there are.
+    # Version 1 pays for first connections and decodes in every process: left out when there are others.
+    later = [v for v in published if v >= 2 and any(ver == v for (_a, ver) in staged)]
     for v in sorted(published):
-        if v < 2:
-            continue  # version 1 pays for first connections and first decodes in every process
+        if v < 1 or (v == 1 and later):
+            continue
         pub = published.get(v)
         recs_v = [rec for (a, ver), rec in staged.items() if ver == v and a not in late]
         if pub is not None and recs_v and pub.get("kind") != "none":
