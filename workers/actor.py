@@ -365,7 +365,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
-    from .common import install_stop_handlers, limit_torch_threads, setup_logging
+    from .common import limit_torch_threads, setup_logging
 
     if getattr(args, "workload", "grpo") == "synthetic":
         from .synthetic import actor_main
@@ -378,11 +378,17 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
         region=args.region, engine=args.engine, claim=args.claim, slowdown=args.slowdown, seed=args.seed,
         mirror_grace_s=args.mirror_grace_s,
     )
-    actor = Actor(Endpoints(args.store, args.redis, args.run, storage_options), cfg)
+    return run_until_stopped(Actor(Endpoints(args.store, args.redis, args.run, storage_options), cfg), args.join_at_version)
+
+
+def run_until_stopped(actor: Actor, join_at_version: int | None = None) -> int:
+    """Run an Actor in this process until SIGTERM/SIGINT, joining once the run reaches ``join_at_version``."""
+    from .common import install_stop_handlers
+
     install_stop_handlers(actor.stop)
-    if args.join_at_version is not None:
+    if join_at_version is not None:
         actor.prepare()
-        actor.wait_for_version(args.join_at_version)
+        actor.wait_for_version(join_at_version)
         if actor.stop.is_set():
             return 0
     actor.run()

@@ -646,21 +646,15 @@ def trainer_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -
 
 
 def actor_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
-    from .common import Endpoints, install_stop_handlers, limit_torch_threads, setup_logging
+    from .actor import run_until_stopped
+    from .common import Endpoints, limit_torch_threads, setup_logging
 
     setup_logging(f"actor[{args.actor_id or ''}]")
     limit_torch_threads()
     cfg = ActorConfig(
         **({"actor_id": args.actor_id} if args.actor_id else {}),
         region=args.region, engine="synthetic", claim=args.claim, slowdown=args.slowdown, seed=args.seed, streams=args.streams,
+        mirror_grace_s=args.mirror_grace_s,
     )
     opts = SyntheticActorOptions(args.transfer, args.hold_weights == "yes", args.digests)
-    actor = SyntheticActor(Endpoints(args.store, args.redis, args.run, storage_options), cfg, opts)
-    install_stop_handlers(actor.stop)
-    if args.join_at_version is not None:
-        actor.prepare()
-        actor.wait_for_version(args.join_at_version)
-        if actor.stop.is_set():
-            return 0
-    actor.run()
-    return 0
+    return run_until_stopped(SyntheticActor(Endpoints(args.store, args.redis, args.run, storage_options), cfg, opts), args.join_at_version)
