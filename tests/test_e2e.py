@@ -29,7 +29,7 @@ def _log_tail(workdir, name: str, lines: int = 40) -> str:  # type: ignore[no-un
 def test_system_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with RedisServer() as rs:
         cfg = DemoConfig(
-            steps=12, batch=16, group=4, actors_relay=2, actors_origin=1, kill_at=2, stop_relay_at=3, join_at=4,
+            steps=12, batch=16, group=4, actors_relay=2, actors_origin=1, kill_at=2, stop_relay_at=2, join_at=4,
             snapshot_every=3, redis=rs.url, run="e2e", workdir=str(tmp_path), display=False,
             # A run this small can finish a few seconds after the Relay dies: a short
             # grace lets its Actor turn to origin well within that.
@@ -57,12 +57,12 @@ def test_system_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
         # After the Relay died, its remaining Actor kept staging and activating
         # new versions (from origin, once the Relay's key expired) and kept working.
         eu1_versions = sorted(v for a, v in res.activations if a == "eu-1")
-        assert eu1_versions[-1] >= 5, (eu1_versions, _log_tail(tmp_path, "eu-1"))  # the Relay died after step 2 (v3)
-        # Work on a version only origin had (batch b is generated on v(b-1); v4 and later
-        # came after the Relay died). An Actor in the middle of a batch activates
-        # only at its end, so a fast run can leave it a few versions behind for a
-        # moment: the last batches give it time to be back.
-        assert any("eu-1" in lg.by_actor for lg in res.logs[5:]), ([lg.by_actor for lg in res.logs], _log_tail(tmp_path, "eu-1"))
+        assert eu1_versions[-1] >= 5, (eu1_versions, _log_tail(tmp_path, "eu-1"))  # the Relay died after step 1 (v2)
+        # Work on a version only origin had (batch b is generated on v(b-1); v3 and later
+        # came after the Relay died). The early steps are the slow ones (first
+        # generations), so the Relay dies early: late steps can take a quarter of a
+        # second each, less than an Actor needs to notice the dead mirror and catch up.
+        assert any("eu-1" in lg.by_actor for lg in res.logs[4:]), ([lg.by_actor for lg in res.logs], _log_tail(tmp_path, "eu-1"))
         # SIGTERM: every Actor left gracefully and holds no lease.
         ledger = Ledger(connect(rs.url), "e2e")
         states = {a.actor: a.status for a in ledger.actors()}
