@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_DIR",
     "DEFAULT_BUCKET",
     "STATE_FILE",
+    "process_alive",
     "Testbed",
     "TestbedError",
     "TestbedNotRunning",
@@ -83,7 +84,7 @@ class TestbedStale(TestbedError):
 # processes
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie counts as gone; our own zombie child is reaped)."""
     if pid <= 0:
         return False
@@ -114,7 +115,7 @@ def _cmdline(pid: int) -> str | None:
 def _ours(pid: int, marker: str) -> bool:
     """``pid`` runs and (where /proc tells) its command line contains ``marker``:
     a recycled pid of some unrelated process is never signalled."""
-    if not _alive(pid):
+    if not process_alive(pid):
         return False
     cmd = _cmdline(pid)
     return cmd is None or marker in cmd
@@ -122,7 +123,7 @@ def _ours(pid: int, marker: str) -> bool:
 
 def _wait_gone(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
-    while _alive(pid):
+    while process_alive(pid):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)

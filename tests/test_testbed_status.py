@@ -80,7 +80,7 @@ def test_testbed_up_background_then_down(tmp_path: Path, capsys: pytest.CaptureF
     pid, redis_pid = state["pid"], state["redis"]["pid"]
     try:
         assert state["redis"]["port"] > 0 and state["s3"]["port"] > 0
-        assert testbed._alive(pid) and testbed._alive(redis_pid)
+        assert testbed.process_alive(pid) and testbed.process_alive(redis_pid)
         assert _ping(state["urls"]["redis"])
         client = _s3_client(state["urls"]["s3"], state["env"])
         assert "tb-bg" in [b["Name"] for b in client.list_buckets()["Buckets"]]
@@ -94,11 +94,11 @@ def test_testbed_up_background_then_down(tmp_path: Path, capsys: pytest.CaptureF
         assert main(["testbed", "down", "--dir", str(d)]) == 0
         assert "stopped" in capsys.readouterr().err
     finally:
-        if testbed._alive(pid):  # the test failed half-way: do not leak servers
+        if testbed.process_alive(pid):  # the test failed half-way: do not leak servers
             testbed._terminate(pid, 5)
             testbed._terminate(redis_pid, 5)
     assert not state_file.exists()
-    assert not testbed._alive(pid) and not testbed._alive(redis_pid)
+    assert not testbed.process_alive(pid) and not testbed.process_alive(redis_pid)
     assert not _ping(state["urls"]["redis"])
     assert not testbed._http_answers(state["urls"]["s3"] + "/", timeout_s=0.5)
 

@@ -50,6 +50,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import AuroraError, ConfigError
+from ..testbed import process_alive
 from .profile import LinkProfile
 from .proxy import Address, Proxy, ProxyLoop, ProxyStats
 
@@ -445,16 +446,6 @@ def _sigint_deferred() -> Iterator[None]:
             raise KeyboardInterrupt
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale(prefix: str = "aur", *, force: bool = False) -> list[str]:
     """Delete namespaces ``<P>-<region>`` and veths ``<P>v<k>`` whose prefix P starts with ``prefix``.
 
@@ -470,7 +461,7 @@ def cleanup_stale(prefix: str = "aur", *, force: bool = False) -> list[str]:
         if force:
             return True
         m = _PID_PREFIX.match(p)
-        return p == prefix if m is None else not _pid_alive(int(m.group(1)))
+        return p == prefix if m is None else not process_alive(int(m.group(1)))
 
     removed: list[str] = []
     for ns in _netns_list():
