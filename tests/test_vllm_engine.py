@@ -10,7 +10,6 @@ parameters and compared with the Trainer's ``weights_digest``.
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import shutil
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_engine import trainer_step  # the Trainer's update, shared with the torch engine's tests
 
 from aurora_store.apply import weights_digest
 from aurora_store.checkpoint import StagedDelta
@@ -37,8 +37,6 @@ from workers.model import (
     fused_weights,
     fusion_plan_for,
     hf_weights,
-    logprobs,
-    pack_completions,
     tiny_qwen3,
 )
 from workers.task import make_problems
@@ -98,21 +96,6 @@ class Run:
     skeleton: torch.nn.Module
 
 
-def _step(model: torch.nn.Module, lr: float, seed: int) -> torch.nn.Module:
-    """The Trainer's copy after one Adam step (float32 master, rounded to bf16)."""
-    master = copy.deepcopy(model).float().train().requires_grad_(True)
-    probs = make_problems(16, seed)
-    packed = pack_completions(
-        [TOK.encode(p.prompt_text, bos=True) for p in probs],
-        [TOK.encode(p.solution, eos=True) for p in probs],
-        TOK.pad_id,
-    )
-    opt = torch.optim.Adam(master.parameters(), lr=lr)
-    (-logprobs(master, *packed, reduction="mean").mean()).backward()
-    opt.step()
-    return master.to(torch.bfloat16).eval().requires_grad_(False)
-
-
 def make_run(root: Path) -> Run:
     """Snapshot v0 and deltas 1..VERSIONS of a Trainer taking Adam steps, under ``root``."""
     root.mkdir(parents=True)
@@ -123,7 +106,7 @@ def make_run(root: Path) -> Run:
     snap = publish_snapshot(store, "t", 0, fused_weights(base, plan), None, CFG)
     digests, states = {0: weights_digest(base, plan)}, {0: snap.state}
     for v in range(1, VERSIONS + 1):
-        model = _step(model, lr=1e-2 if v == BIG_STEP else 1e-5, seed=v)
+        model = trainer_step(model, lr=1e-2 if v == BIG_STEP else 1e-5, seed=v)
         new = {n: t.clone() for n, t in hf_weights(model).items()}
         m = publish_delta(store, "t", v, extract(plan, base, new), states[v - 1], CFG)
         digests[v], states[v], base = weights_digest(new, plan), m.state, new
