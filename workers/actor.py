@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aurora_store.bus import COMMIT, Bus, BusGap
+from aurora_store.bus import COMMIT, SEGMENT, Bus, BusGap
 from aurora_store.checkpoint import StagedDelta
-from aurora_store.errors import AuroraError
+from aurora_store.errors import AuroraError, VersionNotFound
 from aurora_store.ledger import Lease, Ledger
 from aurora_store.lineage import fetch_delta, materialize, scan_versions
 from aurora_store.redisconn import connect
@@ -62,7 +62,12 @@ class ActorConfig:
     mirror_grace_s: float = 2.0
     """While the region's Relay is alive, a version its mirror lacks is read from origin only
     once it has been missing this long: otherwise every Actor races the Relay's cut-through
-    copy and the region pays for the version once per Actor."""
+    copy and the region pays for the version once per Actor. Each segment of the version the
+    Relay announces restarts the wait: a Relay that is copying it is worth waiting for."""
+    relay_wait_s: float = 0.0
+    """At start, wait up to this long for the region's Relay to heartbeat before staging from
+    origin (for regions deployed with a Relay: Actors started with it would otherwise all
+    read the first versions across the region boundary)."""
 
 
 @dataclass(slots=True)
@@ -94,8 +99,10 @@ class Actor:
         self.stats = ActorStats()
         self._mirror: tuple[str, Store] | None = None
         self._missing_since: dict[int, float] = {}
-        self._mirror_behind = False
         """version -> when the stager first found it missing from the region's mirror."""
+        self._relay_progress: dict[int, float] = {}
+        """version -> when the region's Relay last announced a segment of it."""
+        self._mirror_behind = False
 
     # -- bootstrap ----------------------------------------------------------------
     def wait_for_version(self, version: int) -> None:
@@ -147,49 +154,65 @@ class Actor:
                 log.warning("heartbeat failed: %s", e)
 
     # -- staging --------------------------------------------------------------------
-    def _source(self) -> tuple[Store, str | None]:
+    def _poll(self) -> tuple[str | None, int | None, int | None]:
+        """The region's Relay mirror URL (None while no Relay heartbeats), the run's head and commit: one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.get(self.keys.relay(self.cfg.region))
+        pipe.hmget(self.keys.trainer, "head", "commit")
+        url, (head, commit) = pipe.execute()
+        return (url.decode() if url else None), _int_or_none(head), _int_or_none(commit)
+
+    def _source(self, relay_url: str | None) -> tuple[Store, str | None]:
         """The region's mirror while its Relay heartbeats, else origin."""
-        url = self.redis.get(self.keys.relay(self.cfg.region))
-        if url:
-            u = url.decode()
-            if self._mirror is None or self._mirror[0] != u:
-                self._mirror = (u, open_store(u))
+        if relay_url:
+            if self._mirror is None or self._mirror[0] != relay_url:
+                self._mirror = (relay_url, open_store(relay_url))
             return self._mirror[1], self.cfg.region
         return self.origin, None
 
-    def _stage_available(self) -> None:
-        """Stage every delta after ``staged_version`` that the store holds."""
-        store, region = self._source()
-        index = scan_versions(store)
-        latest = max(index.deltas, default=-1)
-        if region is not None and latest > self.staged_version and self._mirror_behind:
-            log.info("mirror of region %s caught up (v%d); reading from it again", region, latest)
-            self._mirror_behind = False
-        if region is not None and latest <= self.staged_version:
-            # The mirror may lag: origin is the truth, once the Relay had its chance
-            # (the next version has been missing from the mirror for mirror_grace_s).
-            # A mirror that missed the grace once (a Relay that died and whose key
-            # has not expired yet, or one slower than the run) is skipped without
-            # waiting until it is ahead again: a grace per version would keep this
-            # Actor one grace behind the run for as long as the key lives.
-            head = self.redis.hget(self.keys.trainer, "head")
-            if not self._mirror_behind and head is not None and int(head) > self.staged_version:
-                first = self._missing_since.setdefault(self.staged_version + 1, time.monotonic())
-                if time.monotonic() - first < self.cfg.mirror_grace_s:
-                    return
-                log.warning("mirror of region %s lacks v%d after %.1fs; reading from origin until it catches up", region, self.staged_version + 1, self.cfg.mirror_grace_s)
-                self._mirror_behind = True
-            store, index = self.origin, scan_versions(self.origin)
-            latest = max(index.deltas, default=-1)
+    def _fetch_delta(self, store: Store, version: int) -> tuple[Any, StagedDelta | RemoteStaged]:
+        if isinstance(self.engine, StoreStaging):
+            opts = self.ep.storage_options if store is self.origin else {}
+            return self.engine.stage_from_store(store, opts, version, self.staged_state, self.cfg.streams)
+        return fetch_delta(store, version, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state)
+
+    def _stage_available(self, polled: tuple[str | None, int | None] | None = None) -> None:
+        """Stage every delta after ``staged_version`` that is committed, in order.
+
+        ``polled`` is (Relay mirror URL, head) from a :meth:`_poll` just made.
+        Each version is read by its manifest key directly (no listing: on a
+        far link every request is a round trip), from the region's mirror
+        when a Relay heartbeats, else from origin.
+
+        The mirror may lag: origin is the truth, once the Relay had its chance.
+        A version the mirror lacks is read from origin after it has been
+        missing ``mirror_grace_s`` with no sign of the Relay copying it (each
+        segment the Relay announces for it restarts the wait). A mirror that
+        missed the grace once (a Relay that died and whose key has not expired
+        yet, or one slower than the run) is skipped without waiting until it
+        has a version first again: a grace per version would keep this Actor
+        one grace behind the run for as long as the key lives.
+        """
+        relay_url, head = polled if polled is not None else self._poll()[:2]
+        mirror, region = self._source(relay_url)
         v = self.staged_version + 1
-        while v <= latest and v in index.deltas and not self.stop.is_set():
+        store = mirror
+        while not self.stop.is_set() and (head is None or v <= head):
             t0 = time.perf_counter()
             try:
-                if isinstance(self.engine, StoreStaging):
-                    opts = self.ep.storage_options if store is self.origin else {}
-                    m, staged = self.engine.stage_from_store(store, opts, v, self.staged_state, self.cfg.streams)
-                else:
-                    m, staged = fetch_delta(store, v, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state)
+                m, staged = self._fetch_delta(store, v)
+            except VersionNotFound:
+                if store is self.origin:
+                    return  # not committed (yet)
+                if not self._mirror_behind:
+                    now = time.monotonic()
+                    since = max(self._missing_since.setdefault(v, now), self._relay_progress.get(v, 0.0))
+                    if now - since < self.cfg.mirror_grace_s:
+                        return
+                    log.warning("mirror of region %s lacks v%d after %.1fs; reading from origin until it catches up", region, v, self.cfg.mirror_grace_s)
+                    self._mirror_behind = True
+                store = self.origin
+                continue
             except AuroraError as e:
                 if store is not self.origin:
                     log.warning("stage v%d from mirror failed (%s); trying origin", v, e)
@@ -197,45 +220,71 @@ class Actor:
                     continue
                 log.error("stage v%d failed: %s", v, e)
                 return
+            from_mirror = store is not self.origin
+            if from_mirror and self._mirror_behind:
+                log.info("mirror of region %s caught up (v%d); reading from it again", region, v)
+                self._mirror_behind = False
             with self.lock:
                 self.staged.append((staged, m.state, time.perf_counter() - t0))
                 self.staged_version, self.staged_state = v, m.state
-            self._on_staged(v, m.total_bytes, time.perf_counter() - t0, store is not self.origin)
+            for d in (self._missing_since, self._relay_progress):
+                for old in [k for k in d if k <= v]:
+                    del d[old]
+            self._on_staged(v, m.total_bytes, time.perf_counter() - t0, from_mirror)
             v += 1
+            store = mirror  # the next version: the region's copy first, again
 
     def _on_staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
         """Called in the stager thread after each version is staged (benchmarks record it)."""
 
+    def _wait_for_relay(self) -> None:
+        """``relay_wait_s``: give the region's Relay that long to appear before staging from origin."""
+        if self.cfg.relay_wait_s <= 0:
+            return
+        deadline = time.monotonic() + self.cfg.relay_wait_s
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            if self.redis.exists(self.keys.relay(self.cfg.region)):
+                return
+            self.stop.wait(0.1)
+        if not self.stop.is_set():
+            log.warning("no Relay for region %s after %.0fs; staging from origin", self.cfg.region, self.cfg.relay_wait_s)
+
     def _stager_loop(self) -> None:
+        self._wait_for_relay()
         last = "$"
         region = None
+        polled: tuple[str | None, int | None, int | None] | None = None
         while not self.stop.is_set():
             try:
-                _, new_region = self._source()
+                url, head, commit = polled or self._poll()
+                new_region = self.cfg.region if url else None
                 if new_region != region or last == "$":
                     # Source changed (Relay up or down): start from the newest entry.
-                    info_id = self.bus.tail_id(new_region)
-                    region, last = new_region, info_id
-                    self._stage_available()
+                    last = self.bus.tail_id(new_region)
+                    region = new_region
+                    self._stage_available((url, head))
                 events = self.bus.read(last, block_ms=500, region=region)
+                now = time.monotonic()
                 for ev in events:
                     last = ev.id
                     if ev.type == COMMIT:
                         self.commit_seen = max(self.commit_seen, ev.version)
-                head, commit = self.redis.hmget(self.keys.trainer, "head", "commit")
+                    elif ev.type == SEGMENT and region is not None:
+                        self._relay_progress[ev.version] = now  # the Relay is copying it
+                polled = url, head, commit = self._poll()
                 # Announcements are hints: a silent stream (a Relay that just died,
                 # before its key expires) must not stop us from staging what exists,
                 # nor from activating what the Trainer committed.
                 if commit is not None:
-                    self.commit_seen = max(self.commit_seen, int(commit))
-                if events or (head is not None and int(head) > self.staged_version):
-                    self._stage_available()
+                    self.commit_seen = max(self.commit_seen, commit)
+                if events or (head is not None and head > self.staged_version):
+                    self._stage_available((url, head))
             except BusGap:
                 last = "$"
             except Exception as e:  # noqa: BLE001 - the stager must survive store/Redis trouble
                 log.warning("stager: %s: %s", type(e).__name__, e)
                 self.stop.wait(0.5)
-                last = "$"
+                last, polled = "$", None
 
     # -- safe point -------------------------------------------------------------------
     def _wanted_version(self) -> int:
@@ -355,6 +404,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--mirror-grace-s", type=float, default=ActorConfig().mirror_grace_s, metavar="S",
         help="with the region's Relay alive, wait this long for its mirror to have a version before reading origin (default %(default)s)",
     )
+    p.add_argument(
+        "--relay-wait-s", type=float, default=ActorConfig().relay_wait_s, metavar="S",
+        help="at start, wait up to S seconds for the region's Relay before staging from origin (default %(default)s: do not wait)",
+    )
     p.add_argument("--slowdown", type=float, default=1.0, help="run N times slower (experiments)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")
@@ -376,7 +429,7 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
     cfg = ActorConfig(
         **({"actor_id": args.actor_id} if args.actor_id else {}),
         region=args.region, engine=args.engine, claim=args.claim, slowdown=args.slowdown, seed=args.seed,
-        mirror_grace_s=args.mirror_grace_s,
+        mirror_grace_s=args.mirror_grace_s, relay_wait_s=args.relay_wait_s,
     )
     return run_until_stopped(Actor(Endpoints(args.store, args.redis, args.run, storage_options), cfg), args.join_at_version)
 
@@ -393,3 +446,7 @@ def run_until_stopped(actor: Actor, join_at_version: int | None = None) -> int:
             return 0
     actor.run()
     return 0
+
+
+def _int_or_none(x: Any) -> int | None:
+    return None if x is None else int(x)

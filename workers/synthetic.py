@@ -521,9 +521,9 @@ class SyntheticActor(Actor):
         self.ledger.register(self.cfg.actor_id, self.cfg.region, self.cfg.engine)
         self._heartbeat()
 
-    def _stage_available(self) -> None:
+    def _stage_available(self, polled: tuple[str | None, int | None] | None = None) -> None:
         if self.opts.transfer == "delta":
-            super()._stage_available()
+            super()._stage_available(polled)
         elif self.opts.transfer == "none":
             head = self.redis.hget(self.keys.trainer, "head")
             for v in range(self.staged_version + 1, (int(head) if head is not None else -1) + 1):
@@ -654,7 +654,7 @@ def actor_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> 
     cfg = ActorConfig(
         **({"actor_id": args.actor_id} if args.actor_id else {}),
         region=args.region, engine="synthetic", claim=args.claim, slowdown=args.slowdown, seed=args.seed, streams=args.streams,
-        mirror_grace_s=args.mirror_grace_s,
+        mirror_grace_s=args.mirror_grace_s, relay_wait_s=args.relay_wait_s,
     )
     opts = SyntheticActorOptions(args.transfer, args.hold_weights == "yes", args.digests)
     return run_until_stopped(SyntheticActor(Endpoints(args.store, args.redis, args.run, storage_options), cfg, opts), args.join_at_version)

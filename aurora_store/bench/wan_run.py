@@ -245,6 +245,9 @@ def run_config(
                 "--slowdown", f"{slow:g}", "--hold-weights", "yes" if hold else "no",
                 *(["--digests"] if wl.digests and hold else []),
             ]
+            if cfg.uses_relay:
+                # The region is deployed with a Relay: its Actors stage through it from the first version.
+                a += ["--relay-wait-s", "300"]
             if join is not None:
                 a += ["--join-at-version", str(join)]
             return _cli(*a)

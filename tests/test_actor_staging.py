@@ -1,0 +1,205 @@
+"""The Actor's stager: which store each version comes from, and when.
+
+A real Redis and two ``file://`` stores (origin, and a region's mirror that
+the test fills by hand, as a Relay would: segments first, manifest last).
+The stager is driven directly (``_stage_available``), without its thread.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis_fixtures import redis_client, redis_server  # noqa: F401
+
+from aurora_store.extract import extract
+from aurora_store.manifest import manifest_key, version_dir
+from aurora_store.publish import PublishConfig, publish_delta
+from aurora_store.store import Store, open_store
+from aurora_store.synthetic import QWEN3_TINY
+from workers.actor import Actor, ActorConfig
+from workers.common import Endpoints, RunKeys
+from workers.model import fusion_plan_for
+from workers.synthetic import SyntheticEngine, SyntheticSpec, base_weights, sparse_update
+
+pytestmark = pytest.mark.server
+
+VERSIONS = 4
+
+
+class _Recorder(Actor):
+    """An Actor that records where each staged version came from."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.sources: list[tuple[int, bool]] = []
+
+    def _on_staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
+        self.sources.append((version, from_mirror))
+
+
+class _Origin:
+    """Counts the manifest reads that reach origin (each one a cross-region round trip)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner, self.gets, self.lists = inner, [], 0
+
+    def get(self, key: str, *a: Any, **kw: Any) -> bytes:
+        self.gets.append(key)
+        return self.inner.get(key, *a, **kw)
+
+    def list(self, *a: Any, **kw: Any) -> Any:
+        self.lists += 1
+        return self.inner.list(*a, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.fixture
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any) -> dict[str, Any]:  # noqa: F811
+    monkeypatch.setenv("AURORA_SYNTHETIC_CACHE", str(tmp_path / "cache"))
+    spec = SyntheticSpec(QWEN3_TINY, seed=7)
+    origin = open_store(f"file://{tmp_path}/origin")
+    w = base_weights(spec.shape, spec.seed)
+    plan = fusion_plan_for(w, tied=True)
+    state = spec.base_state
+    for v in range(1, VERSIONS + 1):
+        new = {n: t.clone() for n, t in w.items()}
+        sparse_update(new, spec.density, spec.seed, v)
+        state = publish_delta(origin, "r", v, extract(plan, w, new), state, PublishConfig(streams=2, segment_bytes=4096)).state
+        w = new
+    return {"spec": spec, "tmp": tmp_path, "redis": redis_server.url, "client": redis_client}
+
+
+def _actor(run: dict[str, Any], grace: float = 60.0, head: int | None = VERSIONS, relay: bool = True) -> _Recorder:
+    tmp: Path = run["tmp"]
+    name = f"t{time.monotonic_ns()}"
+    a = _Recorder(Endpoints(f"file://{tmp}/origin", run["redis"], name), ActorConfig(actor_id="a", region="r1", mirror_grace_s=grace))
+    a.origin = _Origin(a.origin)  # type: ignore[assignment]
+    eng = SyntheticEngine(run["spec"], hold=True, digests=True)
+    eng.load_base()
+    a.engine = eng  # type: ignore[assignment]
+    a.staged_version, a.staged_state = 0, run["spec"].base_state
+    keys = RunKeys(name)
+    if head is not None:
+        run["client"].hset(keys.trainer, mapping={"head": head})
+    if relay:
+        (tmp / "mirror").mkdir(exist_ok=True)
+        run["client"].set(keys.relay("r1"), f"file://{tmp}/mirror")
+    return a
+
+
+def _mirror(run: dict[str, Any], *versions: int) -> None:
+    """Copy versions into the mirror the way a Relay does (segments, then the manifest)."""
+    tmp: Path = run["tmp"]
+    for v in versions:
+        d = version_dir("delta", v)
+        shutil.copytree(tmp / "origin" / d, tmp / "mirror" / d, ignore=shutil.ignore_patterns("manifest.json"))
+        shutil.copy(tmp / "origin" / manifest_key("delta", v), tmp / "mirror" / manifest_key("delta", v))
+
+
+def test_without_a_relay_every_version_comes_from_origin_by_its_manifest_key(run: dict[str, Any]) -> None:
+    a = _actor(run, relay=False)
+    a._stage_available()
+    assert a.sources == [(v, False) for v in range(1, VERSIONS + 1)]
+    assert a.staged_version == VERSIONS
+    # No listing, one manifest read per version, and nothing probed past the head.
+    assert a.origin.lists == 0
+    assert [k for k in a.origin.gets if k.endswith("manifest.json")] == [manifest_key("delta", v) for v in range(1, VERSIONS + 1)]
+    # The staged chain applies onto the base and reproduces what was published.
+    for staged, _state, _s in a.staged:
+        a.engine.apply(staged)
+    assert a.engine.version == VERSIONS
+
+
+def test_the_head_bounds_what_is_staged(run: dict[str, Any]) -> None:
+    a = _actor(run, relay=False, head=2)
+    a._stage_available()
+    assert a.staged_version == 2
+    assert not any(manifest_key("delta", 3) == k for k in a.origin.gets)
+
+
+def test_without_a_head_the_stager_probes_until_a_version_is_missing(run: dict[str, Any]) -> None:
+    a = _actor(run, relay=False, head=None)
+    a._stage_available()
+    assert a.staged_version == VERSIONS
+
+
+def test_a_mirror_missing_a_version_is_waited_for_within_the_grace(run: dict[str, Any]) -> None:
+    _mirror(run, 1, 2)
+    a = _actor(run, grace=60.0)
+    a._stage_available()
+    assert a.sources == [(1, True), (2, True)]
+    assert a.origin.gets == []  # nothing crossed the region boundary
+    _mirror(run, 3, 4)
+    a._stage_available()
+    assert a.sources[2:] == [(3, True), (4, True)]
+    assert a.origin.gets == []
+
+
+def test_after_the_grace_origin_serves_and_the_mirror_is_used_again_once_it_has_the_next_version(run: dict[str, Any]) -> None:
+    _mirror(run, 1)
+    a = _actor(run, grace=0.2)
+    a._stage_available()
+    assert a.staged_version == 1  # v2 missing from the mirror: wait
+    time.sleep(0.25)
+    a._stage_available()
+    # v2 from origin; the mirror is behind, so v3 and v4 go to origin at once too.
+    assert a.sources == [(1, True), (2, False), (3, False), (4, False)]
+    assert a._mirror_behind
+
+
+def test_a_mirror_that_catches_up_serves_the_next_version(run: dict[str, Any]) -> None:
+    _mirror(run, 1)
+    a = _actor(run, grace=0.2, head=2)
+    a._stage_available()
+    time.sleep(0.25)
+    a._stage_available()
+    assert a.sources == [(1, True), (2, False)] and a._mirror_behind
+    _mirror(run, 2, 3)
+    run["client"].hset(RunKeys(a.ep.run).trainer, "head", 3)
+    a._stage_available()
+    assert a.sources[-1] == (3, True)
+    assert not a._mirror_behind
+
+
+def test_relay_progress_on_the_missing_version_extends_the_wait(run: dict[str, Any]) -> None:
+    _mirror(run, 1)
+    a = _actor(run, grace=0.3)
+    a._stage_available()
+    a._missing_since[2] = time.monotonic() - 10  # missing for long...
+    a._relay_progress[2] = time.monotonic()  # ...but the Relay just announced a segment of it
+    a._stage_available()
+    assert a.staged_version == 1 and a.origin.gets == []
+    a._relay_progress[2] = time.monotonic() - 10  # and then went quiet
+    a._stage_available()
+    assert a.staged_version == VERSIONS
+    assert (2, False) in a.sources
+
+
+def test_a_corrupt_mirror_object_falls_back_to_origin(run: dict[str, Any]) -> None:
+    _mirror(run, 1)
+    tmp: Path = run["tmp"]
+    seg = next(p for p in (tmp / "mirror" / version_dir("delta", 1)).rglob("*.safetensors"))
+    data = bytearray(seg.read_bytes())
+    data[-1] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    a = _actor(run, head=1)
+    a._stage_available()
+    assert a.sources == [(1, False)]
+
+
+def test_relay_wait_returns_when_the_relay_appears(run: dict[str, Any]) -> None:
+    a = _actor(run, relay=False)
+    a.cfg = ActorConfig(actor_id="a", region="r1", relay_wait_s=30.0)
+    key = RunKeys(a.ep.run).relay("r1")
+    import threading
+
+    threading.Timer(0.3, lambda: run["client"].set(key, "file:///nowhere")).start()
+    t0 = time.monotonic()
+    a._wait_for_relay()
+    assert 0.2 < time.monotonic() - t0 < 10
