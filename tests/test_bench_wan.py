@@ -125,6 +125,31 @@ def test_summarize_measures_after_the_warmup() -> None:
     assert r["steps_measured"] == 3
 
 
+def test_regions_deal_actors_round_robin_and_count_bytes_per_region() -> None:
+    far = Link(0.25, 60.0)
+    cfg = RunConfig("delta", Link(1.0, 20.0), 4, True, 4, 4, 2, experiments=("regions",), extra_regions=(far,))
+    assert [cfg.region_of(i) for i in range(5)] == ["r1", "r2", "r1", "r2", "r1"]
+    assert cfg.links == (Link(1.0, 20.0), far)
+    assert "+r2:0.25G/60ms" in cfg.name
+    assert cfg.key() != RunConfig("delta", Link(1.0, 20.0), 4, True, 4, 4, 2).key()
+    with pytest.raises(ValueError, match="cannot fill 2 regions"):
+        RunConfig("delta", Link(1.0, 20.0), 1, True, 4, 4, 2, extra_regions=(far,))
+    published = {v: {"start_ms": 1000.0 * v, "end_ms": 1000.0 * v + 50, "bytes": 1_000_000, "kind": "delta"} for v in range(1, 5)}
+    before = {"down": 0, "up": 0, "veth_down": 0, "s3_down": 0, "redis_down": 0, "s3_down@r1": 0, "s3_down@r2": 0}
+    after = {**before, "down": 9_000_000, "s3_down": 8_400_000, "s3_down@r1": 4_000_000, "s3_down@r2": 4_400_000}
+    r = summarize(cfg, _steps(4, 2.0), published, {}, {}, 2 * 10**8, (before, after))
+    assert r["regions"] == ["1G/20ms", "0.25G/60ms"]
+    assert r["object_bytes_per_version_by_region"] == {"r1": 1_000_000, "r2": 1_100_000}
+    assert r["cross_over_version_by_region"] == {"r1": pytest.approx(1.0), "r2": pytest.approx(1.1)}
+    assert r["cross_over_version"] == pytest.approx(2.1)  # both boundaries together
+
+
+def test_sweep_has_a_two_region_experiment() -> None:
+    cs = [c for c in build_sweep(SweepOptions(quick=True)) if "regions" in c.experiments]
+    assert {(c.mode, c.uses_relay) for c in cs} == {("delta", True), ("delta", False), ("ideal", False)}
+    assert all(len(c.links) == 2 for c in cs if c.mode == "delta")
+
+
 def test_ideal_ratios_headline_and_targets() -> None:
     link = Link(1.0, 20.0)
     cfgs = [RunConfig(m, link, 2, True, 4, 4, 2, experiments=("modes",)) for m in ("ideal", "full", "delta")]
@@ -236,3 +261,28 @@ def test_small_run_end_to_end(tmp_path: object) -> None:
     assert by["delta"]["version_bytes"] < by["full"]["version_bytes"]
     assert by["delta"]["object_bytes_per_version"] < by["full"]["object_bytes_per_version"]
     assert by["delta"]["digests_match"] and by["full"]["digests_match"]
+
+
+@pytest.mark.slow
+def test_two_region_run_counts_each_boundary(tmp_path: object) -> None:
+    """Two Actor regions, each behind its own Relay: each boundary carries about one delta per version."""
+    from aurora_store.bench.wan import add_arguments, run_benchmark
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args([
+        "--experiments", "regions", "--modes", "delta", "--params", "2e6", "--net", "loopback",
+        "--measure", "1", "--json", "--gen-window-s", "0.3", "--workdir", f"{tmp_path}/work", "--config-timeout", "180",
+        "--plot", f"{tmp_path}/img",
+    ])
+    out = run_benchmark(args, lambda m: None)
+    assert out["failed"] == 0, [c["error"] for c in out["configs"]]
+    by = {c["relay"]: c for c in out["configs"]}
+    relayed, direct = by[True], by[False]
+    assert relayed["regions"] == direct["regions"] == ["1G/20ms", "0.25G/60ms"]
+    assert set(relayed["cross_over_version_by_region"]) == {"r1", "r2"}
+    # Behind a Relay a region pays for a version about once (manifests on top); without one, once per Actor.
+    assert all(0.9 < x < 1.5 for x in relayed["cross_over_version_by_region"].values()), relayed["cross_over_version_by_region"]
+    assert all(1.8 < x < 2.7 for x in direct["cross_over_version_by_region"].values()), direct["cross_over_version_by_region"]
+    assert relayed["staged_from_mirror"] == 1.0
+    assert [p.rsplit("/", 1)[-1] for p in out["plots"]] == ["wan_regions.png"]

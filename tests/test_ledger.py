@@ -365,6 +365,16 @@ def test_settle_many_is_one_round_trip(redis_client: Any, redis_server: RedisSer
     assert counter.snapshot()[0] == 1
 
 
+
+def test_settle_many_survives_a_lost_script_cache(redis_client: Any, redis_server: RedisServer, run_name: str, clock: ManualClock) -> None:
+    """A Redis that lost its scripts (restart, SCRIPT FLUSH) answers NOSCRIPT: the batch is sent again, each result once."""
+    led, counter = _counted_ledger(redis_server.url, run_name, clock)
+    _, leases = led.claim("a", V, 3)
+    redis_client.script_flush()
+    out = led.settle_many("a", [(x, V, H, b"r") for x in leases] + [(leases[0], V, H, b"r")])
+    assert [s.reason for s in out] == ["accepted", "accepted", "accepted", "duplicate"]
+    assert len(led.collect(V)) == 4  # the warm-up prompt and these three, each once
+
 # ---------------------------------------------------------------------------
 # known defects (strict xfails: they start passing when fixed)
 

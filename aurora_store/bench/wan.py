@@ -28,7 +28,7 @@ from .wan_sweep import MODES, SweepOptions, attach_ideal, build_sweep, finite, h
 
 __all__ = ["add_arguments", "run_benchmark", "format_table", "main"]
 
-EXPERIMENTS = ("modes", "bandwidth", "streams", "relay", "hetero", "churn", "scaling")
+EXPERIMENTS = ("modes", "bandwidth", "streams", "relay", "hetero", "churn", "scaling", "regions")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,6 +165,13 @@ def format_table(r: dict[str, Any]) -> str:
             f"  {c['name']:<52} {_f(c['step_s']):>7} {_f(c['transfer_s']):>7} {_f(c['tokens_per_s'], 0):>8} {_f(c['throughput_vs_ideal'], 2):>8} "
             f"{_mb(c['version_bytes']):>7} {_mb(c['cross_region_bytes_per_version']):>15} {_f(c['cross_over_version'], 2):>5} {','.join(c['experiments'])}"
         )
+    multi = [c for c in r["configs"] if not c.get("error") and c.get("cross_over_version_by_region") and len(c.get("regions") or ()) > 1]
+    if multi:
+        lines.append("")
+        lines.append("  object bytes into each region per version, in deltas")
+        for c in multi:
+            per = ", ".join(f"{reg} ({link}): {x:.2f}" for (reg, x), link in zip(sorted(c["cross_over_version_by_region"].items()), c["regions"], strict=False))
+            lines.append(f"    {c['name']:<50} {per}")
     lines.append("")
     lines.append("  headline (modes, 1 Gbit/s, 20 ms RTT, 2 Actors): throughput relative to ideal")
     lines.append("    " + "  ".join(f"{m} {_f(r.get(m.replace('-', '_') + '_vs_ideal'), 2)}" for m in MODES if m != "ideal"))

@@ -141,6 +141,23 @@ def write_plots(out: Mapping[str, Any], folder: str) -> list[str]:
         ax.set_title(f"Scaling with Actor count ({_link(rs[0])}, {size})", fontsize=10)
         ax.legend(fontsize=8)
         save(fig, "wan_scaling.png")
+
+    rs = [r for r in _ok(res, "regions") if r["mode"] == "delta" and r.get("cross_over_version_by_region")]
+    if rs:
+        fig, ax = plt.subplots(figsize=(6, 3.4))
+        regions = sorted(rs[0]["cross_over_version_by_region"])
+        width = 0.8 / len(rs)
+        for k, r in enumerate(rs):
+            xs = [i + (k - (len(rs) - 1) / 2) * width for i in range(len(regions))]
+            ys = [r["cross_over_version_by_region"].get(g, 0.0) for g in regions]
+            ax.bar(xs, ys, width, color="#36c" if r["relay"] else "#c44", label="with a Relay per region" if r["relay"] else "without Relays")
+        ax.axhline(1.0, color="#777", ls="--", lw=1, label="one delta")
+        ax.set_xticks(range(len(regions)))
+        ax.set_xticklabels([f"{g} ({link})" for g, link in zip(regions, rs[0].get("regions") or regions, strict=False)])
+        ax.set_ylabel("deltas into the region per version")
+        ax.set_title(f"Two Actor regions, {rs[0]['actors'] // len(regions)} Actors each ({size})", fontsize=10)
+        ax.legend(fontsize=8)
+        save(fig, "wan_regions.png")
     return written
 
 

@@ -133,11 +133,25 @@ def _cli(*args: str) -> list[str]:
 
 
 def _stats(tb: Any, s3_port: int) -> dict[str, int]:
-    """Cumulative bytes across the region boundary: all proxies, the S3 one alone, and the veth."""
-    s = tb.stats("r1")
-    out = {"down": s.proxy.bytes_down, "up": s.proxy.bytes_up, "veth_down": s.veth_bytes_down, "s3_down": 0, "redis_down": 0}
-    for (_host, port), proxy in tb.proxies("r1").items():
-        out["s3_down" if port == s3_port else "redis_down"] += proxy.stats().bytes_down
+    """Cumulative bytes across the region boundaries: all proxies, the S3 one alone, and the veth.
+
+    Summed over the Actor regions, and the S3 bytes of each region alone (``s3_down@r1``, ...).
+    """
+    out = {"down": 0, "up": 0, "veth_down": 0, "s3_down": 0, "redis_down": 0}
+    for region in tb.regions:
+        s = tb.stats(region)
+        out["down"] += s.proxy.bytes_down
+        out["up"] += s.proxy.bytes_up
+        out["veth_down"] += s.veth_bytes_down or 0
+        mine = 0
+        for (_host, port), proxy in tb.proxies(region).items():
+            n = proxy.stats().bytes_down
+            if port == s3_port:
+                mine += n
+            else:
+                out["redis_down"] += n
+        out["s3_down"] += mine
+        out[f"s3_down@{region}"] = mine
     return out
 
 
@@ -179,11 +193,13 @@ def run_config(
     shard = int(min(1 << 30, max(1 << 20, full_bytes / 8)))
     # A full-transfer Actor holds its weights and one staged copy.
     hold = cfg.actors * full_bytes * (2 if spec.transfer == "full" else 1) <= wl.hold_weights_budget
-    link = cfg.link
-    prof = LinkProfile(
-        rate_mbit=None if link.gbps is None else link.gbps * 1000.0, delay_ms=link.rtt_ms / 2, jitter_ms=link.jitter_ms,
-        stall_prob=link.stall_prob, stall_ms=link.stall_ms or 500.0, seed=index,
-    )
+    profiles = {
+        f"r{k + 1}": LinkProfile(
+            rate_mbit=None if link.gbps is None else link.gbps * 1000.0, delay_ms=link.rtt_ms / 2, jitter_ms=link.jitter_ms,
+            stall_prob=link.stall_prob, stall_ms=link.stall_ms or 500.0, seed=100 * index + k,
+        )
+        for k, link in enumerate(cfg.links)
+    }
     if spec.transfer == "full":
         # The S3 server holds K + 1 versions in memory and the Trainer two more copies: skip a run
         # that would push this machine (and its other users) into the OOM killer.
@@ -209,15 +225,18 @@ def run_config(
 
     steps_key = f"{key_prefix(run)}wan:steps"
     trainer_key = f"{key_prefix(run)}trainer"
-    tb = WanTestbed({"r1": prof}, mode=net_mode)  # type: ignore[arg-type]
+    tb = WanTestbed(profiles, mode=net_mode)  # type: ignore[arg-type]
     try:
         tb.start()
         s3_up_port = int(srv.s3_endpoint.rsplit(":", 1)[1])
-        s3_host, s3_port = tb.expose("r1", ("127.0.0.1", s3_up_port))
-        rd_host, rd_port = tb.expose("r1", ("127.0.0.1", srv.redis_port))
+        region_env: dict[str, dict[str, str]] = {}
+        region_redis: dict[str, str] = {}
+        for reg in profiles:
+            s3_host, s3_port = tb.expose(reg, ("127.0.0.1", s3_up_port))
+            rd_host, rd_port = tb.expose(reg, ("127.0.0.1", srv.redis_port))
+            region_env[reg] = srv.env(f"http://{s3_host}:{s3_port}")
+            region_redis[reg] = f"redis://{rd_host}:{rd_port}/0"
         start_counters = _stats(tb, s3_up_port)
-        region_env = srv.env(f"http://{s3_host}:{s3_port}")
-        region_redis = f"redis://{rd_host}:{rd_port}/0"
         trainer_args = [
             "trainer", "--workload", "synthetic", "--store", origin, "--redis", srv.redis_url, "--run", run,
             "--steps", str(cfg.steps), "--batch", str(batch), "--group", str(wl.group), "--streams", str(S),
@@ -232,15 +251,16 @@ def run_config(
         # Everything starts at once (imports overlap); Actors wait for the run's description.
         procs["trainer"] = subprocess.Popen(_cli(*trainer_args), env=srv.env(), stdout=out("trainer"), stderr=subprocess.STDOUT)
         if cfg.uses_relay:
-            procs["relay"] = tb.popen(
-                "r1", _cli("relay", "--store", origin, "--mirror", f"file://{mirror_dir}", "--redis", region_redis, "--run", run,
-                           "--region", "r1", "--streams", str(S)),
-                env=region_env, stdout=out("relay"), stderr=subprocess.STDOUT,
-            )
+            for reg in profiles:
+                procs[f"relay-{reg}"] = tb.popen(
+                    reg, _cli("relay", "--store", origin, "--mirror", f"file://{mirror_dir}/{reg}", "--redis", region_redis[reg], "--run", run,
+                              "--region", reg, "--streams", str(S)),
+                    env=region_env[reg], stdout=out(f"relay-{reg}" if len(profiles) > 1 else "relay"), stderr=subprocess.STDOUT,
+                )
 
-        def actor_argv(name: str, slow: float, join: int | None = None) -> list[str]:
+        def actor_argv(name: str, reg: str, slow: float, join: int | None = None) -> list[str]:
             a = [
-                "actor", "--workload", "synthetic", "--store", origin, "--redis", region_redis, "--run", run, "--region", "r1",
+                "actor", "--workload", "synthetic", "--store", origin, "--redis", region_redis[reg], "--run", run, "--region", reg,
                 "--id", name, "--transfer", spec.transfer, "--streams", str(S), "--claim", str(2 * wl.prompts_per_actor),
                 "--slowdown", f"{slow:g}", "--hold-weights", "yes" if hold else "no",
                 *(["--digests"] if wl.digests and hold else []),
@@ -253,8 +273,8 @@ def run_config(
             return _cli(*a)
 
         for i, slow in enumerate(cfg.slowdowns):
-            name = f"a{i}"
-            procs[name] = tb.popen("r1", actor_argv(name, slow), env=region_env, stdout=out(name), stderr=subprocess.STDOUT)
+            name, reg = f"a{i}", cfg.region_of(i)
+            procs[name] = tb.popen(reg, actor_argv(name, reg, slow), env=region_env[reg], stdout=out(name), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while r.hget(trainer_key, "head") is None:
             if procs["trainer"].poll() is not None or time.monotonic() > deadline:
@@ -271,8 +291,8 @@ def run_config(
                     procs["a0"].send_signal(signal.SIGKILL)
                     say(f"    churn: a0 killed (SIGKILL) after step {seen}")
                 if cfg.join_at is not None and seen == cfg.join_at:
-                    name = f"a{cfg.actors}"
-                    procs[name] = tb.popen("r1", actor_argv(name, 1.0), env=region_env, stdout=out(name), stderr=subprocess.STDOUT)
+                    name, reg = f"a{cfg.actors}", cfg.region_of(cfg.actors)
+                    procs[name] = tb.popen(reg, actor_argv(name, reg, 1.0, None), env=region_env[reg], stdout=out(name), stderr=subprocess.STDOUT)
                     say(f"    churn: {name} joins after step {seen}")
                 seen += 1
                 say(f"    step {seen}/{cfg.steps}")

@@ -3,7 +3,7 @@
 - :data:`MODES`: the baselines as settings of the same workers (transfer, lag bound, streams);
 - :class:`Link`, :class:`RunConfig`: one configuration of the sweep;
 - :func:`build_sweep`: the experiments (modes, bandwidth, streams, relay,
-  heterogeneity, churn, scaling) as a de-duplicated list of configurations;
+  heterogeneity, churn, scaling, regions) as a de-duplicated list of configurations;
 - :func:`gen_version`: the lag-bound rule; :func:`uniform_split_gain`: what
   a throughput-proportional split should gain over a uniform one;
 - :func:`summarize`: per-configuration figures from what the workers logged,
@@ -99,6 +99,9 @@ class RunConfig:
     join_at: int | None = None
     """Step after which a new Actor starts (churn)."""
     experiments: tuple[str, ...] = ()
+    extra_regions: tuple[Link, ...] = ()
+    """Links of further Actor regions (r2, r3, ...), each with its own Relay when ``relay``;
+    Actors are dealt round robin over r1 (on ``link``) and these."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -107,6 +110,17 @@ class RunConfig:
             raise ValueError(f"{self.mode}: need actors >= 1 and steps > warmup >= 0")
         if self.speeds and len(self.speeds) != self.actors:
             raise ValueError(f"{self.mode}: {len(self.speeds)} speeds for {self.actors} Actors")
+        if self.actors < len(self.links):
+            raise ValueError(f"{self.mode}: {self.actors} Actors cannot fill {len(self.links)} regions")
+
+    @property
+    def links(self) -> tuple[Link, ...]:
+        """Link of each Actor region, r1 first."""
+        return (self.link, *self.extra_regions)
+
+    def region_of(self, actor: int) -> str:
+        """Region of Actor ``actor`` (0-based; later joiners continue the deal)."""
+        return f"r{actor % len(self.links) + 1}"
 
     @property
     def spec(self) -> ModeSpec:
@@ -126,7 +140,10 @@ class RunConfig:
 
     def key(self) -> tuple[Any, ...]:
         """What makes two configurations the same run (experiments aside)."""
-        return (self.mode, self.link, self.actors, self.uses_relay, self.conns, self.steps, self.warmup, self.slowdowns, self.split, self.kill_at, self.join_at)
+        return (
+            self.mode, self.link, self.actors, self.uses_relay, self.conns, self.steps, self.warmup, self.slowdowns, self.split, self.kill_at, self.join_at,
+            self.extra_regions,
+        )
 
     def ideal_key(self) -> tuple[Any, ...]:
         """The ``ideal`` run this one is compared with: same Actors, speeds and split (links do not matter without bytes)."""
@@ -137,7 +154,8 @@ class RunConfig:
         relay = "+relay" if self.uses_relay else ""
         extra = f" speeds={','.join(f'{s:g}' for s in self.slowdowns)} {self.split}" if self.speeds else ""
         churn = f" kill@{self.kill_at} join@{self.join_at}" if self.kill_at is not None or self.join_at is not None else ""
-        return f"{self.mode} {self.link.label} x{self.actors}{relay} S={self.conns}{extra}{churn}"
+        more = "".join(f" +r{i + 2}:{x.label}" for i, x in enumerate(self.extra_regions))
+        return f"{self.mode} {self.link.label}{more} x{self.actors}{relay} S={self.conns}{extra}{churn}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +169,7 @@ class SweepOptions:
     version 0 and wait for no transfer, so the steady state starts at step K + 1)."""
     max_gbps: float | None = None
     """The ``max`` point of the bandwidth sweep: None (unshaped) or a rate."""
-    experiments: tuple[str, ...] = ("modes", "bandwidth", "streams", "relay", "hetero", "churn", "scaling")
+    experiments: tuple[str, ...] = ("modes", "bandwidth", "streams", "relay", "hetero", "churn", "scaling", "regions")
     modes: tuple[str, ...] = tuple(MODES)
     """Modes run (in every experiment)."""
     actors: int = 2
@@ -161,6 +179,8 @@ class SweepOptions:
 HEADLINE = Link(1.0, 20.0)
 #: The streams experiment's link: the paper's cross-continent RTT with stalls.
 STALLY = Link(1.0, 60.0, stall_prob=0.3, stall_ms=300.0)
+#: The regions experiment's second Actor region: farther and slower than the headline one.
+FAR = Link(0.25, 60.0)
 
 
 def build_sweep(o: SweepOptions) -> list[RunConfig]:
@@ -209,6 +229,11 @@ def build_sweep(o: SweepOptions) -> list[RunConfig]:
                 out.append(run("ideal", HEADLINE, n, False, "scaling"))
             if (n == 2) if o.quick else n <= 4:
                 out.append(run("full", HEADLINE, n, False, "scaling"))
+    if "regions" in ex:
+        # Two Actor regions on different links (r1: the headline link, r2: FAR), two Actors each.
+        for relay in (True, False):
+            out.append(run("delta", HEADLINE, 4, relay, "regions", extra_regions=(FAR,)))
+        out.append(run("ideal", HEADLINE, 4, False, "regions"))
     return dedupe([c for c in out if c.mode in o.modes])
 
 
@@ -311,6 +336,11 @@ def summarize(
             a, b = bytes_at_step[first].get(k), bytes_at_step[last].get(k)
             cross[k] = None if a is None or b is None else (b - a) / len(versions)
     delta_bytes = _mean([float(x) for x in sizes])
+    by_region: dict[str, float] = {}
+    if run_totals is not None and n_pub:
+        for k, b in run_totals[1].items():
+            if k.startswith("s3_down@") and k in run_totals[0]:
+                by_region[k.partition("@")[2]] = (b - run_totals[0][k]) / n_pub
     return {
         "name": cfg.name,
         "experiments": list(cfg.experiments),
@@ -341,6 +371,9 @@ def summarize(
         "object_bytes_per_version": cross["s3_down"],
         "control_bytes_per_version": cross["redis_down"],
         "cross_over_version": (cross["s3_down"] / delta_bytes) if cross["s3_down"] is not None and delta_bytes else None,
+        "regions": [x.label for x in cfg.links],
+        "object_bytes_per_version_by_region": by_region or None,
+        "cross_over_version_by_region": {r: b / delta_bytes for r, b in by_region.items()} if by_region and delta_bytes else None,
         "wire_floor_s": (delta_bytes * 8 / (cfg.link.gbps * 1e9)) if delta_bytes and cfg.link.gbps else None,
         "timeline": [
             {"step": int(s["step"]), "step_s": float(s["step_s"]), "tokens": int(s["tokens"]), "tokens_per_s": float(s["tokens_per_s"]), "by_actor": s.get("by_actor", {})}
