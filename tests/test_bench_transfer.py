@@ -112,3 +112,20 @@ def test_bench_transfer_json_on_a_tiny_model(capsys: pytest.CaptureFixture[str])
             "boto3_s",
         }
         assert sec["pipeline_over_raw"] > 0 and sec["cpu_over_raw"] > 0
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_bench_transfer_through_the_wan_proxy(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--rtt-ms``: every request pays the round trip, so one connection takes at least a round trip per object each way."""
+    rtt = 0.04
+    rc = main(_args("--params", "1e6", "--streams", "4", "--repeats", "1", "--no-full", "--no-boto3", "--segment-mib", "0.004",
+                  "--rtt-ms", str(rtt * 1000), "--json"))
+    r = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert r["rtt_ms"] == rtt * 1000 and "WAN proxy (40 ms RTT)" in r["server"]
+    n = r["delta"]["objects"]  # segments
+    assert n >= 4
+    # Publishing then staging over one connection: a request per object up, one down, one after another.
+    assert r["seconds_1_stream"] >= 2 * n * rtt
+    assert r["lossless"] is True

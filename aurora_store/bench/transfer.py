@@ -133,6 +133,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="s3fs max_concurrency of the pipeline's store (0: s3fs's default, 10 requests per large object)",
     )
     parser.add_argument("--no-boto3", action="store_true", help="skip the raw boto3 reference runs")
+    parser.add_argument(
+        "--rtt-ms",
+        type=float,
+        default=0.0,
+        help="put Aurora's WAN proxy (a child process) between client and server with this round-trip time; "
+        "0 (default): talk to the loopback server directly",
+    )
+    parser.add_argument(
+        "--rate-mbit", type=float, default=0.0, help="with the proxy: rate limit of the link in Mbit/s (0: none)"
+    )
+
+
+@contextmanager
+def _proxied(endpoint: str, rtt_ms: float, rate_mbit: float) -> Iterator[str]:
+    host, _, port = endpoint.removeprefix("http://").rpartition(":")
+    argv = [sys.executable, "-m", "aurora_store.wan.proxy", "--upstream", f"{host}:{port}", "--delay-ms", f"{rtt_ms / 2:g}"]
+    if rate_mbit > 0:
+        argv += ["--rate-mbit", f"{rate_mbit:g}"]
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert child.stdout is not None
+        addr = child.stdout.readline().strip()
+        if ":" not in addr:
+            raise RuntimeError(f"the WAN proxy did not start (said {addr!r})")
+        yield f"http://{addr}"
+    finally:
+        child.terminate()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 # ---------------------------------------------------------------------------
@@ -296,8 +328,19 @@ s.stop()
 
 
 @contextmanager
-def _s3_server(mode: str) -> Iterator[tuple[Any, int | None]]:
-    """(S3Server, server pid or None) on 127.0.0.1, in a child process or a thread."""
+def _s3_server(mode: str, rtt_ms: float = 0.0, rate_mbit: float = 0.0) -> Iterator[tuple[Any, int | None]]:
+    """(S3Server, server pid or None) on 127.0.0.1, in a child process or a thread.
+
+    With ``rtt_ms`` or ``rate_mbit``, the endpoint handed out is that of a
+    WAN proxy (``aurora_store.wan.proxy``, a child process of its own, so
+    its work does not share the client's interpreter lock) in front of it.
+    """
+    if rtt_ms > 0 or rate_mbit > 0:
+        from aurora_store.testing.servers import S3Server
+
+        with _s3_server(mode) as (srv, pid), _proxied(srv.endpoint, rtt_ms, rate_mbit) as endpoint:
+            yield S3Server(endpoint=endpoint), pid
+        return
     from aurora_store.testing.servers import S3Server
 
     if mode == "thread":
@@ -731,6 +774,8 @@ def run_benchmark(
     repeats = max(1, int(getattr(args, "repeats", 5)))
     full_repeats = max(1, int(getattr(args, "full_repeats", 1)))
     server_mode = str(getattr(args, "server", "process"))
+    rtt_ms = float(getattr(args, "rtt_ms", 0.0) or 0.0)
+    rate_mbit = float(getattr(args, "rate_mbit", 0.0) or 0.0)
     do_full = not getattr(args, "no_full", False)
     do_boto3 = not getattr(args, "no_boto3", False)
     max_conc = int(getattr(args, "s3fs_max_concurrency", 0) or 0)
@@ -784,7 +829,7 @@ def run_benchmark(
     )
     raws = ("raw", "boto3") if do_boto3 else ("raw",)
 
-    with _s3_server(server_mode) as (srv, pid):
+    with _s3_server(server_mode, rtt_ms, rate_mbit) as (srv, pid):
         bucket = srv.new_bucket("bench")
         druns: dict[tuple[str, int], list[_Run]] = {}
         for rep in range(repeats):
@@ -898,7 +943,10 @@ def run_benchmark(
         "warmup_steps": warmup,
         "repeats": repeats,
         "full_repeats": full_repeats,
-        "server": f"moto S3 ({'child process' if server_mode == 'process' else 'thread of the client'}) at {endpoint}",
+        "server": f"moto S3 ({'child process' if server_mode == 'process' else 'thread of the client'}) at {endpoint}"
+        + (f" through the WAN proxy ({rtt_ms:g} ms RTT{f', {rate_mbit:g} Mbit/s' if rate_mbit else ''})" if rtt_ms or rate_mbit else ""),
+        "rtt_ms": rtt_ms,
+        "rate_mbit": rate_mbit or None,
         "client": "s3fs (aiobotocore)"
         + (f", max_concurrency={max_conc}" if max_conc else ", s3fs defaults"),
         "encode_options": dataclasses.asdict(options),
