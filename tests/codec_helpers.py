@@ -1,7 +1,7 @@
 """Plain helpers shared by the codec tests (no fixtures: import them).
 
 The safetensors reader/writer here is written from the safetensors spec and
-FORMAT.md, independently of ``aurora_store.segment``, so that tests which
+FORMAT.md, independently of ``aurora_store.format.segment``, so that tests which
 forge hostile segments do not lean on the code they are testing.
 """
 
@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from aurora_store.apply import FusedWeights, SplitWeights, apply_delta
-from aurora_store.checkpoint import encode_segments, stage_segments
-from aurora_store.codec import DecodedEntry, EncodeOptions
-from aurora_store.extract import extract
-from aurora_store.fusion import FusionPlan
-from aurora_store.manifest import (
+from aurora_store.apply.sink import FusedWeights, SplitWeights, apply_delta
+from aurora_store.format.checkpoint import encode_segments, stage_segments
+from aurora_store.codec.entries import DecodedEntry, EncodeOptions
+from aurora_store.codec.extract import extract
+from aurora_store.codec.fusion import FusionPlan
+from aurora_store.format.manifest import (
     Manifest,
     SegmentRef,
     chain_state,
@@ -28,7 +28,7 @@ from aurora_store.manifest import (
     manifest_key,
     version_dir,
 )
-from aurora_store.store import Store
+from aurora_store.storage.store import Store
 
 Tensor = tuple[str, list[int], bytes]  # (dtype code, shape, raw bytes)
 
@@ -124,7 +124,7 @@ def assert_bit_identical(got: Mapping[str, torch.Tensor], want: Mapping[str, tor
 
 
 def bits_digest(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over names and bit patterns (independent of aurora_store.apply)."""
+    """sha256 over names and bit patterns (independent of aurora_store.apply.sink)."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name]

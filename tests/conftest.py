@@ -24,10 +24,10 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from aurora_store.extract import spec_of
-from aurora_store.fusion import FusionPlan
-from aurora_store.store import Store, open_store
-from aurora_store.synthetic import QWEN3_TINY, make_weights
+from aurora_store.codec.extract import spec_of
+from aurora_store.codec.fusion import FusionPlan
+from aurora_store.storage.store import Store, open_store
+from aurora_tools.synthetic.shapes import QWEN3_TINY, make_weights
 
 # ---------------------------------------------------------------------------
 # 1. hypothesis profiles

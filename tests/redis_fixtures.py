@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from aurora_store.redisconn import connect
+from aurora_store.coordination.redisconn import connect
 from aurora_store.testing.servers import RedisServer
 
 

@@ -15,15 +15,15 @@ from typing import Any
 import pytest
 from redis_fixtures import redis_client, redis_server  # noqa: F401
 
-from aurora_store.extract import extract
-from aurora_store.manifest import manifest_key, version_dir
-from aurora_store.publish import PublishConfig, publish_delta
-from aurora_store.store import Store, open_store
-from aurora_store.synthetic import QWEN3_TINY
+from aurora_store.codec.extract import extract
+from aurora_store.format.manifest import manifest_key, version_dir
+from aurora_store.lineage.publish import PublishConfig, publish_delta
+from aurora_store.storage.store import Store, open_store
+from aurora_tools.synthetic.shapes import QWEN3_TINY
 from workers.actor import Actor, ActorConfig
 from workers.common import Endpoints, RunKeys
 from workers.model import fusion_plan_for
-from workers.synthetic import SyntheticEngine, SyntheticSpec, base_weights, sparse_update
+from aurora_tools.synthetic.workload import SyntheticEngine, SyntheticSpec, base_weights, sparse_update
 
 pytestmark = pytest.mark.server
 

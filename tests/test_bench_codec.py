@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
-from aurora_store import kernels
-from aurora_store.bench import codec as bench
-from aurora_store.synthetic import QWEN3_0_6B
+from aurora_store.codec import kernels
+from aurora_tools.bench import codec as bench
+from aurora_tools.synthetic.shapes import QWEN3_0_6B
 
 
 def _run(capsys: pytest.CaptureFixture[str], **kw: object) -> dict:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from aurora_store.bench.ledger import add_arguments, main
+from aurora_tools.bench.ledger import add_arguments, main
 
 pytestmark = pytest.mark.server
 

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from aurora_store.bench.transfer import TimedStore, add_arguments, main, shape_for_params
-from aurora_store.synthetic import QWEN3_0_6B
+from aurora_tools.bench.transfer import TimedStore, add_arguments, main, shape_for_params
+from aurora_tools.synthetic.shapes import QWEN3_0_6B
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -40,7 +40,7 @@ def test_shape_for_params_is_close_and_qwen3_shaped(params: float) -> None:
 
 
 def test_timed_store_busy_is_the_union_of_intervals() -> None:
-    from aurora_store.bench.transfer import _Op
+    from aurora_tools.bench.transfer import _Op
 
     t = TimedStore(object())
     t.ops += [

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from aurora_store.bench.wan_sweep import (
+from aurora_tools.bench.wan_sweep import (
     HEADLINE,
     MODES,
     Link,
@@ -22,7 +22,7 @@ from aurora_store.bench.wan_sweep import (
     targets,
     uniform_split_gain,
 )
-from aurora_store.scheduler import ActorView, SchedulerConfig, plan_step
+from aurora_store.coordination.scheduler import ActorView, SchedulerConfig, plan_step
 
 # ---------------------------------------------------------------------------
 # sweep construction
@@ -168,8 +168,8 @@ def test_ideal_ratios_headline_and_targets() -> None:
 
 
 def test_sparse_update_moves_about_density_elements_by_one_ulp() -> None:
-    from aurora_store.synthetic import QWEN3_TINY
-    from workers.synthetic import base_weights, sparse_update
+    from aurora_tools.synthetic.shapes import QWEN3_TINY
+    from aurora_tools.synthetic.workload import base_weights, sparse_update
 
     w = base_weights(QWEN3_TINY, seed=3, cache=False)
     before = {n: t.clone() for n, t in w.items()}
@@ -190,14 +190,14 @@ def test_sparse_update_moves_about_density_elements_by_one_ulp() -> None:
 @pytest.mark.parametrize("transfer", ["delta", "full"])
 def test_synthetic_actor_weights_equal_the_trainers(tmp_path: object, transfer: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the Trainer publishes, staged and applied by a weight-holding SyntheticEngine, digests equal."""
-    from aurora_store.apply import weights_digest
-    from aurora_store.extract import extract
-    from aurora_store.lineage import fetch_delta, fetch_snapshot
-    from aurora_store.publish import PublishConfig, publish_delta, publish_snapshot
-    from aurora_store.store import open_store
-    from aurora_store.synthetic import QWEN3_TINY
+    from aurora_store.apply.sink import weights_digest
+    from aurora_store.codec.extract import extract
+    from aurora_store.lineage.fetch import fetch_delta, fetch_snapshot
+    from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
+    from aurora_store.storage.store import open_store
+    from aurora_tools.synthetic.shapes import QWEN3_TINY
     from workers.model import fused_weights, fusion_plan_for
-    from workers.synthetic import SyntheticEngine, SyntheticSpec, base_weights, sparse_update
+    from aurora_tools.synthetic.workload import SyntheticEngine, SyntheticSpec, base_weights, sparse_update
 
     monkeypatch.setenv("AURORA_SYNTHETIC_CACHE", f"{tmp_path}/cache")
     spec = SyntheticSpec(QWEN3_TINY, seed=5)
@@ -226,8 +226,8 @@ def test_synthetic_actor_weights_equal_the_trainers(tmp_path: object, transfer: 
 
 
 def test_spec_round_trips_through_the_model_description() -> None:
-    from aurora_store.synthetic import QWEN3_TINY
-    from workers.synthetic import SyntheticSpec, synthetic_shape
+    from aurora_tools.synthetic.shapes import QWEN3_TINY
+    from aurora_tools.synthetic.workload import SyntheticSpec, synthetic_shape
 
     s = SyntheticSpec(QWEN3_TINY, seed=2, gen_s_per_prompt=0.25, tokens=7)
     assert SyntheticSpec.from_json(s.to_json()) == s
@@ -241,7 +241,7 @@ def test_spec_round_trips_through_the_model_description() -> None:
 
 @pytest.mark.slow
 def test_small_run_end_to_end(tmp_path: object) -> None:
-    from aurora_store.bench.wan import add_arguments, run_benchmark
+    from aurora_tools.bench.wan import add_arguments, run_benchmark
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
@@ -266,7 +266,7 @@ def test_small_run_end_to_end(tmp_path: object) -> None:
 @pytest.mark.slow
 def test_two_region_run_counts_each_boundary(tmp_path: object) -> None:
     """Two Actor regions, each behind its own Relay: each boundary carries about one delta per version."""
-    from aurora_store.bench.wan import add_arguments, run_benchmark
+    from aurora_tools.bench.wan import add_arguments, run_benchmark
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)

@@ -9,10 +9,10 @@ import pytest
 from codec_helpers import assert_bit_identical, fuse
 from safetensors.torch import load_file, save_file
 
-from aurora_store.cli import main
-from aurora_store.extract import spec_of
-from aurora_store.fusion import FusionPlan
-from aurora_store.synthetic import QWEN3_TINY, MasterWeights, Qwen3Shape, make_weights
+from aurora_tools.cli import main
+from aurora_store.codec.extract import spec_of
+from aurora_store.codec.fusion import FusionPlan
+from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, Qwen3Shape, make_weights
 
 STEPS = 3
 
@@ -291,8 +291,8 @@ def test_snapshot_of_unreached_version_refused(run, capsys) -> None:
 
 
 def test_snapshot_of_delta_version_carries_its_state(run, capsys) -> None:
-    from aurora_store.lineage import materialize, read_manifest
-    from aurora_store.store import open_store
+    from aurora_store.lineage.fetch import materialize, read_manifest
+    from aurora_store.storage.store import open_store
 
     publish_chain(run, capsys)
     ok(["snapshot", "create", run["files"][2], "--version", "2", "--store", run["url"]], capsys)

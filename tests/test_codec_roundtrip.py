@@ -25,15 +25,15 @@ from conftest import index_ranges
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aurora_store.apply import FusedWeights, SplitWeights, apply_delta
-from aurora_store.checkpoint import encode_segments, stage_segments
-from aurora_store.codec import NAIVE, PAPER, EncodeOptions, ParamSpec, encode_entry
-from aurora_store.encodings import DTYPES
+from aurora_store.apply.sink import FusedWeights, SplitWeights, apply_delta
+from aurora_store.format.checkpoint import encode_segments, stage_segments
+from aurora_store.codec.entries import NAIVE, PAPER, EncodeOptions, ParamSpec, encode_entry
+from aurora_store.codec.encodings import DTYPES
 from aurora_store.errors import ConfigError
-from aurora_store.extract import extract, spec_of
-from aurora_store.fusion import FusionPlan
-from aurora_store.segment import decode_segment, encode_segment
-from aurora_store.synthetic import MasterWeights
+from aurora_store.codec.extract import extract, spec_of
+from aurora_store.codec.fusion import FusionPlan
+from aurora_store.format.segment import decode_segment, encode_segment
+from aurora_tools.synthetic.shapes import MasterWeights
 
 OPTIONS: dict[str, EncodeOptions] = {
     "auto": EncodeOptions(),
@@ -85,7 +85,7 @@ def entry_params(segs: list[tuple[str, bytes]]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def qwen_steps() -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    from aurora_store.synthetic import QWEN3_TINY, make_weights
+    from aurora_tools.synthetic.shapes import QWEN3_TINY, make_weights
 
     w = make_weights(QWEN3_TINY, seed=3)
     master = MasterWeights(w, seed=3)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from aurora_store.ledger import Ledger
-from aurora_store.redisconn import connect
+from aurora_store.coordination.ledger import Ledger
+from aurora_store.coordination.redisconn import connect
 from aurora_store.testing.servers import RedisServer
-from workers.demo import DemoConfig, run_system_demo
+from aurora_tools.demo.system import DemoConfig, run_system_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 

@@ -12,9 +12,9 @@ from conftest import index_ranges
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aurora_store import encodings as enc
-from aurora_store import varint
-from aurora_store.encodings import StreamError
+from aurora_store.codec import encodings as enc
+from aurora_store.codec import varint
+from aurora_store.codec.encodings import StreamError
 
 SPARSE = ("leb128", "bitmask", "u32", "u64")
 

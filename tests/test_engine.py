@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from aurora_store.apply import weights_digest
-from aurora_store.checkpoint import StagedDelta, encode_segments, stage_segments
+from aurora_store.apply.sink import weights_digest
+from aurora_store.format.checkpoint import StagedDelta, encode_segments, stage_segments
 from aurora_store.errors import ChainError, ConfigError, FormatError, ModelMismatchError
-from aurora_store.extract import extract
-from aurora_store.lineage import fetch_delta, fetch_snapshot
-from aurora_store.publish import PublishConfig, publish_delta, publish_snapshot
-from aurora_store.store import Store
-from workers.engine import Engine, EngineConfig, TorchEngine, evaluate
+from aurora_store.codec.extract import extract
+from aurora_store.lineage.fetch import fetch_delta, fetch_snapshot
+from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
+from aurora_store.storage.store import Store
+from workers.engine.torch_engine import Engine, EngineConfig, TorchEngine, evaluate
 from workers.model import (
     fused_weights,
     fusion_plan_for,

@@ -19,9 +19,9 @@ import torch
 import torch.multiprocessing as mp
 from redis_fixtures import redis_server, redis_url  # noqa: F401
 
-from aurora_store.redisconn import connect
+from aurora_store.coordination.redisconn import connect
 from workers.common import RunKeys, read_digests
-from workers.fsdp import (
+from workers.trainer.fsdp import (
     SINGLE,
     DistContext,
     GrpoBatch,
@@ -69,7 +69,7 @@ def _update(model: torch.nn.Module, ctx: DistContext, rows: int) -> None:
 
 
 def _rank(rank: int, world: int, port: int, rows: int, out: str) -> None:
-    from workers.fsdp import broadcast_module, shard_model
+    from workers.trainer.fsdp import broadcast_module, shard_model
 
     torch.set_num_threads(1)
     ctx = init_from_env({"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -139,7 +139,7 @@ def test_trainer_nproc2_versions_reach_an_actor_bit_identical(tmp_path: Path, re
     logs = tmp_path / "trainer.log"
     with open(logs, "wb") as tlog, open(tmp_path / "actor.log", "wb") as alog:
         trainer = subprocess.Popen(
-            [sys.executable, "-m", "aurora_store.cli", "trainer", *common, "--steps", "4", "--batch", "8", "--group", "4", "--nproc", "2",
+            [sys.executable, "-m", "aurora_tools.cli", "trainer", *common, "--steps", "4", "--batch", "8", "--group", "4", "--nproc", "2",
              "--snapshot-every", "0"],
             env=env, stdout=tlog, stderr=subprocess.STDOUT,
         )
@@ -150,7 +150,7 @@ def test_trainer_nproc2_versions_reach_an_actor_bit_identical(tmp_path: Path, re
             assert trainer.poll() is None and time.monotonic() < deadline, logs.read_text(errors="replace")[-3000:]
             time.sleep(0.2)
         actor = subprocess.Popen(
-            [sys.executable, "-m", "aurora_store.cli", "actor", *common, "--id", "a0"], env=env, stdout=alog, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "aurora_tools.cli", "actor", *common, "--id", "a0"], env=env, stdout=alog, stderr=subprocess.STDOUT,
         )
         try:
             rc = trainer.wait(timeout=420)

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aurora_store.codec import ParamSpec
+from aurora_store.codec.entries import ParamSpec
 from aurora_store.errors import ModelMismatchError
-from aurora_store.fusion import FusionPlan, fused_name
+from aurora_store.codec.fusion import FusionPlan, fused_name
 
 BF = "bfloat16"
 

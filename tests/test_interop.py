@@ -17,10 +17,10 @@ import torch
 import zstandard
 from codec_helpers import encode_delta, fuse, int_view
 
-from aurora_store.codec import NAIVE, PAPER, EncodeOptions
-from aurora_store.extract import spec_of
-from aurora_store.fusion import FusionPlan
-from aurora_store.synthetic import QWEN3_TINY, MasterWeights, make_weights
+from aurora_store.codec.entries import NAIVE, PAPER, EncodeOptions
+from aurora_store.codec.extract import spec_of
+from aurora_store.codec.fusion import FusionPlan
+from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 
 # ---------------------------------------------------------------------------
 # An independent FORMAT.md reader

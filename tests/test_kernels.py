@@ -23,14 +23,15 @@ from conftest import index_ranges, uint64_arrays
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aurora_store import encodings as enc
-from aurora_store import kernels, varint
-from aurora_store.apply import _scatter_torch, _write_flat
-from aurora_store.encodings import StreamError
-from aurora_store.extract import extract, spec_of
-from aurora_store.fusion import FusionPlan
-from aurora_store.synthetic import QWEN3_TINY, MasterWeights, make_weights
-from aurora_store.varint import VarintError
+from aurora_store.codec import encodings as enc
+from aurora_store.codec import kernels
+from aurora_store.codec import varint
+from aurora_store.apply.sink import _scatter_torch, _write_flat
+from aurora_store.codec.encodings import StreamError
+from aurora_store.codec.extract import extract, spec_of
+from aurora_store.codec.fusion import FusionPlan
+from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
+from aurora_store.codec.varint import VarintError
 
 PATHS = [
     pytest.param(
@@ -83,7 +84,7 @@ def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_importing_the_codec_does_not_import_numba() -> None:
     """Compilation is lazy: numba (and its compile time) only on first use."""
     code = (
-        "import sys; import aurora_store.kernels, aurora_store.varint, aurora_store.encodings; "
+        "import sys; import aurora_store.codec.kernels, aurora_store.codec.varint, aurora_store.codec.encodings; "
         "print('numba' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -31,10 +31,10 @@ from hypothesis.stateful import (
 )
 from redis_fixtures import ManualClock, own_redis_server, redis_client, redis_server, run_name  # noqa: F401
 
-from aurora_store.bench.ledger import CallCounter, counting_client
+from aurora_tools.bench.ledger import CallCounter, counting_client
 from aurora_store.errors import ConfigError
-from aurora_store.ledger import SETTLE_REASONS, Lease, Ledger, LedgerLost, StepExists
-from aurora_store.redisconn import connect
+from aurora_store.coordination.ledger import SETTLE_REASONS, Lease, Ledger, LedgerLost, StepExists
+from aurora_store.coordination.redisconn import connect
 from aurora_store.testing.servers import RedisServer
 
 pytestmark = pytest.mark.server
@@ -458,8 +458,8 @@ def test_fencing_tokens_stay_above_old_ones_after_redis_restart(own_redis_server
 
 ACTOR_SCRIPT = r"""
 import json, sys
-from aurora_store.ledger import Ledger
-from aurora_store.redisconn import connect
+from aurora_store.coordination.ledger import Ledger
+from aurora_store.coordination.redisconn import connect
 
 url, run, actor, v, state, n = sys.argv[1:7]
 v, n = int(v), int(n)

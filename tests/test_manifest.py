@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from aurora_store.errors import ManifestError
-from aurora_store.manifest import (
+from aurora_store.format.manifest import (
     Manifest,
     SegmentRef,
     canonical_json,

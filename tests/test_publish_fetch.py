@@ -22,18 +22,18 @@ import pytest
 import torch
 from server_fixtures import any_store, s3_bucket, s3_server, s3_store  # noqa: F401
 
-from aurora_store.apply import FusedWeights, apply_delta, weights_digest
+from aurora_store.apply.sink import FusedWeights, apply_delta, weights_digest
 from aurora_store.errors import ChainError, IntegrityError, ObjectNotFound, VersionConflict
-from aurora_store.extract import extract, spec_of
-from aurora_store.fusion import FusionPlan
-from aurora_store.gc import run_gc
-from aurora_store.lineage import fetch_delta, materialize, plan_chain, scan_versions
-from aurora_store.manifest import manifest_key, version_dir
-from aurora_store.publish import PublishConfig, publish_delta, publish_snapshot
-from aurora_store.report import read_lineage
-from aurora_store.store import Store, open_store
-from aurora_store.synthetic import QWEN3_TINY, MasterWeights, make_weights
-from aurora_store.verify import verify_run
+from aurora_store.codec.extract import extract, spec_of
+from aurora_store.codec.fusion import FusionPlan
+from aurora_store.lineage.gc import run_gc
+from aurora_store.lineage.fetch import fetch_delta, materialize, plan_chain, scan_versions
+from aurora_store.format.manifest import manifest_key, version_dir
+from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
+from aurora_store.lineage.report import read_lineage
+from aurora_store.storage.store import Store, open_store
+from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
+from aurora_store.lineage.verify import verify_run
 
 pytestmark = pytest.mark.server
 
@@ -105,7 +105,7 @@ def _put_race_script(url: str, opts: dict, key: str, payload: str, start_at: flo
     return textwrap.dedent(
         f"""
         import json, sys, time
-        from aurora_store.store import open_store
+        from aurora_store.storage.store import open_store
         from aurora_store.errors import VersionConflict
         store = open_store({url!r}, json.loads({json.dumps(json.dumps(opts))}))
         while time.time() < {start_at}:
@@ -155,11 +155,11 @@ def test_retry_of_same_bytes_is_success_different_bytes_conflict(any_store: Stor
 
 _KILLED_PUBLISHER = """
 import sys, time
-from aurora_store.store import open_store
-from aurora_store.synthetic import QWEN3_TINY, MasterWeights, make_weights
-from aurora_store.fusion import FusionPlan
-from aurora_store.extract import extract, spec_of
-from aurora_store.publish import PublishConfig, publish_delta
+from aurora_store.storage.store import open_store
+from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
+from aurora_store.codec.fusion import FusionPlan
+from aurora_store.codec.extract import extract, spec_of
+from aurora_store.lineage.publish import PublishConfig, publish_delta
 import json
 store = open_store(sys.argv[1], json.loads(sys.argv[2]))
 w = make_weights(QWEN3_TINY, seed=0)
@@ -298,7 +298,7 @@ def test_gc_keeps_what_retained_chains_need(any_store: Store) -> None:
 def test_cli_on_s3_never_leaks_credentials(s3_server, s3_bucket, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     from safetensors.torch import load_file, save_file
 
-    from aurora_store.cli import main
+    from aurora_tools.cli import main
 
     w0 = make_weights(QWEN3_TINY, seed=3)
     master = MasterWeights(w0, seed=3)
@@ -328,7 +328,7 @@ def test_cli_on_s3_never_leaks_credentials(s3_server, s3_bucket, tmp_path, capsy
 
 
 def test_verify_cli_exit_status_names_object(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    from aurora_store.cli import main
+    from aurora_tools.cli import main
 
     store = open_store(f"file://{tmp_path}/run")
     run = Run(store)

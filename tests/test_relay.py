@@ -29,19 +29,19 @@ import torch
 from redis_fixtures import own_redis_server, redis_server, run_name  # noqa: F401
 from server_fixtures import s3_server  # noqa: F401
 
-from aurora_store.apply import weights_digest
-from aurora_store.bus import COMMIT, SEGMENT, VERSION, Bus, Event
+from aurora_store.apply.sink import weights_digest
+from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus, Event
 from aurora_store.errors import ConfigError
-from aurora_store.extract import extract, spec_of
-from aurora_store.fusion import FusionPlan
-from aurora_store.lineage import materialize, scan_versions
-from aurora_store.manifest import Manifest, manifest_key
-from aurora_store.publish import PublishConfig, SegmentEvent, publish_delta, publish_snapshot
-from aurora_store.redisconn import connect
-from aurora_store.store import Store, open_store
-from aurora_store.synthetic import QWEN3_TINY, MasterWeights, make_weights
+from aurora_store.codec.extract import extract, spec_of
+from aurora_store.codec.fusion import FusionPlan
+from aurora_store.lineage.fetch import materialize, scan_versions
+from aurora_store.format.manifest import Manifest, manifest_key
+from aurora_store.lineage.publish import PublishConfig, SegmentEvent, publish_delta, publish_snapshot
+from aurora_store.coordination.redisconn import connect
+from aurora_store.storage.store import Store, open_store
+from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 from aurora_store.testing.servers import RedisServer, S3Server
-from workers.relay import Relay, RelayConfig, add_arguments, config_from_args, relay_key
+from workers.relay.relay import Relay, RelayConfig, add_arguments, config_from_args, relay_key
 
 REPO = Path(__file__).resolve().parents[1]
 # Small segments: every delta of the tiny model spans several objects.
@@ -392,7 +392,7 @@ def test_redis_restart_loses_stream_and_heartbeat(own_redis_server: RedisServer,
 
 def _relay_process(origin: str, mirror: str, redis_url: str, run: str, region: str) -> subprocess.Popen[str]:
     args = [
-        sys.executable, "-m", "workers.relay", "--store", origin, "--mirror", mirror, "--redis", redis_url,
+        sys.executable, "-m", "workers.relay.relay", "--store", origin, "--mirror", mirror, "--redis", redis_url,
         "--run", run, "--region", region, "--heartbeat-s", "0.2", "--ttl-s", "1.5", "--block-ms", "100",
     ]
     env = {**os.environ, "AURORA_TORCH_THREADS": "1"}

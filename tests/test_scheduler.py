@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aurora_store.errors import ConfigError
-from aurora_store.scheduler import (
+from aurora_store.coordination.scheduler import (
     ActorView,
     SchedulerConfig,
     decay,

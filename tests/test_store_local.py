@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from aurora_store.errors import ObjectNotFound, StoreError, VersionConflict
-from aurora_store.store import open_store
+from aurora_store.storage.store import open_store
 
 
 def test_put_get_round_trip(local_store) -> None:

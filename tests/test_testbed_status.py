@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from redis_fixtures import ManualClock, redis_client, redis_server, run_name  # noqa: F401
 
-from aurora_store import testbed
-from aurora_store.cli import main
-from aurora_store.ledger import Ledger
-from aurora_store.status import collect_status, relay_pattern, render
-from aurora_store.store import open_store
+from aurora_tools import testbed
+from aurora_tools.cli import main
+from aurora_store.coordination.ledger import Ledger
+from aurora_store.coordination.status import collect_status, relay_pattern, render
+from aurora_store.storage.store import open_store
 
 pytestmark = pytest.mark.server
 
@@ -231,7 +231,7 @@ def test_status_cli_watch_prints_blocks_without_ansi(redis_server: Any, run_name
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     code = (
-        "import sys; from aurora_store.cli import cmd_status; import argparse; "
+        "import sys; from aurora_tools.cli import cmd_status; import argparse; "
         f"sys.exit(cmd_status(argparse.Namespace(redis={redis_server.url!r}, run={run_name!r}, watch=0.1, json=False)))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

@@ -1,4 +1,4 @@
-"""Tensor-parallel shard maps (aurora_store.tp) for TP = 1, 2 and 4.
+"""Tensor-parallel shard maps (aurora_store.apply.tp) for TP = 1, 2 and 4.
 
 The pure tests need no vLLM and no GPU: each layout must cut the same shard
 from a whole parameter as its flat-index map says (``shard`` vs
@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from aurora_store.apply import apply_delta
-from aurora_store.checkpoint import StagedDelta
-from aurora_store.codec import DecodedEntry, ParamSpec
+from aurora_store.apply.sink import apply_delta
+from aurora_store.format.checkpoint import StagedDelta
+from aurora_store.codec.entries import DecodedEntry, ParamSpec
 from aurora_store.errors import ModelMismatchError
-from aurora_store.tp import (
+from aurora_store.apply.tp import (
     Piece,
     ShardedWeights,
     ShardLayout,
@@ -152,7 +152,7 @@ def _random_delta(lay: ShardLayout, name: str, seed: int) -> tuple[StagedDelta, 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_sharded_weights_patch_each_rank_like_the_whole(name: str, tp: int) -> None:
-    from aurora_store.apply import FusedWeights
+    from aurora_store.apply.sink import FusedWeights
 
     layouts = [LAYOUTS[name](tp, r) for r in range(tp)]
     staged, full = _random_delta(layouts[0], name, seed=tp)

@@ -8,8 +8,8 @@ from conftest import uint64_arrays
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aurora_store import varint
-from aurora_store.varint import VarintError
+from aurora_store.codec import varint
+from aurora_store.codec.varint import VarintError
 
 
 def py_encode(v: int) -> bytes:

@@ -4,7 +4,7 @@
 servers, and an Actor process generating with vLLM, whose digests (computed
 inside vLLM's worker) must equal the Trainer's at every version it
 activates. Then vLLM with two tensor-parallel ranks: each rank patches its
-own shard of every fused parameter (aurora_store.tp), and the digest of the
+own shard of every fused parameter (aurora_store.apply.tp), and the digest of the
 gathered shards equals the Trainer's at every version.
 """
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from aurora_store.cli import build_parser
-from aurora_store.lineage import fetch_delta
+from aurora_tools.cli import build_parser
+from aurora_store.lineage.fetch import fetch_delta
 from aurora_store.testing.servers import RedisServer
-from workers.demo import DemoConfig, run_system_demo
+from aurora_tools.demo.system import DemoConfig, run_system_demo
 
 pytestmark = [
     pytest.mark.slow,
@@ -68,7 +68,7 @@ def test_tensor_parallel_vllm_patches_each_shard(tmp_path: Path) -> None:
     """TP=2 on the CPU: the shards, patched rank by rank, digest like the Trainer's whole weights."""
     import test_vllm_engine as t
 
-    from workers.engine_vllm import VLLMConfig, VLLMEngine
+    from workers.engine.vllm_engine import VLLMConfig, VLLMEngine
 
     run = t.make_run(tmp_path / "run")  # the same Trainer run as test_vllm_engine's
     e = VLLMEngine(t.TOK, VLLMConfig(kv_cache_mib=64, tensor_parallel_size=2))

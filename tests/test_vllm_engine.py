@@ -22,17 +22,17 @@ import pytest
 import torch
 from test_engine import trainer_step  # the Trainer's update, shared with the torch engine's tests
 
-from aurora_store.apply import weights_digest
-from aurora_store.checkpoint import StagedDelta
-from aurora_store.codec import DecodedEntry
+from aurora_store.apply.sink import weights_digest
+from aurora_store.format.checkpoint import StagedDelta
+from aurora_store.codec.entries import DecodedEntry
 from aurora_store.errors import ChainError, ConfigError, IntegrityError, ModelMismatchError
-from aurora_store.extract import extract
-from aurora_store.fusion import FusionPlan
-from aurora_store.lineage import fetch_delta, read_manifest
-from aurora_store.manifest import version_dir
-from aurora_store.publish import PublishConfig, publish_delta, publish_snapshot
-from aurora_store.store import Store, open_store
-from workers.engine import Engine, RemoteStaged, StoreStaging, make_engine
+from aurora_store.codec.extract import extract
+from aurora_store.codec.fusion import FusionPlan
+from aurora_store.lineage.fetch import fetch_delta, read_manifest
+from aurora_store.format.manifest import version_dir
+from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
+from aurora_store.storage.store import Store, open_store
+from workers.engine.torch_engine import Engine, RemoteStaged, StoreStaging, make_engine
 from workers.model import (
     fused_weights,
     fusion_plan_for,
@@ -56,7 +56,7 @@ needs_vllm = pytest.mark.skipif(
 
 
 def test_choosing_vllm_without_it_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from workers import engine_vllm
+    from workers.engine import vllm_engine as engine_vllm
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     with pytest.raises(ConfigError, match=r"pip install 'aurora-store\[vllm\]'"):
@@ -68,7 +68,7 @@ def test_choosing_vllm_without_it_names_the_install(monkeypatch: pytest.MonkeyPa
 
 
 def test_vllm_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from workers.engine_vllm import VLLMConfig
+    from workers.engine.vllm_engine import VLLMConfig
 
     monkeypatch.setenv("AURORA_VLLM_TP", "2")
     monkeypatch.setenv("AURORA_VLLM_KV_CACHE_MIB", "64")
@@ -122,7 +122,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def engine(run: Run) -> Iterator[object]:
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed: pip install 'aurora-store[vllm]'")
-    from workers.engine_vllm import VLLMConfig, VLLMEngine
+    from workers.engine.vllm_engine import VLLMConfig, VLLMEngine
 
     e = VLLMEngine(TOK, VLLMConfig(kv_cache_mib=64))
     e.load(run.skeleton)

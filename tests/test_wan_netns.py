@@ -18,15 +18,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from aurora_store.wan import (
+from aurora_tools.wan import (
     LinkProfile,
     WanTestbed,
     WanUnavailable,
     cleanup_stale,
     wan_unavailable_reason,
 )
-from aurora_store.wan import netns as netns_mod
-from aurora_store.wan.proxy import Address
+from aurora_tools.wan import netns as netns_mod
+from aurora_tools.wan.proxy import Address
 
 pytestmark = pytest.mark.server
 

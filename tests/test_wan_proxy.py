@@ -21,9 +21,9 @@ from collections.abc import Iterator
 import pytest
 
 from aurora_store.errors import ConfigError
-from aurora_store.wan import LinkProfile, ProxyStats, ProxyThread, parse_region_spec
-from aurora_store.wan.profile import MIB, ImpairmentPlan
-from aurora_store.wan.proxy import Address
+from aurora_tools.wan import LinkProfile, ProxyStats, ProxyThread, parse_region_spec
+from aurora_tools.wan.profile import MIB, ImpairmentPlan
+from aurora_tools.wan.proxy import Address
 
 # ---------------------------------------------------------------------------
 # loopback servers
@@ -319,7 +319,7 @@ def test_upstream_refused_counts_and_closes() -> None:
 @pytest.mark.server
 def test_cli_prints_bound_address(source: Address) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aurora_store.wan.proxy", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "aurora_tools.wan.proxy", "--listen", "127.0.0.1:0",
          "--upstream", f"{source[0]}:{source[1]}", "--delay-ms", "5", "--jitter-ms", "1", "--seed", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

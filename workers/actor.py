@@ -28,16 +28,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aurora_store.bus import COMMIT, SEGMENT, Bus, BusGap
-from aurora_store.checkpoint import StagedDelta
+from aurora_store.coordination.bus import COMMIT, SEGMENT, Bus, BusGap
+from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.errors import AuroraError, VersionNotFound
-from aurora_store.ledger import Lease, Ledger
-from aurora_store.lineage import fetch_delta, materialize, scan_versions
-from aurora_store.redisconn import connect
-from aurora_store.store import Store, open_store
+from aurora_store.coordination.ledger import Lease, Ledger
+from aurora_store.lineage.fetch import fetch_delta, materialize, scan_versions
+from aurora_store.coordination.redisconn import connect
+from aurora_store.storage.store import Store, open_store
 
-from .common import Endpoints, RunKeys, read_model_description, record_digest
-from .engine import RemoteStaged, StoreStaging, make_engine
+from workers.common import Endpoints, RunKeys, read_model_description, record_digest
+from workers.engine.torch_engine import RemoteStaged, StoreStaging, make_engine
 
 __all__ = ["ActorConfig", "Actor", "add_arguments", "main"]
 
@@ -412,16 +412,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE")
-    from .synthetic import add_actor_arguments
+    from aurora_tools.synthetic.workload import add_actor_arguments
 
     add_actor_arguments(p)
 
 
 def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
-    from .common import limit_torch_threads, setup_logging
+    from workers.common import limit_torch_threads, setup_logging
 
     if getattr(args, "workload", "grpo") == "synthetic":
-        from .synthetic import actor_main
+        from aurora_tools.synthetic.workload import actor_main
 
         return actor_main(args, storage_options)
     setup_logging(f"actor[{args.actor_id or ''}]")
@@ -436,7 +436,7 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
 
 def run_until_stopped(actor: Actor, join_at_version: int | None = None) -> int:
     """Run an Actor in this process until SIGTERM/SIGINT, joining once the run reaches ``join_at_version``."""
-    from .common import install_stop_handlers
+    from workers.common import install_stop_handlers
 
     install_stop_handlers(actor.stop)
     if join_at_version is not None:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from aurora_store.errors import ConfigError, ObjectNotFound
-from aurora_store.redisconn import key_prefix
-from aurora_store.store import Store
+from aurora_store.coordination.redisconn import key_prefix
+from aurora_store.storage.store import Store
 
 __all__ = [
     "MODEL_CONFIG_KEY",
@@ -91,7 +91,7 @@ def read_model_description(store: Store) -> tuple[Any, Any]:
     """(model skeleton in bf16 with random weights, tokenizer) from ``model/`` in the store."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .tokenizer import CharTokenizer
+    from workers.tokenizer import CharTokenizer
 
     try:
         cfg_raw = store.get(MODEL_CONFIG_KEY)

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import torch
 
 from aurora_store.errors import ModelMismatchError
-from aurora_store.extract import spec_of
-from aurora_store.fusion import EMBED, TIED_HEAD, FusionPlan
+from aurora_store.codec.extract import spec_of
+from aurora_store.codec.fusion import EMBED, TIED_HEAD, FusionPlan
 
-from .task import Problem
-from .tokenizer import CharTokenizer
+from workers.task import Problem
+from workers.tokenizer import CharTokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -7,4 +7,4 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 python="${PYTHON:-$root/.venv/bin/python}"
 cd "$root"
-exec "$python" -m aurora_store.wan.netns up "$@"
+exec "$python" -m aurora_tools.wan.netns up "$@"

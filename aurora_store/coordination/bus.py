@@ -1,0 +1,125 @@
+"""Announcements on Redis streams: segments, versions, commits.
+
+One stream per run (the origin) and one per region (what a Relay re-announces
+for its Actors). Announcements are hints that make staging fast; the store
+stays the source of truth. A consumer resumes from the last id it saw; when
+the entries it missed were trimmed, or Redis lost the stream altogether, the
+read raises :class:`BusGap` and the consumer lists the store instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aurora_store.errors import AuroraError
+from aurora_store.coordination.redisconn import key_prefix
+
+__all__ = ["Event", "Bus", "BusGap", "SEGMENT", "VERSION", "COMMIT", "RESYNC"]
+
+SEGMENT = "segment"
+"""A segment object of version ``version`` is durable: ``key``, ``bytes``, ``sha256``, ``index``."""
+VERSION = "version"
+"""Version ``version`` is committed: ``kind``, ``state``, ``base_state``, ``bytes``, ``segments``."""
+COMMIT = "commit"
+"""Commit(v): Actors on ``version - 1`` with ``version`` staged activate it at their next safe point."""
+RESYNC = "resync"
+
+
+class BusGap(AuroraError, LookupError):
+    """Entries after the consumer's last id are gone (trimmed, or Redis lost them)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One announcement."""
+
+    id: str
+    """Stream entry id (``ms-seq``); resume after it."""
+    type: str
+    version: int
+    fields: Mapping[str, str] = field(default_factory=dict)
+
+    def get(self, name: str, default: str = "") -> str:
+        return self.fields.get(name, default)
+
+
+def _parse_id(x: str) -> tuple[int, int]:
+    a, _, b = x.partition("-")
+    return int(a), int(b or 0)
+
+
+class Bus:
+    """Streams of one run. ``maxlen`` bounds each stream (approximate trimming)."""
+
+    def __init__(self, redis: Any, run: str, maxlen: int = 100_000) -> None:
+        self.r = redis
+        self.run = run
+        self.p = key_prefix(run)
+        self.maxlen = maxlen
+
+    def stream(self, region: str | None = None) -> str:
+        return f"{self.p}events" if region is None else f"{self.p}region:{region}:events"
+
+    def announce(self, type: str, version: int, region: str | None = None, **fields: Any) -> str:
+        """Append an event; returns its id."""
+        body = {"type": type, "version": str(version), **{k: str(v) for k, v in fields.items()}}
+        eid = self.r.xadd(self.stream(region), body, maxlen=self.maxlen, approximate=True)
+        return eid.decode() if isinstance(eid, bytes) else str(eid)
+
+    def tail_id(self, region: str | None = None) -> str:
+        """Id of the newest entry ever added to a stream, or ``"0"``.
+
+        A consumer that is about to list the store takes this *first* and then
+        reads after it, so nothing announced in between is missed.
+        """
+        key = self.stream(region)
+        if not self.r.exists(key):
+            return "0"
+        info = self.r.xinfo_stream(key)
+        lg = info.get("last-generated-id") or info.get(b"last-generated-id")
+        if lg is None:
+            return "0"
+        return lg.decode() if isinstance(lg, bytes) else str(lg)
+
+    def read(self, last_id: str = "0", block_ms: int | None = None, count: int = 1000, region: str | None = None) -> list[Event]:
+        """Events after ``last_id`` (``"0"``: from the start), waiting up to ``block_ms``.
+
+        Raises :class:`BusGap` when entries after ``last_id`` can no longer be
+        read: the consumer must then rebuild its view from the store.
+        """
+        key = self.stream(region)
+        if last_id not in ("0", "0-0"):
+            self._check_continuity(key, last_id)
+        res = self.r.xread({key: last_id}, count=count, block=block_ms)
+        out: list[Event] = []
+        for _, entries in res or []:
+            for eid, body in entries:
+                f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in body.items()}
+                try:
+                    version = int(f.get("version", ""))
+                except ValueError:
+                    continue  # not ours, or damaged: the store is the truth anyway
+                out.append(Event(eid.decode() if isinstance(eid, bytes) else str(eid), f.get("type", ""), version, f))
+        return out
+
+    def _check_continuity(self, key: str, last_id: str) -> None:
+        if not self.r.exists(key):
+            raise BusGap(f"{key}: stream is gone (Redis restarted?); resume from the store")
+        info = self.r.xinfo_stream(key)
+        first = info.get("first-entry") or info.get(b"first-entry")
+        last_gen = info.get("last-generated-id") or info.get(b"last-generated-id")
+        if last_gen is not None:
+            lg = last_gen.decode() if isinstance(last_gen, bytes) else str(last_gen)
+            if _parse_id(lg) < _parse_id(last_id):
+                raise BusGap(f"{key}: stream was recreated (its newest id {lg} is older than {last_id}); resume from the store")
+            length = int(info.get("length", info.get(b"length", 0)))
+            if length == 0 and _parse_id(lg) > _parse_id(last_id):
+                raise BusGap(f"{key}: entries after {last_id} up to {lg} were trimmed away; resume from the store")
+        if first:
+            fid = first[0].decode() if isinstance(first[0], bytes) else str(first[0])
+            if _parse_id(fid) > _parse_id(last_id) and int(info.get("length", info.get(b"length", 0))) >= 1:
+                # Something between last_id and the first retained entry may be lost.
+                entries_added = info.get("entries-added") or info.get(b"entries-added")
+                raise BusGap(f"{key}: entries after {last_id} were trimmed (oldest kept {fid}, added {entries_added}); resume from the store")

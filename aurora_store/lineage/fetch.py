@@ -1,0 +1,261 @@
+"""Versions in a store: what exists, how to reach a version, and reading it back.
+
+Chain planning is a pure function over version numbers. Reading verifies
+every object against its manifest (size and sha256) and decodes everything
+before returning, so a caller gets either a fully validated version or an
+error naming the object at fault.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from aurora_store.format.checkpoint import StagedDelta, assemble_staged
+from aurora_store.codec.entries import ParamSpec
+from aurora_store.errors import (
+    ChainError,
+    IntegrityError,
+    ManifestError,
+    ObjectNotFound,
+    SegmentError,
+    VersionNotFound,
+)
+from aurora_store.format.manifest import Manifest, manifest_key, parse_version_dir, version_dir
+from aurora_store.format.segment import decode_segment
+from aurora_store.storage.store import Store
+
+T = TypeVar("T")
+
+__all__ = [
+    "ChainPlan",
+    "VersionIndex",
+    "plan_chain",
+    "scan_versions",
+    "read_manifest",
+    "fetch_objects",
+    "fetch_delta",
+    "fetch_snapshot",
+    "materialize",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionIndex:
+    """Committed versions of a run (those whose manifest exists)."""
+
+    deltas: frozenset[int]
+    snapshots: frozenset[int]
+
+    @property
+    def latest(self) -> int | None:
+        allv = self.deltas | self.snapshots
+        return max(allv) if allv else None
+
+
+@dataclass(frozen=True, slots=True)
+class ChainPlan:
+    """How to reach ``target``: optionally a snapshot, then deltas in order."""
+
+    target: int
+    snapshot: int | None
+    deltas: tuple[int, ...]
+
+
+def plan_chain(index: VersionIndex, target: int, held: int | None = None) -> ChainPlan:
+    """Plan the cheapest path to ``target``.
+
+    From a held version, replaying the missed deltas costs O(missed steps) and
+    wins whenever the chain is unbroken. Otherwise: the newest snapshot at or
+    below ``target`` from which every delta up to ``target`` exists.
+    """
+    if target not in index.deltas and target not in index.snapshots:
+        raise VersionNotFound(f"version {target} is not committed (no manifest)")
+    if held is not None:
+        if held > target:
+            raise ChainError(
+                f"cannot go back from version {held} to {target}: deltas only move forward"
+            )
+        if held == target:
+            return ChainPlan(target, None, ())
+        if all(v in index.deltas for v in range(held + 1, target + 1)):
+            return ChainPlan(target, None, tuple(range(held + 1, target + 1)))
+    for s in sorted((s for s in index.snapshots if s <= target), reverse=True):
+        if all(v in index.deltas for v in range(s + 1, target + 1)):
+            return ChainPlan(target, s, tuple(range(s + 1, target + 1)))
+    start = held if held is not None else (min(index.snapshots) if index.snapshots else None)
+    if start is None:
+        raise ChainError(
+            f"version {target} is unreachable: the store holds no snapshot at or below it"
+        )
+    missing = [v for v in range(start + 1, target + 1) if v not in index.deltas]
+    raise ChainError(
+        f"version {target} is unreachable: delta(s) {missing[:10]} missing after version {start}"
+    )
+
+
+def scan_versions(store: Store) -> VersionIndex:
+    """List committed versions: a version exists exactly when its manifest does.
+
+    One recursive listing per kind (a single request per 1,000 keys on S3),
+    not a request per version.
+    """
+    found: dict[str, set[int]] = {"delta": set(), "snapshot": set()}
+    for kind in found:
+        for key in store.list(f"{kind}s"):
+            parts = key.split("/")
+            if len(parts) == 3 and parts[2] == "manifest.json":
+                v = parse_version_dir(parts[1])
+                if v is not None:
+                    found[kind].add(v)
+    return VersionIndex(frozenset(found["delta"]), frozenset(found["snapshot"]))
+
+
+def read_manifest(store: Store, kind: str, version: int) -> Manifest:
+    key = manifest_key(kind, version)
+    try:
+        data = store.get(key)
+    except ObjectNotFound:
+        raise VersionNotFound(f"{store.where(key)}: {kind} {version} is not committed") from None
+    m = Manifest.from_bytes(data, store.where(key))
+    if m.kind != kind or m.version != version:
+        raise ManifestError(
+            store.where(key), f"describes {m.kind} {m.version}, expected {kind} {version}"
+        )
+    return m
+
+
+def fetch_objects(store: Store, m: Manifest, streams: int = 8, then: Callable[[str, bytes], T] | None = None) -> list[tuple[str, T]]:
+    """Download every object of a version over ``streams`` connections; verify size and sha256.
+
+    ``then(where, data)`` runs in the download thread right after the check
+    (decoding a segment there overlaps it with the other downloads and frees
+    the raw bytes early); without it the bytes themselves are returned.
+    """
+    vdir = version_dir(m.kind, m.version)
+
+    def one(i: int) -> tuple[str, Any]:
+        ref = m.segments[i]
+        key = f"{vdir}/{ref.key}"
+        where = store.where(key)
+        try:
+            data = store.get(key)
+        except ObjectNotFound:
+            raise ObjectNotFound(
+                f"{where}: listed in the manifest of {m.kind} {m.version} but missing"
+            ) from None
+        if len(data) != ref.bytes:
+            raise IntegrityError(
+                f"{where}: {len(data)} bytes, manifest says {ref.bytes} (truncated or replaced)"
+            )
+        if hashlib.sha256(data).hexdigest() != ref.sha256:
+            raise IntegrityError(f"{where}: sha256 does not match the manifest (corrupted)")
+        return where, (then(where, data) if then is not None else data)
+
+    if not m.segments:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(streams, len(m.segments)))) as pool:
+        return list(pool.map(one, range(len(m.segments))))
+
+
+def fetch_delta(
+    store: Store,
+    version: int,
+    model: Mapping[str, ParamSpec] | None,
+    streams: int = 8,
+    expect_base_state: str | None = None,
+) -> tuple[Manifest, StagedDelta]:
+    """Fetch, verify, decode and validate delta ``version``. Applies nothing."""
+    m = read_manifest(store, "delta", version)
+    if expect_base_state is not None and m.base_state != expect_base_state:
+        raise ChainError(
+            f"{store.where(manifest_key('delta', version))}: base_state {m.base_state} does not match "
+            f"the held version's state {expect_base_state}"
+        )
+    segs = fetch_objects(store, m, streams, lambda where, data: decode_segment(data, where, model))
+    staged = assemble_staged(segs, version)
+    declared = {n: int(p.get("nnz", 0)) for n, p in m.params.items()}
+    counted: dict[str, int] = {}
+    for e in staged.entries:
+        counted[e.param] = counted.get(e.param, 0) + e.nnz
+    for name in counted.keys() | declared.keys():
+        if declared.get(name, 0) != counted.get(name, 0):
+            n = counted.get(name, 0)
+            raise ManifestError(
+                store.where(manifest_key("delta", version)),
+                f"params[{name!r}].nnz is {declared.get(name, 0)}, segments carry {n}",
+            )
+    return m, staged
+
+
+def fetch_snapshot(
+    store: Store, version: int, streams: int = 8
+) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """Fetch and verify a snapshot; returns its fused tensors (on the CPU)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    from aurora_store.codec.extract import spec_of
+
+    m = read_manifest(store, "snapshot", version)
+    tensors: dict[str, torch.Tensor] = {}
+    objects: list[tuple[str, bytes]] = fetch_objects(store, m, streams)
+    for where, data in objects:
+        try:
+            part = load(data)
+        except (SafetensorError, ValueError, RuntimeError) as e:
+            raise SegmentError(where, f"not a readable safetensors shard: {e}") from None
+        for name, t in part.items():
+            if name in tensors:
+                raise SegmentError(where, f"tensor {name!r} appears in two shards")
+            tensors[name] = t
+    specs = m.param_specs()
+    if set(tensors) != set(specs):
+        missing, extra = sorted(set(specs) - set(tensors)), sorted(set(tensors) - set(specs))
+        raise ManifestError(
+            store.where(manifest_key("snapshot", version)),
+            f"shards do not match params (missing {missing[:5]}, extra {extra[:5]})",
+        )
+    for name, t in tensors.items():
+        if spec_of(t, name) != specs[name]:
+            raise ManifestError(
+                store.where(manifest_key("snapshot", version)),
+                f"{name}: shard holds {list(t.shape)} {t.dtype}, params say {list(specs[name].shape)} {specs[name].dtype}",
+            )
+    return m, tensors
+
+
+def materialize(
+    store: Store,
+    target: int,
+    streams: int = 8,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[dict[str, torch.Tensor], str]:
+    """Full fused weights of version ``target``: newest usable snapshot, then deltas.
+
+    Returns (tensors, state). Each delta is checked against the state of the
+    version it lands on before it is applied.
+    """
+    from aurora_store.apply.sink import FusedWeights, apply_delta
+
+    index = scan_versions(store)
+    plan = plan_chain(index, target)
+    if plan.snapshot is None:
+        raise ChainError(f"version {target} is unreachable: no snapshot at or below it")
+    sm, tensors = fetch_snapshot(store, plan.snapshot, streams)
+    if progress:
+        progress(f"snapshot {plan.snapshot}: {len(tensors)} tensors, {sm.total_bytes} bytes")
+    state = sm.state
+    sink = FusedWeights(tensors)
+    for v in plan.deltas:
+        m, staged = fetch_delta(store, v, sink.specs(), streams, expect_base_state=state)
+        apply_delta(staged, sink)
+        state = m.state
+        if progress:
+            progress(f"delta {v}: {staged.nnz} changed elements, {m.total_bytes} bytes")
+    return tensors, state

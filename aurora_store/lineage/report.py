@@ -1,0 +1,141 @@
+"""What a run holds: one row per version, plus orphans and gaps.
+
+This reads manifests and listings only (cheap); :mod:`aurora_store.lineage.verify`
+re-hashes objects. Notebooks and ``aurora lineage`` are built on it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from aurora_store.errors import AuroraError
+from aurora_store.format.manifest import Manifest, parse_version_dir, version_dir
+from aurora_store.storage.store import Store
+
+__all__ = ["VersionRow", "Lineage", "read_lineage", "layer_of"]
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class VersionRow:
+    """One committed version."""
+
+    kind: str
+    version: int
+    base: int | None
+    state: str
+    bytes: int
+    changed: int
+    """Changed elements (deltas); 0 for snapshots."""
+    numel: int
+    """Elements of the parameters listed (all of them for a snapshot)."""
+    segments: int
+    created_at: str
+
+    @property
+    def density(self) -> float | None:
+        if self.kind != "delta":
+            return None
+        return self.changed / self.numel if self.numel else 0.0
+
+
+@dataclass(slots=True)
+class Lineage:
+    """Everything :func:`read_lineage` found."""
+
+    url: str
+    rows: list[VersionRow] = field(default_factory=list)
+    manifests: dict[tuple[str, int], Manifest] = field(default_factory=dict)
+    orphans: list[str] = field(default_factory=list)
+    """Keys no manifest references (killed or in-flight publishes)."""
+    gaps: list[int] = field(default_factory=list)
+    """Versions between the first and last with neither a delta nor a snapshot."""
+    problems: list[str] = field(default_factory=list)
+    """Manifests that could not be read."""
+
+    @property
+    def model_numel(self) -> int | None:
+        snaps = [m for (k, _), m in self.manifests.items() if k == "snapshot"]
+        return snaps[-1].numel if snaps else None
+
+    def to_json(self) -> dict[str, Any]:
+        rows = []
+        for r in self.rows:
+            d = asdict(r)
+            d["density"] = r.density
+            rows.append(d)
+        return {"url": self.url, "versions": rows, "orphans": self.orphans, "gaps": self.gaps, "problems": self.problems}
+
+    def param_density(self) -> dict[int, dict[str, float]]:
+        """Delta version -> {fused param: changed fraction}."""
+        out: dict[int, dict[str, float]] = {}
+        for (kind, v), m in sorted(self.manifests.items()):
+            if kind != "delta":
+                continue
+            out[v] = {n: int(p.get("nnz", 0)) / max(1, _numel(p["shape"])) for n, p in m.params.items()}
+        return out
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def layer_of(param: str) -> int | None:
+    """Decoder layer index of a parameter name, or None (embeddings, final norm)."""
+    m = _LAYER.search(param)
+    return int(m.group(1)) if m else None
+
+
+def read_lineage(store: Store) -> Lineage:
+    """Read every manifest of the run and classify every object under it."""
+    lin = Lineage(store.url)
+    keys = store.list()
+    by_vdir: dict[tuple[str, int], list[str]] = {}
+    for k in keys:
+        parts = k.split("/")
+        if len(parts) >= 3 and parts[0] in ("deltas", "snapshots"):
+            v = parse_version_dir(parts[1])
+            if v is not None:
+                by_vdir.setdefault((parts[0][:-1], v), []).append(k)
+    for (kind, v), ks in sorted(by_vdir.items(), key=lambda x: (x[0][1], x[0][0])):
+        vdir = version_dir(kind, v)
+        mkey = f"{vdir}/manifest.json"
+        if mkey not in ks:
+            lin.orphans.extend(ks)  # never committed: every object is an orphan
+            continue
+        try:
+            m = Manifest.from_bytes(store.get(mkey), store.where(mkey))
+        except AuroraError as e:
+            lin.problems.append(str(e))
+            continue
+        lin.manifests[(kind, v)] = m
+        referenced = {f"{vdir}/{s.key}" for s in m.segments} | {mkey}
+        lin.orphans.extend(k for k in ks if k not in referenced)
+        lin.rows.append(
+            VersionRow(
+                kind=kind,
+                version=v,
+                base=m.base_version,
+                state=m.state,
+                bytes=m.total_bytes,
+                changed=m.nnz if kind == "delta" else 0,
+                numel=m.numel,
+                segments=len(m.segments),
+                created_at=m.created_at,
+            )
+        )
+    # Density over the whole model, when a snapshot tells us its size.
+    total = lin.model_numel
+    if total:
+        lin.rows = [VersionRow(**{**asdict(r), "numel": total}) if r.kind == "delta" else r for r in lin.rows]
+    have = {v for _, v in lin.manifests}
+    if have:
+        lin.gaps = [v for v in range(min(have), max(have) + 1) if v not in have]
+    return lin

@@ -1,0 +1,221 @@
+"""``aurora bench e2e``: what the weight path adds to a step, with one-step asynchrony.
+
+Runs the demo's workload twice in one invocation, on the same machine and
+servers: with the weight path (every version published as a delta, staged
+and activated by every Actor) and without it (the ideal baseline: versions
+trained but never shipped, every batch generated on v0). The difference in
+mean step time is what shipping weights costs end to end.
+
+Reported per step: the Trainer's wait for rollouts (generation it could not
+hide), training, extract + publish, and the Actors' stage and activation
+times (off the critical path: they overlap generation).
+
+With ``--engine vllm`` the Actors generate with vLLM, and after the runs one
+vLLM engine replays the run's versions to time, side by side, activating
+each delta in place (``activation_s_delta``) against vLLM's own
+``load_weights`` of the same whole version (``activation_s_reload``), both
+measured inside the vLLM worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from aurora_tools.demo.system import DemoConfig, DemoResult, run_system_demo
+
+__all__ = ["add_arguments", "main", "summarize", "vllm_activation"]
+
+
+def summarize(res: DemoResult, skip: int) -> dict[str, Any]:
+    logs = res.logs[skip:] or res.logs
+    acts = list(res.activations.values())
+
+    def mean(xs: list[float]) -> float:
+        return statistics.fmean(xs) if xs else 0.0
+
+    return {
+        "steps_measured": len(logs),
+        "step_s": mean([lg.step_s for lg in logs]),
+        "wait_rollouts_s": mean([lg.wait_s for lg in logs]),
+        "train_s": mean([lg.train_s for lg in logs]),
+        "extract_publish_s": mean([lg.extract_publish_s for lg in logs]),
+        "stage_s": mean([a["stage_s"] for a in acts]),
+        "activate_s": mean([a["activate_s"] for a in acts]),
+        "tokens_per_s": mean([lg.tokens_per_s for lg in logs]),
+        "delta_bytes": mean([float(lg.delta_bytes) for lg in logs]),
+        "reward_last": mean([lg.reward for lg in res.logs[-3:]]),
+    }
+
+
+def vllm_activation(store_url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every delta of a run, activated in one vLLM engine: in place vs a whole ``load_weights``.
+
+    Per version v: bootstrap (untimed) at v-1 is done once, then for each v
+    the workers stage delta v (untimed), apply it in place (timed in the
+    worker, and as the caller waits for it), then reload the same version
+    whole through vLLM's weight loaders (timed in the worker; the weights
+    are read and split before the clock starts).
+    """
+    import statistics
+
+    from aurora_store.lineage.fetch import scan_versions
+    from aurora_store.storage.store import open_store
+
+    from workers.common import MODEL_CONFIG_KEY, TOKENIZER_KEY
+    from workers.engine.vllm_engine import VLLMConfig, VLLMEngine
+    from workers.tokenizer import CharTokenizer
+
+    store = open_store(store_url, storage_options)
+    # The config only: a model skeleton of a large shape would cost seconds and gigabytes here.
+    config = json.loads(store.get(MODEL_CONFIG_KEY))
+    tokenizer = CharTokenizer.from_json(store.get(TOKENIZER_KEY).decode("utf-8"), where=store.where(TOKENIZER_KEY))
+    engine = VLLMEngine(tokenizer, VLLMConfig.from_env())
+    engine.load(config)
+    try:
+        deltas = sorted(scan_versions(store).deltas)
+        if not deltas:
+            raise ValueError(f"{store_url}: no delta to activate")
+        _, state = engine.bootstrap_from_store(store, storage_options, deltas[0] - 1)
+        delta_s, delta_rpc_s, reload_s, nnz = [], [], [], []
+        for v in deltas:
+            m, staged = engine.stage_from_store(store, storage_options, v, state)
+            t0 = time.perf_counter()
+            engine.apply(staged)
+            delta_rpc_s.append(time.perf_counter() - t0)
+            delta_s.append(engine.last_apply_s)
+            reload_s.append(engine.reload_seconds(store, storage_options))
+            nnz.append(m.nnz)
+            state = m.state
+        numel = sum(s.numel for s in engine.param_specs().values())
+        return {
+            "versions": len(deltas),
+            "params": numel,
+            "changed_mean": statistics.fmean(nnz),
+            "activation_s_delta": statistics.fmean(delta_s),
+            "activation_s_delta_rpc": statistics.fmean(delta_rpc_s),
+            "activation_s_reload": statistics.fmean(reload_s),
+            "vllm_start_s": engine.start_s,
+        }
+    finally:
+        engine.close()
+
+
+def synthetic_run(root: str, shape: Any, versions: int = 3, lr: float = 2e-7, seed: int = 0) -> str:
+    """A run of random Qwen3-shaped weights taking Adam-sized steps (about 1% of elements change
+    per step at lr 2e-7, as in RL post-training), published to ``file://root``; returns its URL."""
+    from transformers import Qwen3Config
+
+    from aurora_store.codec.extract import extract, spec_of
+    from aurora_store.codec.fusion import FusionPlan
+    from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
+    from aurora_store.storage.store import open_store
+    from aurora_tools.synthetic.shapes import MasterWeights, make_weights
+
+    from workers.common import write_model_description
+    from workers.model import fused_weights
+    from workers.tokenizer import CharTokenizer
+
+    url = f"file://{os.path.abspath(root)}"
+    store = open_store(url)
+    cfg = Qwen3Config(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, tie_word_embeddings=shape.tied, max_position_embeddings=512,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    write_model_description(store, cfg.to_json_string(), CharTokenizer().to_json())
+    base = make_weights(shape, seed=seed)
+    plan = FusionPlan.from_specs({n: spec_of(t, n) for n, t in base.items()})
+    pub = PublishConfig()
+    state = publish_snapshot(store, "activation", 0, fused_weights(base, plan), None, pub).state
+    master = MasterWeights(base, seed=seed)
+    for v in range(1, versions + 1):
+        new = master.step(lr)
+        state = publish_delta(store, "activation", v, extract(plan, base, new), state, pub).state
+        base = new
+    return url
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the means")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--engine", default="torch", choices=("torch", "vllm"), help="the Actors' engine; vllm adds delta vs reload activation times")
+    p.add_argument(
+        "--activation-shape", default=None, choices=("qwen3-0.6b",),
+        help="with --engine vllm: also time delta vs reload activation on random weights of this shape (about 1%% of elements change per delta)",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from aurora_store.testing.servers import RedisServer
+
+    from workers.common import limit_torch_threads
+
+    limit_torch_threads()
+    if args.engine == "vllm":
+        from workers.engine.vllm_engine import import_vllm
+
+        import_vllm()
+    out: dict[str, Any] = {"engine": args.engine}
+    results = {}
+    workdirs = {}
+    with RedisServer() as rs:
+        for mode, transfer in (("aurora", True), ("ideal", False)):
+            cfg = DemoConfig(
+                steps=args.steps, batch=args.batch, actors_relay=2, actors_origin=2, kill_at=-1, join_at=-1,
+                redis=rs.url, run=f"bench-{mode}", workdir=tempfile.mkdtemp(prefix=f"aurora-bench-{mode}-"),
+                display=False, weight_transfer=transfer, engine=args.engine,
+            )
+            workdirs[mode] = cfg.workdir
+            if not args.json:
+                print(f"running {mode} ({'weights shipped as deltas' if transfer else 'no weight transfer'}), {args.steps} steps ...", flush=True)
+            res = run_system_demo(cfg, say=lambda *a, **k: None)
+            results[mode] = res
+            out[mode] = summarize(res, args.skip)
+    a, i = out["aurora"], out["ideal"]
+    out["weight_path_overhead_fraction"] = (a["step_s"] - i["step_s"]) / i["step_s"] if i["step_s"] > 0 else None
+    out["bit_identical"] = results["aurora"].bit_identical
+    out["target"] = {"weight_path_overhead_fraction_max": 0.05, "met": out["weight_path_overhead_fraction"] is not None and out["weight_path_overhead_fraction"] < 0.05}
+    if args.engine == "vllm":
+        if not args.json:
+            print("replaying the run's deltas in one vLLM engine: in-place activation vs full load_weights ...", flush=True)
+        act = vllm_activation(f"file://{os.path.join(workdirs['aurora'] or '', 'store')}")
+        out.update(act)
+        if args.activation_shape:
+            from aurora_tools.synthetic.shapes import QWEN3_0_6B
+
+            if not args.json:
+                print(f"the same on a {args.activation_shape}-shaped model (random weights, sparse steps) ...", flush=True)
+            with tempfile.TemporaryDirectory(prefix="aurora-bench-activation-") as d:
+                out[f"activation_{args.activation_shape}"] = vllm_activation(synthetic_run(d, QWEN3_0_6B))
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    rows = ("step_s", "wait_rollouts_s", "train_s", "extract_publish_s", "stage_s", "activate_s", "tokens_per_s", "delta_bytes", "reward_last")
+    print(f"\n{'per step (mean)':<22} {'aurora':>12} {'ideal':>12}")
+    for k in rows:
+        print(f"{k:<22} {a[k]:>12.4f} {i[k]:>12.4f}")
+    f = out["weight_path_overhead_fraction"]
+    print(f"\nweight path overhead: {100 * f:+.1f}% of step time (target < 5%: {'met' if out['target']['met'] else 'NOT met'}); bit-identical: {out['bit_identical']}")
+    if args.engine == "vllm":
+        print(
+            f"vLLM activation ({out['versions']} versions, {out['params']} parameters, {out['changed_mean']:.0f} changed per delta): "
+            f"delta in place {1e3 * out['activation_s_delta']:.3f} ms (caller waits {1e3 * out['activation_s_delta_rpc']:.2f} ms), "
+            f"full load_weights {1e3 * out['activation_s_reload']:.3f} ms"
+        )
+        big = out.get(f"activation_{args.activation_shape}")
+        if big:
+            print(
+                f"vLLM activation, {args.activation_shape} ({big['params']} parameters, {big['changed_mean']:.0f} changed per delta): "
+                f"delta in place {1e3 * big['activation_s_delta']:.1f} ms (caller waits {1e3 * big['activation_s_delta_rpc']:.1f} ms), "
+                f"full load_weights {1e3 * big['activation_s_reload']:.1f} ms ({big['activation_s_reload'] / big['activation_s_delta']:.0f}x)"
+            )
+    return 0

