@@ -263,8 +263,8 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from aurora_store.storage.store import open_store
     from aurora_store.lineage.verify import verify_run
+    from aurora_store.storage.store import open_store
 
     store = open_store(args.url, storage_options(args.storage_option))
     rep = verify_run(store, args.from_version, args.to_version, deep=args.deep, progress=_say if args.verbose else None)

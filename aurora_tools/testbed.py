@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from aurora_store.errors import AuroraError
+from aurora_store.errors import AuroraError, TestbedError, TestbedNotRunning, TestbedStale
 
 __all__ = [
     "DEFAULT_DIR",
@@ -66,18 +66,10 @@ REGION = "us-east-1"
 _HOST = "127.0.0.1"
 
 
-class TestbedError(AuroraError, RuntimeError):
-    """The testbed could not start, or is in a state the command cannot handle."""
-
-    __test__ = False  # not a pytest test class despite its name
 
 
-class TestbedNotRunning(TestbedError, FileNotFoundError):
-    """No state file: nothing runs in that folder."""
 
 
-class TestbedStale(TestbedError):
-    """A state file whose testbed process is gone."""
 
 
 # ---------------------------------------------------------------------------

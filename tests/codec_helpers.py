@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from aurora_store.apply.sink import FusedWeights, SplitWeights, apply_delta
-from aurora_store.format.checkpoint import encode_segments, stage_segments
 from aurora_store.codec.entries import DecodedEntry, EncodeOptions
 from aurora_store.codec.extract import extract
 from aurora_store.codec.fusion import FusionPlan
+from aurora_store.format.checkpoint import encode_segments, stage_segments
 from aurora_store.format.manifest import (
     Manifest,
     SegmentRef,

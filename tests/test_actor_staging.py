@@ -20,10 +20,15 @@ from aurora_store.format.manifest import manifest_key, version_dir
 from aurora_store.lineage.publish import PublishConfig, publish_delta
 from aurora_store.storage.store import Store, open_store
 from aurora_tools.synthetic.shapes import QWEN3_TINY
+from aurora_tools.synthetic.workload import (
+    SyntheticEngine,
+    SyntheticSpec,
+    base_weights,
+    sparse_update,
+)
 from workers.actor import Actor, ActorConfig
 from workers.common import Endpoints, RunKeys
 from workers.model import fusion_plan_for
-from aurora_tools.synthetic.workload import SyntheticEngine, SyntheticSpec, base_weights, sparse_update
 
 pytestmark = pytest.mark.server
 

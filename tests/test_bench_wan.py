@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from aurora_store.coordination.scheduler import ActorView, SchedulerConfig, plan_step
 from aurora_tools.bench.wan_sweep import (
     HEADLINE,
     MODES,
@@ -22,7 +23,6 @@ from aurora_tools.bench.wan_sweep import (
     targets,
     uniform_split_gain,
 )
-from aurora_store.coordination.scheduler import ActorView, SchedulerConfig, plan_step
 
 # ---------------------------------------------------------------------------
 # sweep construction
@@ -196,8 +196,13 @@ def test_synthetic_actor_weights_equal_the_trainers(tmp_path: object, transfer: 
     from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
     from aurora_store.storage.store import open_store
     from aurora_tools.synthetic.shapes import QWEN3_TINY
+    from aurora_tools.synthetic.workload import (
+        SyntheticEngine,
+        SyntheticSpec,
+        base_weights,
+        sparse_update,
+    )
     from workers.model import fused_weights, fusion_plan_for
-    from aurora_tools.synthetic.workload import SyntheticEngine, SyntheticSpec, base_weights, sparse_update
 
     monkeypatch.setenv("AURORA_SYNTHETIC_CACHE", f"{tmp_path}/cache")
     spec = SyntheticSpec(QWEN3_TINY, seed=5)

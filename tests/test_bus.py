@@ -11,8 +11,8 @@ import pytest
 from redis_fixtures import own_redis_server, redis_client, redis_server, run_name  # noqa: F401
 
 from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus, BusGap
-from aurora_store.errors import AuroraError
 from aurora_store.coordination.redisconn import connect
+from aurora_store.errors import AuroraError
 from aurora_store.testing.servers import RedisServer
 
 pytestmark = pytest.mark.server

@@ -9,9 +9,9 @@ import pytest
 from codec_helpers import assert_bit_identical, fuse
 from safetensors.torch import load_file, save_file
 
-from aurora_tools.cli import main
 from aurora_store.codec.extract import spec_of
 from aurora_store.codec.fusion import FusionPlan
+from aurora_tools.cli import main
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, Qwen3Shape, make_weights
 
 STEPS = 3

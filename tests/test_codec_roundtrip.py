@@ -26,12 +26,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aurora_store.apply.sink import FusedWeights, SplitWeights, apply_delta
-from aurora_store.format.checkpoint import encode_segments, stage_segments
-from aurora_store.codec.entries import NAIVE, PAPER, EncodeOptions, ParamSpec, encode_entry
 from aurora_store.codec.encodings import DTYPES
-from aurora_store.errors import ConfigError
+from aurora_store.codec.entries import NAIVE, PAPER, EncodeOptions, ParamSpec, encode_entry
 from aurora_store.codec.extract import extract, spec_of
 from aurora_store.codec.fusion import FusionPlan
+from aurora_store.errors import ConfigError
+from aurora_store.format.checkpoint import encode_segments, stage_segments
 from aurora_store.format.segment import decode_segment, encode_segment
 from aurora_tools.synthetic.shapes import MasterWeights
 

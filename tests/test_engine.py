@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from aurora_store.apply.sink import weights_digest
-from aurora_store.format.checkpoint import StagedDelta, encode_segments, stage_segments
-from aurora_store.errors import ChainError, ConfigError, FormatError, ModelMismatchError
 from aurora_store.codec.extract import extract
+from aurora_store.errors import ChainError, ConfigError, FormatError, ModelMismatchError
+from aurora_store.format.checkpoint import StagedDelta, encode_segments, stage_segments
 from aurora_store.lineage.fetch import fetch_delta, fetch_snapshot
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.storage.store import Store

@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aurora_store.codec.entries import ParamSpec
-from aurora_store.errors import ModelMismatchError
 from aurora_store.codec.extract import bits_view, changed_indices, extract, spec_of
 from aurora_store.codec.fusion import FusionPlan
+from aurora_store.errors import ModelMismatchError
 
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}

@@ -21,6 +21,7 @@ from redis_fixtures import redis_server, redis_url  # noqa: F401
 
 from aurora_store.coordination.redisconn import connect
 from workers.common import RunKeys, read_digests
+from workers.model import logprobs, tiny_qwen3
 from workers.trainer.fsdp import (
     SINGLE,
     DistContext,
@@ -30,7 +31,6 @@ from workers.trainer.fsdp import (
     init_from_env,
     local_rows,
 )
-from workers.model import logprobs, tiny_qwen3
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aurora_store.codec.entries import ParamSpec
-from aurora_store.errors import ModelMismatchError
 from aurora_store.codec.fusion import FusionPlan, fused_name
+from aurora_store.errors import ModelMismatchError
 
 BF = "bfloat16"
 

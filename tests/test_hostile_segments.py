@@ -33,10 +33,11 @@ from codec_helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aurora_store.codec import varint
 from aurora_store.apply.sink import FusedWeights, apply_delta
-from aurora_store.format.checkpoint import stage_segments
+from aurora_store.codec import varint
 from aurora_store.codec.entries import PAPER, EncodeOptions, encode_entry
+from aurora_store.codec.extract import extract, spec_of
+from aurora_store.codec.fusion import FusionPlan
 from aurora_store.errors import (
     EntryError,
     FormatError,
@@ -44,11 +45,15 @@ from aurora_store.errors import (
     ModelMismatchError,
     SegmentError,
 )
-from aurora_store.codec.extract import extract, spec_of
-from aurora_store.codec.fusion import FusionPlan
-from aurora_store.lineage.fetch import fetch_delta
+from aurora_store.format.checkpoint import stage_segments
 from aurora_store.format.manifest import version_dir
-from aurora_store.format.segment import MAX_HEADER_BYTES, decode_segment, encode_segment, parse_safetensors
+from aurora_store.format.segment import (
+    MAX_HEADER_BYTES,
+    decode_segment,
+    encode_segment,
+    parse_safetensors,
+)
+from aurora_store.lineage.fetch import fetch_delta
 
 BASE_STATE = "sha256:" + "ab" * 32
 M_CHANGED = [3, 10, 50, 51, 100]  # flat indices of "m" that change

@@ -23,15 +23,14 @@ from conftest import index_ranges, uint64_arrays
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aurora_store.codec import encodings as enc
-from aurora_store.codec import kernels
-from aurora_store.codec import varint
 from aurora_store.apply.sink import _scatter_torch, _write_flat
+from aurora_store.codec import encodings as enc
+from aurora_store.codec import kernels, varint
 from aurora_store.codec.encodings import StreamError
 from aurora_store.codec.extract import extract, spec_of
 from aurora_store.codec.fusion import FusionPlan
-from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 from aurora_store.codec.varint import VarintError
+from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 
 PATHS = [
     pytest.param(

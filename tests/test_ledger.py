@@ -31,11 +31,11 @@ from hypothesis.stateful import (
 )
 from redis_fixtures import ManualClock, own_redis_server, redis_client, redis_server, run_name  # noqa: F401
 
-from aurora_tools.bench.ledger import CallCounter, counting_client
-from aurora_store.errors import ConfigError
 from aurora_store.coordination.ledger import SETTLE_REASONS, Lease, Ledger, LedgerLost, StepExists
 from aurora_store.coordination.redisconn import connect
+from aurora_store.errors import ConfigError
 from aurora_store.testing.servers import RedisServer
+from aurora_tools.bench.ledger import CallCounter, counting_client
 
 pytestmark = pytest.mark.server
 

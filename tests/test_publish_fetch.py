@@ -23,17 +23,17 @@ import torch
 from server_fixtures import any_store, s3_bucket, s3_server, s3_store  # noqa: F401
 
 from aurora_store.apply.sink import FusedWeights, apply_delta, weights_digest
-from aurora_store.errors import ChainError, IntegrityError, ObjectNotFound, VersionConflict
 from aurora_store.codec.extract import extract, spec_of
 from aurora_store.codec.fusion import FusionPlan
-from aurora_store.lineage.gc import run_gc
-from aurora_store.lineage.fetch import fetch_delta, materialize, plan_chain, scan_versions
+from aurora_store.errors import ChainError, IntegrityError, ObjectNotFound, VersionConflict
 from aurora_store.format.manifest import manifest_key, version_dir
+from aurora_store.lineage.fetch import fetch_delta, materialize, plan_chain, scan_versions
+from aurora_store.lineage.gc import run_gc
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.lineage.report import read_lineage
+from aurora_store.lineage.verify import verify_run
 from aurora_store.storage.store import Store, open_store
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
-from aurora_store.lineage.verify import verify_run
 
 pytestmark = pytest.mark.server
 

@@ -30,17 +30,22 @@ from redis_fixtures import own_redis_server, redis_server, run_name  # noqa: F40
 from server_fixtures import s3_server  # noqa: F401
 
 from aurora_store.apply.sink import weights_digest
-from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus, Event
-from aurora_store.errors import ConfigError
 from aurora_store.codec.extract import extract, spec_of
 from aurora_store.codec.fusion import FusionPlan
-from aurora_store.lineage.fetch import materialize, scan_versions
-from aurora_store.format.manifest import Manifest, manifest_key
-from aurora_store.lineage.publish import PublishConfig, SegmentEvent, publish_delta, publish_snapshot
+from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus, Event
 from aurora_store.coordination.redisconn import connect
+from aurora_store.errors import ConfigError
+from aurora_store.format.manifest import Manifest, manifest_key
+from aurora_store.lineage.fetch import materialize, scan_versions
+from aurora_store.lineage.publish import (
+    PublishConfig,
+    SegmentEvent,
+    publish_delta,
+    publish_snapshot,
+)
 from aurora_store.storage.store import Store, open_store
-from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 from aurora_store.testing.servers import RedisServer, S3Server
+from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 from workers.relay.relay import Relay, RelayConfig, add_arguments, config_from_args, relay_key
 
 REPO = Path(__file__).resolve().parents[1]

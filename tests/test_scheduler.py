@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aurora_store.errors import ConfigError
 from aurora_store.coordination.scheduler import (
     ActorView,
     SchedulerConfig,
@@ -19,6 +18,7 @@ from aurora_store.coordination.scheduler import (
     plan_step,
     split,
 )
+from aurora_store.errors import ConfigError
 
 # Realistic throughput estimates: from the decay floor up to far beyond any GPU.
 taus_st = st.dictionaries(

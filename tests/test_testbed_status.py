@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from redis_fixtures import ManualClock, redis_client, redis_server, run_name  # noqa: F401
 
-from aurora_tools import testbed
-from aurora_tools.cli import main
 from aurora_store.coordination.ledger import Ledger
 from aurora_store.coordination.status import collect_status, relay_pattern, render
 from aurora_store.storage.store import open_store
+from aurora_tools import testbed
+from aurora_tools.cli import main
 
 pytestmark = pytest.mark.server
 

@@ -21,9 +21,6 @@ import pytest
 import torch
 
 from aurora_store.apply.sink import apply_delta
-from aurora_store.format.checkpoint import StagedDelta
-from aurora_store.codec.entries import DecodedEntry, ParamSpec
-from aurora_store.errors import ModelMismatchError
 from aurora_store.apply.tp import (
     Piece,
     ShardedWeights,
@@ -37,6 +34,9 @@ from aurora_store.apply.tp import (
     row_parallel,
     vocab_parallel,
 )
+from aurora_store.codec.entries import DecodedEntry, ParamSpec
+from aurora_store.errors import ModelMismatchError
+from aurora_store.format.checkpoint import StagedDelta
 
 # A Qwen3-like layer: 8 query heads, 2 KV heads (so TP=4 replicates each KV head twice).
 HIDDEN, HEAD, HEADS, KV, INTER, VOCAB = 32, 8, 8, 2, 48, 100

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from aurora_tools.cli import build_parser
 from aurora_store.lineage.fetch import fetch_delta
 from aurora_store.testing.servers import RedisServer
+from aurora_tools.cli import build_parser
 from aurora_tools.demo.system import DemoConfig, run_system_demo
 
 pytestmark = [

@@ -23,13 +23,13 @@ import torch
 from test_engine import trainer_step  # the Trainer's update, shared with the torch engine's tests
 
 from aurora_store.apply.sink import weights_digest
-from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.codec.entries import DecodedEntry
-from aurora_store.errors import ChainError, ConfigError, IntegrityError, ModelMismatchError
 from aurora_store.codec.extract import extract
 from aurora_store.codec.fusion import FusionPlan
-from aurora_store.lineage.fetch import fetch_delta, read_manifest
+from aurora_store.errors import ChainError, ConfigError, IntegrityError, ModelMismatchError
+from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import version_dir
+from aurora_store.lineage.fetch import fetch_delta, read_manifest
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.storage.store import Store, open_store
 from workers.engine.torch_engine import Engine, RemoteStaged, StoreStaging, make_engine

@@ -29,13 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aurora_store.coordination.bus import COMMIT, SEGMENT, Bus, BusGap
-from aurora_store.format.checkpoint import StagedDelta
-from aurora_store.errors import AuroraError, VersionNotFound
 from aurora_store.coordination.ledger import Lease, Ledger
-from aurora_store.lineage.fetch import fetch_delta, materialize, scan_versions
 from aurora_store.coordination.redisconn import connect
+from aurora_store.errors import AuroraError, VersionNotFound
+from aurora_store.format.checkpoint import StagedDelta
+from aurora_store.lineage.fetch import fetch_delta, materialize, scan_versions
 from aurora_store.storage.store import Store, open_store
-
 from workers.common import Endpoints, RunKeys, read_model_description, record_digest
 from workers.engine.torch_engine import RemoteStaged, StoreStaging, make_engine
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from aurora_store.errors import ConfigError, ObjectNotFound
 from aurora_store.coordination.redisconn import key_prefix
+from aurora_store.errors import ConfigError, ObjectNotFound
 from aurora_store.storage.store import Store
 
 __all__ = [

@@ -30,10 +30,9 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
-from aurora_store.errors import ModelMismatchError
 from aurora_store.codec.extract import spec_of
 from aurora_store.codec.fusion import EMBED, TIED_HEAD, FusionPlan
-
+from aurora_store.errors import ModelMismatchError
 from workers.task import Problem
 from workers.tokenizer import CharTokenizer
 

@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from aurora_store.errors import AuroraError
+from aurora_store.errors import TaskDataError
 
 __all__ = [
     "ANSWER_MARK",
@@ -54,8 +54,6 @@ _INT = re.compile(r"[-+]?\d+")
 _CALC = re.compile(r"<<[^<>]*>>")
 
 
-class TaskDataError(AuroraError, ValueError):
-    """A task data file or reference answer is malformed; the message names the line."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from aurora_store.errors import AuroraError
+from aurora_store.errors import TokenizerError
 
 __all__ = [
     "ASCII_ALPHABET",
@@ -39,8 +39,6 @@ ASCII_ALPHABET = DEFAULT_ALPHABET + "".join(
 _FORMAT = "aurora-char-tokenizer/1"
 
 
-class TokenizerError(AuroraError, ValueError):
-    """Text or ids the tokenizer cannot represent, or an unreadable tokenizer file."""
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from aurora_store.codec import kernels
-from aurora_store.format.checkpoint import StagedDelta
-from aurora_store.codec.entries import DecodedEntry, ParamSpec
 from aurora_store.codec.encodings import DTYPES
-from aurora_store.errors import ModelMismatchError
+from aurora_store.codec.entries import DecodedEntry, ParamSpec
 from aurora_store.codec.extract import bits_view, spec_of
 from aurora_store.codec.fusion import FusionPlan
+from aurora_store.errors import ModelMismatchError
+from aurora_store.format.checkpoint import StagedDelta
 
 __all__ = ["WeightSink", "FusedWeights", "SplitWeights", "apply_delta", "weights_digest"]
 

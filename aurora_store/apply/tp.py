@@ -47,8 +47,8 @@ import torch
 
 from aurora_store.apply.sink import _write_flat
 from aurora_store.codec.entries import DecodedEntry, ParamSpec
-from aurora_store.errors import ModelMismatchError
 from aurora_store.codec.extract import bits_view
+from aurora_store.errors import ModelMismatchError
 
 __all__ = [
     "VOCAB_PADDING",

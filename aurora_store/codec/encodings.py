@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from aurora_store.codec import kernels
-
-from aurora_store.codec import varint
+from aurora_store.codec import kernels, varint
+from aurora_store.errors import StreamError
 
 __all__ = [
     "INDEX_ENCODINGS",
@@ -62,8 +61,6 @@ DTYPES: dict[str, DtypeInfo] = {
 }
 
 
-class StreamError(ValueError):
-    """A stream of one entry is malformed; the message is the reason."""
 
 
 # --------------------------------------------------------------------------

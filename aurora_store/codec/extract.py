@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from aurora_store.codec import kernels
-from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.encodings import DTYPES
-from aurora_store.errors import ModelMismatchError
+from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.fusion import FusionPlan
+from aurora_store.errors import ModelMismatchError
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMS",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from aurora_store.codec import kernels
+from aurora_store.errors import VarintError
 
 __all__ = [
     "MAX_VARINT_BYTES",
@@ -32,13 +33,6 @@ MAX_VARINT_BYTES = 10
 MAX_VARINT_VALUE = 1 << 63
 
 
-class VarintError(ValueError):
-    """A varint stream is malformed; ``offset`` is the byte where it went wrong."""
-
-    def __init__(self, reason: str, offset: int) -> None:
-        self.reason = reason
-        self.offset = offset
-        super().__init__(f"{reason} at byte {offset}")
 
 
 def encoded_size(values: np.ndarray) -> int:

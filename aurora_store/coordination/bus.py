@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aurora_store.errors import AuroraError
 from aurora_store.coordination.redisconn import key_prefix
+from aurora_store.errors import BusGap
 
 __all__ = ["Event", "Bus", "BusGap", "SEGMENT", "VERSION", "COMMIT", "RESYNC"]
 
@@ -27,8 +27,6 @@ COMMIT = "commit"
 RESYNC = "resync"
 
 
-class BusGap(AuroraError, LookupError):
-    """Entries after the consumer's last id are gone (trimmed, or Redis lost them)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aurora_store.errors import AuroraError, ConfigError
 from aurora_store.coordination.redisconn import key_prefix
+from aurora_store.errors import ConfigError, LedgerLost, StepExists
 
 try:
     from redis.exceptions import NoScriptError
@@ -44,12 +44,8 @@ __all__ = [
 SETTLE_REASONS = ("accepted", "duplicate", "already_settled", "not_leased", "stale_token", "expired", "wrong_version", "wrong_digest", "no_step")
 
 
-class StepExists(AuroraError, FileExistsError):
-    """``create_step`` for a version whose jobs already exist."""
 
 
-class LedgerLost(AuroraError, LookupError):
-    """The ledger's state for a step is gone (Redis restarted without its data)."""
 
 
 @dataclass(frozen=True, slots=True)

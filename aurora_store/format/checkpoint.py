@@ -12,9 +12,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from aurora_store.codec.entries import DecodedEntry, EncodedEntry, EncodeOptions, ParamSpec, encode_entry
-from aurora_store.errors import ChainError, EntryError, SegmentError
+from aurora_store.codec.entries import (
+    DecodedEntry,
+    EncodedEntry,
+    EncodeOptions,
+    ParamSpec,
+    encode_entry,
+)
 from aurora_store.codec.extract import ParamDelta
+from aurora_store.errors import ChainError, EntryError, SegmentError
 from aurora_store.format.segment import Segment, decode_segment, encode_segment
 
 __all__ = [

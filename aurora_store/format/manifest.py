@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.encodings import DTYPES
+from aurora_store.codec.entries import ParamSpec
 from aurora_store.errors import ManifestError
 
 __all__ = [

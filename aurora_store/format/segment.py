@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aurora_store.codec.entries import DecodedEntry, EncodedEntry, ParamSpec, decode_entry
 from aurora_store.codec.encodings import StreamError
+from aurora_store.codec.entries import DecodedEntry, EncodedEntry, ParamSpec, decode_entry
 from aurora_store.errors import EntryError, SegmentError
 
 __all__ = [

@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from aurora_store.format.checkpoint import StagedDelta, assemble_staged
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.errors import (
     ChainError,
@@ -26,6 +25,7 @@ from aurora_store.errors import (
     SegmentError,
     VersionNotFound,
 )
+from aurora_store.format.checkpoint import StagedDelta, assemble_staged
 from aurora_store.format.manifest import Manifest, manifest_key, parse_version_dir, version_dir
 from aurora_store.format.segment import decode_segment
 from aurora_store.storage.store import Store

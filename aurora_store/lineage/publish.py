@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from aurora_store import __version__
-from aurora_store.format.checkpoint import DEFAULT_SEGMENT_BYTES, EncodedSegment, encode_segments
 from aurora_store.codec.entries import EncodeOptions
-from aurora_store.errors import ConfigError
 from aurora_store.codec.extract import ParamDelta, spec_of
+from aurora_store.errors import ConfigError
+from aurora_store.format.checkpoint import DEFAULT_SEGMENT_BYTES, EncodedSegment, encode_segments
 from aurora_store.format.manifest import (
     PRODUCER_NAME,
     Manifest,

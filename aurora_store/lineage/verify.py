@@ -10,10 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aurora_store.errors import AuroraError
-from aurora_store.lineage.fetch import fetch_objects
 from aurora_store.format.manifest import Manifest, content_digest, manifest_key
-from aurora_store.lineage.report import Lineage, read_lineage
 from aurora_store.format.segment import decode_segment
+from aurora_store.lineage.fetch import fetch_objects
+from aurora_store.lineage.report import Lineage, read_lineage
 from aurora_store.storage.store import Store
 
 __all__ = ["VerifyReport", "verify_run"]

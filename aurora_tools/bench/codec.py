@@ -55,12 +55,12 @@ from typing import Any, TypeVar
 import torch
 import zstandard
 
-from aurora_store.codec import kernels
 from aurora_store.apply.sink import FusedWeights, apply_delta
-from aurora_store.format.checkpoint import EncodedSegment, encode_segments, stage_segments
+from aurora_store.codec import kernels
 from aurora_store.codec.entries import PAPER, EncodeOptions, ParamSpec
 from aurora_store.codec.extract import ParamDelta, bits_view, extract, spec_of
 from aurora_store.codec.fusion import Block, FusionPlan
+from aurora_store.format.checkpoint import EncodedSegment, encode_segments, stage_segments
 from aurora_tools.synthetic.shapes import QWEN3_0_6B, MasterWeights, Qwen3Shape, make_weights
 
 __all__ = [

@@ -66,7 +66,6 @@ def vllm_activation(store_url: str, storage_options: dict[str, Any] | None = Non
 
     from aurora_store.lineage.fetch import scan_versions
     from aurora_store.storage.store import open_store
-
     from workers.common import MODEL_CONFIG_KEY, TOKENIZER_KEY
     from workers.engine.vllm_engine import VLLMConfig, VLLMEngine
     from workers.tokenizer import CharTokenizer
@@ -116,7 +115,6 @@ def synthetic_run(root: str, shape: Any, versions: int = 3, lr: float = 2e-7, se
     from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
     from aurora_store.storage.store import open_store
     from aurora_tools.synthetic.shapes import MasterWeights, make_weights
-
     from workers.common import write_model_description
     from workers.model import fused_weights
     from workers.tokenizer import CharTokenizer
@@ -156,7 +154,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from aurora_store.testing.servers import RedisServer
-
     from workers.common import limit_torch_threads
 
     limit_torch_threads()

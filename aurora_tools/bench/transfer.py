@@ -759,9 +759,9 @@ def run_benchmark(
 ) -> dict[str, Any]:
     """Run every measurement; returns the JSON-ready result."""
     from aurora_store.apply.sink import FusedWeights, apply_delta, weights_digest
-    from aurora_store.format.checkpoint import DEFAULT_SEGMENT_BYTES, encode_segments
     from aurora_store.codec.extract import extract, spec_of
     from aurora_store.codec.fusion import FusionPlan
+    from aurora_store.format.checkpoint import DEFAULT_SEGMENT_BYTES, encode_segments
     from aurora_store.lineage.publish import DEFAULT_SHARD_BYTES
     from aurora_tools.synthetic.shapes import MasterWeights, make_weights
 

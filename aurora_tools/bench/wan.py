@@ -24,7 +24,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aurora_tools.bench.wan_sweep import MODES, SweepOptions, attach_ideal, build_sweep, finite, headline, targets
+from aurora_tools.bench.wan_sweep import (
+    MODES,
+    SweepOptions,
+    attach_ideal,
+    build_sweep,
+    finite,
+    headline,
+    targets,
+)
 
 __all__ = ["add_arguments", "run_benchmark", "format_table", "main"]
 

@@ -168,8 +168,8 @@ def run_config(
     import redis
 
     from aurora_tools.synthetic.shapes import qwen3_shapes
-    from aurora_tools.wan import LinkProfile, WanTestbed
     from aurora_tools.synthetic.workload import synthetic_shape
+    from aurora_tools.wan import LinkProfile, WanTestbed
 
     shape = synthetic_shape(wl.params)
     params = shape.params

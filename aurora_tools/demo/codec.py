@@ -14,11 +14,11 @@ import shutil
 import time
 
 from aurora_store.apply.sink import FusedWeights, SplitWeights, apply_delta, weights_digest
-from aurora_store.errors import AuroraError
 from aurora_store.codec.extract import extract, spec_of
 from aurora_store.codec.fusion import FusionPlan
-from aurora_store.lineage.fetch import fetch_delta, materialize
+from aurora_store.errors import AuroraError
 from aurora_store.format.manifest import version_dir
+from aurora_store.lineage.fetch import fetch_delta, materialize
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.storage.store import open_store
 from aurora_tools.synthetic.shapes import MasterWeights, Qwen3Shape, make_weights

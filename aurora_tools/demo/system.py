@@ -28,7 +28,6 @@ from typing import Any
 
 from aurora_store.coordination.redisconn import connect
 from aurora_store.storage.store import Store, open_store
-
 from workers.common import Endpoints, RunKeys, read_digests
 from workers.trainer.trainer import StepLog, Trainer, TrainerConfig
 

@@ -48,11 +48,10 @@ from typing import Any, cast
 
 import torch
 
-from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.fusion import FusionPlan
+from aurora_store.format.checkpoint import StagedDelta
 from aurora_tools.synthetic.shapes import Qwen3Shape, make_weights, qwen3_shapes
-
 from workers.actor import Actor, ActorConfig
 from workers.trainer.trainer import Trainer, TrainerConfig, unshipped_state
 
@@ -335,7 +334,6 @@ class SyntheticTrainer(Trainer):
 
     def setup(self) -> None:
         from aurora_store.lineage.fetch import scan_versions
-
         from workers.common import write_model_description
         from workers.model import fusion_plan_for
 
@@ -432,7 +430,6 @@ class SyntheticTrainer(Trainer):
 
     def _after_publish(self, v: int, state: str, kind: str, nbytes: int) -> None:
         from aurora_store.coordination.bus import VERSION
-
         from workers.common import record_digest
 
         if self.opts.digests:
@@ -489,7 +486,6 @@ class SyntheticActor(Actor):
 
     def prepare(self) -> None:
         from aurora_store.errors import ObjectNotFound
-
         from workers.common import MODEL_CONFIG_KEY
 
         # Started alongside the Trainer: wait for the description it writes before version 0.
@@ -543,7 +539,12 @@ class SyntheticActor(Actor):
         from safetensors.torch import load
 
         from aurora_store.errors import AuroraError
-        from aurora_store.lineage.fetch import fetch_objects, fetch_snapshot, read_manifest, scan_versions
+        from aurora_store.lineage.fetch import (
+            fetch_objects,
+            fetch_snapshot,
+            read_manifest,
+            scan_versions,
+        )
 
         for v in sorted(s for s in scan_versions(self.origin).snapshots if s > self.staged_version):
             if self.stop.is_set():
@@ -616,7 +617,6 @@ def add_actor_arguments(p: argparse.ArgumentParser) -> None:
 def trainer_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
     from aurora_store.coordination.redisconn import connect
     from aurora_store.coordination.scheduler import SchedulerConfig
-
     from workers.common import Endpoints, install_stop_handlers, limit_torch_threads, setup_logging
 
     setup_logging("trainer")

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from aurora_store.errors import AuroraError, ConfigError
+from aurora_store.errors import ConfigError, WanUnavailable
 from aurora_tools.testbed import process_alive
 from aurora_tools.wan.profile import LinkProfile
 from aurora_tools.wan.proxy import Address, Proxy, ProxyLoop, ProxyStats
@@ -74,8 +74,6 @@ _REGION = re.compile(r"^[a-z][a-z0-9_]{0,15}$")
 _PID_PREFIX = re.compile(r"^aur(\d+)[a-z]?$")
 
 
-class WanUnavailable(AuroraError, RuntimeError):
-    """The netns testbed cannot run here; the message says what it needs."""
 
 
 def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -30,19 +30,17 @@ from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 import torch
 
 from aurora_store.apply.sink import SplitWeights, apply_delta, weights_digest
-from aurora_store.format.checkpoint import StagedDelta
-from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.encodings import DTYPES
-from aurora_store.errors import ChainError, ConfigError, ModelMismatchError
+from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.extract import spec_of
 from aurora_store.codec.fusion import FusionPlan
-
+from aurora_store.errors import ChainError, ConfigError, ModelMismatchError
+from aurora_store.format.checkpoint import StagedDelta
 from workers.model import fusion_plan_for, hf_weights
 
 if TYPE_CHECKING:
     from aurora_store.format.manifest import Manifest
     from aurora_store.storage.store import Store
-
     from workers.task import Problem
 
 __all__ = [

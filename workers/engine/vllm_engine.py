@@ -43,15 +43,14 @@ from typing import Any
 import torch
 
 from aurora_store import errors
-from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.codec.entries import ParamSpec
-from aurora_store.errors import AuroraError, ChainError, ConfigError, ModelMismatchError
 from aurora_store.codec.extract import spec_of
 from aurora_store.codec.fusion import TIED_HEAD, FusionPlan
-from aurora_store.lineage.fetch import fetch_delta, read_manifest
+from aurora_store.errors import AuroraError, ChainError, ConfigError, ModelMismatchError
+from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import Manifest, manifest_key
+from aurora_store.lineage.fetch import fetch_delta, read_manifest
 from aurora_store.storage.store import Store
-
 from workers.engine.torch_engine import Completion, Generation, RemoteStaged, TokenCodec
 
 __all__ = ["VLLM_MISSING", "VLLMConfig", "VLLMEngine", "import_vllm"]

@@ -38,14 +38,6 @@ from typing import Any
 import torch
 
 from aurora_store.apply.sink import apply_delta, weights_digest
-from aurora_store.format.checkpoint import StagedDelta
-from aurora_store.codec.entries import DecodedEntry, ParamSpec
-from aurora_store.errors import AuroraError, ChainError, ConfigError, ModelMismatchError
-from aurora_store.codec.extract import spec_of
-from aurora_store.codec.fusion import FusionPlan
-from aurora_store.lineage.fetch import fetch_delta, fetch_snapshot, plan_chain, scan_versions
-from aurora_store.format.manifest import Manifest
-from aurora_store.storage.store import Store, open_store
 from aurora_store.apply.tp import (
     ShardedWeights,
     ShardLayout,
@@ -57,6 +49,14 @@ from aurora_store.apply.tp import (
     row_parallel,
     vocab_parallel,
 )
+from aurora_store.codec.entries import DecodedEntry, ParamSpec
+from aurora_store.codec.extract import spec_of
+from aurora_store.codec.fusion import FusionPlan
+from aurora_store.errors import AuroraError, ChainError, ConfigError, ModelMismatchError
+from aurora_store.format.checkpoint import StagedDelta
+from aurora_store.format.manifest import Manifest
+from aurora_store.lineage.fetch import fetch_delta, fetch_snapshot, plan_chain, scan_versions
+from aurora_store.storage.store import Store, open_store
 
 __all__ = ["AuroraWorkerExtension", "decode_entries", "encode_entries", "reply"]
 

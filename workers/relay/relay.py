@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus, BusGap, Event
+from aurora_store.coordination.redisconn import connect, key_prefix, validate_run_name
 from aurora_store.errors import AuroraError, ConfigError, ObjectNotFound
 from aurora_store.format.manifest import Manifest, manifest_key, version_dir
-from aurora_store.coordination.redisconn import connect, key_prefix, validate_run_name
 from aurora_store.storage.store import Store, open_store
 
 __all__ = [

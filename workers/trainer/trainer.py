@@ -29,27 +29,21 @@ from typing import Any
 
 import torch
 
-from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus
 from aurora_store.codec.entries import EncodeOptions
 from aurora_store.codec.extract import extract
+from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus
 from aurora_store.coordination.ledger import AcceptedResult, Ledger, LedgerLost
-from aurora_store.lineage.fetch import scan_versions
-from aurora_store.lineage.publish import PublishConfig, SegmentEvent, publish_delta, publish_snapshot
 from aurora_store.coordination.redisconn import connect
 from aurora_store.coordination.scheduler import ActorView, SchedulerConfig, ema, lease_ms, plan_step
-from aurora_store.storage.store import Store, open_store
-
-from workers.common import Endpoints, RunKeys, record_digest, write_model_description
-from workers.trainer.fsdp import (
-    SINGLE,
-    DistContext,
-    GrpoBatch,
-    broadcast_module,
-    exchange,
-    gather_bf16,
-    grpo_epochs,
-    shard_model,
+from aurora_store.lineage.fetch import scan_versions
+from aurora_store.lineage.publish import (
+    PublishConfig,
+    SegmentEvent,
+    publish_delta,
+    publish_snapshot,
 )
+from aurora_store.storage.store import Store, open_store
+from workers.common import Endpoints, RunKeys, record_digest, write_model_description
 from workers.model import (
     fused_weights,
     fusion_plan_for,
@@ -62,6 +56,16 @@ from workers.model import (
 )
 from workers.task import Problem, make_problems, reward
 from workers.tokenizer import CharTokenizer
+from workers.trainer.fsdp import (
+    SINGLE,
+    DistContext,
+    GrpoBatch,
+    broadcast_module,
+    exchange,
+    gather_bf16,
+    grpo_epochs,
+    shard_model,
+)
 
 __all__ = ["TrainerConfig", "StepLog", "Trainer", "add_arguments", "main"]
 

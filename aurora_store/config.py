@@ -1,0 +1,152 @@
+"""One way to configure every component: frozen dataclasses read from the environment.
+
+Each component keeps a ``Config`` dataclass beside it (frozen, slotted, a
+docstring under each field, validated in ``__post_init__``). This module is
+the one place that turns environment variables into such a dataclass:
+
+    cfg = from_env(StoreConfig, "AURORA_STORE_", retries=3)
+
+reads ``AURORA_STORE_RETRIES``, ``AURORA_STORE_BACKOFF_S`` … for every field
+by its upper-cased name (or the exact variable a field names in its
+metadata, ``field(default=8, metadata={"env": "AURORA_STREAMS"})``), parses
+it by the field's annotated type, and lets keyword overrides win (``None``
+means "not given"). A value that does not parse raises :class:`ConfigError`
+naming the variable, never a bare ``ValueError``.
+
+:class:`Backoff` is the retry delay policy shared by every loop that waits
+for a dependency to come back (store retries, Relay and stager loops).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aurora_store.errors import ConfigError
+
+__all__ = ["from_env", "env_name", "parse_value", "Backoff"]
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_name(f: dataclasses.Field[Any], prefix: str) -> str:
+    """The environment variable of one field: its metadata ``env``, else prefix + NAME."""
+    explicit = f.metadata.get("env") if f.metadata else None
+    return str(explicit) if explicit else prefix + f.name.upper()
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def parse_value(tp: Any, raw: str, var: str) -> Any:
+    """``raw`` (an environment string) as a value of annotated type ``tp``."""
+    tp, optional = _strip_optional(tp)
+    text = raw.strip()
+    if optional and text.lower() in ("", "none"):
+        return None
+    try:
+        if tp is bool:
+            low = text.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+        if tp is int:
+            return int(text)
+        if tp is float:
+            return float(text)
+        if tp is str:
+            return raw
+        if typing.get_origin(tp) is tuple:
+            (item, *_rest) = typing.get_args(tp) or (str,)
+            parts = [p.strip() for p in text.split(",") if p.strip()]
+            return tuple(parse_value(item, p, var) for p in parts)
+    except ValueError as e:
+        raise ConfigError(f"{var}={raw!r}: {e}") from None
+    raise ConfigError(f"{var}: fields of type {tp!r} cannot be set from the environment")
+
+
+def from_env(
+    cls: type[T],
+    prefix: str,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> T:
+    """An instance of dataclass ``cls``: defaults, then the environment, then ``overrides``.
+
+    Fields whose metadata sets ``env=False`` are never read from the
+    environment (objects, callables, clocks).
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    env = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    kw: dict[str, Any] = {}
+    names = set()
+    for f in dataclasses.fields(cls):
+        names.add(f.name)
+        if not f.init or (f.metadata and f.metadata.get("env") is False):
+            continue
+        var = env_name(f, prefix)
+        raw = env.get(var)
+        if raw is None:
+            continue
+        value = parse_value(hints.get(f.name, str), raw, var)
+        scale = f.metadata.get("scale") if f.metadata else None
+        if scale is not None and value is not None:
+            value = type(value)(value * scale) if isinstance(value, int) else value * scale
+        kw[f.name] = value
+    unknown = set(overrides) - names
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**kw)
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Exponential back-off with jitter between attempts to reach a dependency."""
+
+    initial_s: float = 0.1
+    """First delay."""
+    max_s: float = 5.0
+    """Cap on one delay."""
+    factor: float = 2.0
+    """Growth of the delay per attempt."""
+    jitter: float = 0.5
+    """Each delay is drawn from ``[d * (1 - jitter), d]``, so many clients do not retry in step."""
+
+    def __post_init__(self) -> None:
+        if self.initial_s < 0 or self.max_s < self.initial_s or self.factor < 1.0:
+            raise ConfigError(f"Backoff: need 0 <= initial_s <= max_s and factor >= 1 ({self})")
+        if not 0.0 <= self.jitter <= 1.0:
+            raise ConfigError(f"Backoff: jitter must be within [0, 1] ({self})")
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        """The delay before retry number ``attempt`` (0 for the first retry)."""
+        d = min(self.max_s, self.initial_s * self.factor ** max(0, attempt))
+        r = (rng or random).random()
+        return d * (1.0 - self.jitter * r)
+
+    def delays(self, rng: random.Random | None = None) -> Iterator[float]:
+        """Endless delays: ``delay(0)``, ``delay(1)`` …"""
+        attempt = 0
+        while True:
+            yield self.delay(attempt, rng)
+            attempt += 1
