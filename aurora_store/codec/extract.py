@@ -35,6 +35,8 @@ __all__ = [
     "bits_view",
     "changed_indices",
     "extract",
+    "fuse_weights",
+    "plan_of",
     "spec_of",
 ]
 
@@ -211,3 +213,32 @@ def _cat(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
     if not parts:
         return np.empty(0, dtype=dtype)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+# ---------------------------------------------------------------------------
+# fusing Hugging Face weights into engine tensors
+
+
+def plan_of(weights: Mapping[str, torch.Tensor], tied: bool, where: str = "") -> FusionPlan:
+    """The fusion plan (FORMAT.md §2) of Hugging Face-named (or fused) tensors.
+
+    ``where`` prefixes the names in error messages (a file name, say).
+    """
+    prefix = f"{where}: " if where else ""
+    return FusionPlan.from_specs({n: spec_of(t, prefix + n) for n, t in weights.items()}, tied_lm_head=tied)
+
+
+def fuse_weights(weights: Mapping[str, torch.Tensor], plan: FusionPlan) -> dict[str, torch.Tensor]:
+    """New contiguous tensors under fused names (qkv_proj, gate_up_proj): what a
+    snapshot holds and an engine loads. The one implementation every caller uses.
+
+    Fused parameters are new tensors (``torch.cat`` of the blocks in plan
+    order); unfused ones are detached clones, so the result never aliases
+    ``weights`` and writing into it leaves the model alone.
+    """
+    return {
+        p.name: torch.cat([weights[b.source].detach().reshape(-1) for b in p.blocks]).view(p.spec.shape)
+        if len(p.blocks) > 1
+        else weights[p.blocks[0].source].detach().contiguous().clone()
+        for p in plan
+    }
