@@ -107,10 +107,15 @@ def from_env(
         raw = env.get(var)
         if raw is None:
             continue
-        value = parse_value(hints.get(f.name, str), raw, var)
+        tp = hints.get(f.name, str)
         scale = f.metadata.get("scale") if f.metadata else None
+        base, optional = _strip_optional(tp)
+        if scale is not None and base is int:
+            # Written in larger units (MiB of a byte count): the text may be fractional.
+            tp = float | None if optional else float
+        value = parse_value(tp, raw, var)
         if scale is not None and value is not None:
-            value = type(value)(value * scale) if isinstance(value, int) else value * scale
+            value = int(value * scale) if base is int else value * scale
         kw[f.name] = value
     unknown = set(overrides) - names
     if unknown:

@@ -17,7 +17,7 @@ import torch
 
 from aurora_store.apply.sink import FusedWeights, SplitWeights, apply_delta
 from aurora_store.codec.entries import DecodedEntry, EncodeOptions
-from aurora_store.codec.extract import extract
+from aurora_store.codec.extract import extract, fuse_weights
 from aurora_store.codec.fusion import FusionPlan
 from aurora_store.format.checkpoint import encode_segments, stage_segments
 from aurora_store.format.manifest import (
@@ -28,7 +28,7 @@ from aurora_store.format.manifest import (
     manifest_key,
     version_dir,
 )
-from aurora_store.storage.store import Store
+from aurora_store.storage import Store
 
 Tensor = tuple[str, list[int], bytes]  # (dtype code, shape, raw bytes)
 
@@ -105,10 +105,7 @@ def rewrite_segment(
 
 def fuse(plan: FusionPlan, w: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The fused (vLLM) view of Hugging Face weights, as fresh contiguous tensors."""
-    return {
-        p.name: torch.cat([w[b.source].reshape(-1) for b in p.blocks]).view(p.spec.shape).clone()
-        for p in plan
-    }
+    return fuse_weights(w, plan)
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,9 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from aurora_store.codec.extract import spec_of
+from aurora_store.codec.extract import plan_of
 from aurora_store.codec.fusion import FusionPlan
-from aurora_store.storage.store import Store, open_store
+from aurora_store.storage import Store, open_store
 from aurora_tools.synthetic.shapes import QWEN3_TINY, make_weights
 
 # ---------------------------------------------------------------------------
@@ -69,7 +69,7 @@ def tiny_weights(_tiny_weights_master: dict[str, torch.Tensor]) -> dict[str, tor
 @pytest.fixture
 def tiny_plan(tiny_weights: dict[str, torch.Tensor]) -> FusionPlan:
     """The fusion plan of ``tiny_weights`` (qkv_proj, gate_up_proj)."""
-    return FusionPlan.from_specs({n: spec_of(t, n) for n, t in tiny_weights.items()})
+    return plan_of(tiny_weights, tied=False)
 
 
 # ---------------------------------------------------------------------------

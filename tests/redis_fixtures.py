@@ -13,6 +13,7 @@ run that never touches Redis never starts one)::
   even if a flush is skipped.
 - ``own_redis_server``: a server of the test's own, for tests that restart
   Redis (a restart would break the session server under other tests).
+- ``dead_redis_url``: a loopback URL nothing listens on (Redis away).
 - ``ManualClock``: the injectable ledger clock (milliseconds) tests advance
   by hand instead of sleeping.
 """
@@ -26,7 +27,7 @@ from typing import Any
 import pytest
 
 from aurora_store.coordination.redisconn import connect
-from aurora_store.testing.servers import RedisServer
+from aurora_store.testing.servers import RedisServer, free_port
 
 
 class ManualClock:
@@ -73,3 +74,9 @@ def own_redis_server() -> Iterator[RedisServer]:
     """A server only this test uses (and may restart)."""
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture
+def dead_redis_url() -> str:
+    """A free loopback port: connecting is refused, as with a Redis that is down."""
+    return f"redis://127.0.0.1:{free_port()}/0"

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from aurora_store.storage.store import Store, open_store
+from aurora_store.storage import Store, open_store
 from aurora_store.testing.servers import S3Server
 
 

@@ -2,7 +2,8 @@
 
 A real Redis and two ``file://`` stores (origin, and a region's mirror that
 the test fills by hand, as a Relay would: segments first, manifest last).
-The stager is driven directly (``_stage_available``), without its thread.
+The stager is driven directly (``_stage_available``), without its thread,
+on a :class:`ManualClock`: the mirror's grace passes when the test says so.
 """
 
 from __future__ import annotations
@@ -15,17 +16,15 @@ from typing import Any
 import pytest
 from redis_fixtures import redis_client, redis_server  # noqa: F401
 
+from aurora_store.clock import SYSTEM_CLOCK
 from aurora_store.codec.extract import extract
 from aurora_store.format.manifest import manifest_key, version_dir
 from aurora_store.lineage.publish import PublishConfig, publish_delta
-from aurora_store.storage.store import Store, open_store
+from aurora_store.storage import Store, open_store
+from aurora_store.testing.clock import ManualClock
+from aurora_tools.synthetic.engine import SyntheticEngine
 from aurora_tools.synthetic.shapes import QWEN3_TINY
-from aurora_tools.synthetic.workload import (
-    SyntheticEngine,
-    SyntheticSpec,
-    base_weights,
-    sparse_update,
-)
+from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
 from workers.actor import Actor, ActorConfig
 from workers.common import Endpoints, RunKeys
 from workers.model import fusion_plan_for
@@ -80,10 +79,16 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redi
     return {"spec": spec, "tmp": tmp_path, "redis": redis_server.url, "client": redis_client}
 
 
-def _actor(run: dict[str, Any], grace: float = 60.0, head: int | None = VERSIONS, relay: bool = True) -> _Recorder:
+def _actor(
+    run: dict[str, Any], grace: float = 60.0, head: int | None = VERSIONS, relay: bool = True, clock: ManualClock | None = None
+) -> _Recorder:
     tmp: Path = run["tmp"]
     name = f"t{time.monotonic_ns()}"
-    a = _Recorder(Endpoints(f"file://{tmp}/origin", run["redis"], name), ActorConfig(actor_id="a", region="r1", mirror_grace_s=grace))
+    a = _Recorder(
+        Endpoints(f"file://{tmp}/origin", run["redis"], name),
+        ActorConfig(actor_id="a", region="r1", mirror_grace_s=grace),
+        clock=clock or ManualClock(),
+    )
     a.origin = _Origin(a.origin)  # type: ignore[assignment]
     eng = SyntheticEngine(run["spec"], hold=True, digests=True)
     eng.load_base()
@@ -148,10 +153,14 @@ def test_a_mirror_missing_a_version_is_waited_for_within_the_grace(run: dict[str
 
 def test_after_the_grace_origin_serves_and_the_mirror_is_used_again_once_it_has_the_next_version(run: dict[str, Any]) -> None:
     _mirror(run, 1)
-    a = _actor(run, grace=0.2)
+    clock = ManualClock()
+    a = _actor(run, grace=0.2, clock=clock)
     a._stage_available()
     assert a.staged_version == 1  # v2 missing from the mirror: wait
-    time.sleep(0.25)
+    clock.advance(0.1)
+    a._stage_available()
+    assert a.staged_version == 1  # still within the grace
+    clock.advance(0.15)
     a._stage_available()
     # v2 from origin; the mirror is behind, so v3 and v4 go to origin at once too.
     assert a.sources == [(1, True), (2, False), (3, False), (4, False)]
@@ -160,9 +169,10 @@ def test_after_the_grace_origin_serves_and_the_mirror_is_used_again_once_it_has_
 
 def test_a_mirror_that_catches_up_serves_the_next_version(run: dict[str, Any]) -> None:
     _mirror(run, 1)
-    a = _actor(run, grace=0.2, head=2)
+    clock = ManualClock()
+    a = _actor(run, grace=0.2, head=2, clock=clock)
     a._stage_available()
-    time.sleep(0.25)
+    clock.advance(0.25)
     a._stage_available()
     assert a.sources == [(1, True), (2, False)] and a._mirror_behind
     _mirror(run, 2, 3)
@@ -174,13 +184,14 @@ def test_a_mirror_that_catches_up_serves_the_next_version(run: dict[str, Any]) -
 
 def test_relay_progress_on_the_missing_version_extends_the_wait(run: dict[str, Any]) -> None:
     _mirror(run, 1)
-    a = _actor(run, grace=0.3)
+    clock = ManualClock()
+    a = _actor(run, grace=0.3, clock=clock)
     a._stage_available()
-    a._missing_since[2] = time.monotonic() - 10  # missing for long...
-    a._relay_progress[2] = time.monotonic()  # ...but the Relay just announced a segment of it
+    clock.advance(10)  # missing for long...
+    a._relay_progress[2] = clock.monotonic()  # ...but the Relay just announced a segment of it
     a._stage_available()
     assert a.staged_version == 1 and a.origin.gets == []
-    a._relay_progress[2] = time.monotonic() - 10  # and then went quiet
+    clock.advance(10)  # and then went quiet
     a._stage_available()
     assert a.staged_version == VERSIONS
     assert (2, False) in a.sources
@@ -199,7 +210,8 @@ def test_a_corrupt_mirror_object_falls_back_to_origin(run: dict[str, Any]) -> No
 
 
 def test_relay_wait_returns_when_the_relay_appears(run: dict[str, Any]) -> None:
-    a = _actor(run, relay=False)
+    a = _actor(run, relay=False, clock=None)
+    a.clock = SYSTEM_CLOCK  # the Relay appears on wall time here
     a.cfg = ActorConfig(actor_id="a", region="r1", relay_wait_s=30.0)
     key = RunKeys(a.ep.run).relay("r1")
     import threading

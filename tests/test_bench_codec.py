@@ -15,7 +15,7 @@ import torch
 
 from aurora_store.codec import kernels
 from aurora_tools.bench import codec as bench
-from aurora_tools.synthetic.shapes import QWEN3_0_6B
+from aurora_tools.synthetic.shapes import QWEN3_0_6B, shape_for_params
 
 
 def _run(capsys: pytest.CaptureFixture[str], **kw: object) -> dict:
@@ -99,10 +99,11 @@ def test_table_is_printed_by_default(capsys: pytest.CaptureFixture[str]) -> None
     assert not out.lstrip().startswith("{")
 
 
-def test_qwen3_like_scales_to_the_requested_size() -> None:
+def test_params_scale_the_model_to_the_requested_size() -> None:
     for n in (2e5, 1e7, 1e8, 6e8, 4e9):
-        got = bench.qwen3_like(n).params
+        got = shape_for_params(n).params
         assert 0.7 * n <= got <= 1.3 * n, (n, got)
-    assert bench.qwen3_like(QWEN3_0_6B.params) == QWEN3_0_6B
-    with pytest.raises(ValueError):
-        bench.qwen3_like(0)
+    assert shape_for_params(QWEN3_0_6B.params) == QWEN3_0_6B
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            shape_for_params(bad)

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from aurora_tools.bench.transfer import TimedStore, add_arguments, main, shape_for_params
-from aurora_tools.synthetic.shapes import QWEN3_0_6B
+from aurora_tools.bench.transfer import TimedStore, add_arguments, main
+from aurora_tools.synthetic.shapes import QWEN3_0_6B, shape_for_params
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -40,15 +40,15 @@ def test_shape_for_params_is_close_and_qwen3_shaped(params: float) -> None:
 
 
 def test_timed_store_busy_is_the_union_of_intervals() -> None:
-    from aurora_tools.bench.transfer import _Op
+    from aurora_tools.bench.transfer.timing import Op
 
     t = TimedStore(object())
     t.ops += [
-        _Op("put", "a/seg-0", 1, 0.0, 2.0),
-        _Op("put", "a/seg-1", 1, 1.0, 3.0),  # overlaps the first
-        _Op("put", "a/seg-2", 1, 5.0, 6.0),
-        _Op("put", "deltas/v1/manifest.json", 1, 6.0, 6.5),
-        _Op("get", "a/seg-0", 1, 7.0, 8.0),
+        Op("put", "a/seg-0", 1, 0.0, 2.0),
+        Op("put", "a/seg-1", 1, 1.0, 3.0),  # overlaps the first
+        Op("put", "a/seg-2", 1, 5.0, 6.0),
+        Op("put", "deltas/v1/manifest.json", 1, 6.0, 6.5),
+        Op("get", "a/seg-0", 1, 7.0, 8.0),
     ]
     assert t.busy("put") == pytest.approx(4.0)
     assert t.busy("put", manifest=True) == pytest.approx(0.5)

@@ -191,24 +191,19 @@ def test_sparse_update_moves_about_density_elements_by_one_ulp() -> None:
 def test_synthetic_actor_weights_equal_the_trainers(tmp_path: object, transfer: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the Trainer publishes, staged and applied by a weight-holding SyntheticEngine, digests equal."""
     from aurora_store.apply.sink import weights_digest
-    from aurora_store.codec.extract import extract
+    from aurora_store.codec.extract import extract, fuse_weights, plan_of
     from aurora_store.lineage.fetch import fetch_delta, fetch_snapshot
     from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
-    from aurora_store.storage.store import open_store
+    from aurora_store.storage import open_store
+    from aurora_tools.synthetic.engine import SyntheticEngine
     from aurora_tools.synthetic.shapes import QWEN3_TINY
-    from aurora_tools.synthetic.workload import (
-        SyntheticEngine,
-        SyntheticSpec,
-        base_weights,
-        sparse_update,
-    )
-    from workers.model import fused_weights, fusion_plan_for
+    from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
 
     monkeypatch.setenv("AURORA_SYNTHETIC_CACHE", f"{tmp_path}/cache")
     spec = SyntheticSpec(QWEN3_TINY, seed=5)
     store = open_store(f"file://{tmp_path}/run")
     published = base_weights(spec.shape, spec.seed)  # writes the base file
-    plan = fusion_plan_for(published, tied=True)
+    plan = plan_of(published, tied=True)
     eng = SyntheticEngine(spec, hold=True, digests=True)
     eng.load_base()  # reads it: the base on the Actor's disk
     assert eng.digest() == weights_digest(published, plan)
@@ -222,7 +217,7 @@ def test_synthetic_actor_weights_equal_the_trainers(tmp_path: object, transfer: 
             _, staged = fetch_delta(store, v, eng.param_specs(), 2, expect_base_state=state)
             eng.apply(staged)
         else:
-            m = publish_snapshot(store, "r", v, fused_weights(new, plan), None, cfg)
+            m = publish_snapshot(store, "r", v, fuse_weights(new, plan), None, cfg)
             _, tensors = fetch_snapshot(store, v, 2)
             eng.load_weights(tensors, version=v)
         state, published = m.state, new
@@ -231,13 +226,13 @@ def test_synthetic_actor_weights_equal_the_trainers(tmp_path: object, transfer: 
 
 
 def test_spec_round_trips_through_the_model_description() -> None:
-    from aurora_tools.synthetic.shapes import QWEN3_TINY
-    from aurora_tools.synthetic.workload import SyntheticSpec, synthetic_shape
+    from aurora_tools.synthetic.shapes import QWEN3_TINY, shape_for_params
+    from aurora_tools.synthetic.workload import SyntheticSpec
 
     s = SyntheticSpec(QWEN3_TINY, seed=2, gen_s_per_prompt=0.25, tokens=7)
     assert SyntheticSpec.from_json(s.to_json()) == s
     assert s.base_state.startswith("sha256:") and len(s.base_state) == 71
-    assert 0.95e9 < synthetic_shape(1e9).params < 1.05e9
+    assert 0.95e9 < shape_for_params(1e9).params < 1.05e9
 
 
 # ---------------------------------------------------------------------------

@@ -8,11 +8,12 @@ import time
 from typing import Any
 
 import pytest
-from redis_fixtures import own_redis_server, redis_client, redis_server, run_name  # noqa: F401
+import redis.exceptions
+from redis_fixtures import dead_redis_url, own_redis_server, redis_client, redis_server, run_name  # noqa: F401
 
 from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus, BusGap
-from aurora_store.coordination.redisconn import connect
-from aurora_store.errors import AuroraError
+from aurora_store.coordination.redisconn import RedisConfig, connect
+from aurora_store.errors import AuroraError, CoordinationError, RedisUnavailable
 from aurora_store.testing.servers import RedisServer
 
 pytestmark = pytest.mark.server
@@ -149,3 +150,35 @@ def test_gap_when_a_recreated_stream_is_behind_the_consumer(bus: Bus, redis_clie
     redis_client.xadd(bus.stream(), {"type": VERSION, "version": "1"}, id="1-1")
     with pytest.raises(BusGap):
         bus.read(last)
+
+
+# ---------------------------------------------------------------------------
+# redis-py's errors stop at the bus
+
+
+def test_redis_away_is_redis_unavailable(dead_redis_url: str, run_name: str) -> None:
+    bus = Bus(connect(dead_redis_url, RedisConfig(connect_timeout_s=1.0)), run_name)
+    for op, call in (("Bus.announce", lambda: bus.announce(VERSION, 1)), ("Bus.read", bus.read), ("Bus.tail_id", bus.tail_id)):
+        with pytest.raises(RedisUnavailable) as e:
+            call()
+        assert e.value.op == op
+        assert isinstance(e.value, ConnectionError) and isinstance(e.value, AuroraError)
+        assert isinstance(e.value.__cause__, redis.exceptions.ConnectionError)
+
+
+def test_a_read_longer_than_the_socket_timeout_is_redis_unavailable(redis_server: RedisServer, run_name: str) -> None:
+    client = connect(redis_server.url, RedisConfig(command_timeout_s=0.2))  # a command client, not a blocking one
+    bus = Bus(client, run_name)
+    last = bus.announce(VERSION, 1)
+    with pytest.raises(RedisUnavailable) as e:
+        bus.read(last, block_ms=2_000)
+    assert isinstance(e.value.__cause__, redis.exceptions.TimeoutError)
+    client.close()
+
+
+def test_a_key_of_the_wrong_type_is_a_coordination_error(bus: Bus, redis_client: Any) -> None:
+    redis_client.set(bus.stream(), "not a stream")
+    with pytest.raises(CoordinationError) as e:
+        bus.announce(VERSION, 1)
+    assert not isinstance(e.value, RedisUnavailable)
+    assert isinstance(e.value.__cause__, redis.exceptions.ResponseError)

@@ -9,8 +9,7 @@ import pytest
 from codec_helpers import assert_bit_identical, fuse
 from safetensors.torch import load_file, save_file
 
-from aurora_store.codec.extract import spec_of
-from aurora_store.codec.fusion import FusionPlan
+from aurora_store.codec.extract import plan_of
 from aurora_tools.cli import main
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, Qwen3Shape, make_weights
 
@@ -92,7 +91,7 @@ def publish_chain(run, capsys, extra: list[str] | None = None) -> None:
 )
 def test_snapshot_deltas_apply(run, capsys, extra: list[str]) -> None:
     publish_chain(run, capsys, extra)
-    plan = FusionPlan.from_specs({n: spec_of(t, n) for n, t in run["weights"][0].items()})
+    plan = plan_of(run["weights"][0], tied=False)
     for v in (STEPS, 1):
         out = run["tmp"] / f"v{v}.safetensors"
         ok(
@@ -292,7 +291,7 @@ def test_snapshot_of_unreached_version_refused(run, capsys) -> None:
 
 def test_snapshot_of_delta_version_carries_its_state(run, capsys) -> None:
     from aurora_store.lineage.fetch import materialize, read_manifest
-    from aurora_store.storage.store import open_store
+    from aurora_store.storage import open_store
 
     publish_chain(run, capsys)
     ok(["snapshot", "create", run["files"][2], "--version", "2", "--store", run["url"]], capsys)
@@ -300,5 +299,5 @@ def test_snapshot_of_delta_version_carries_its_state(run, capsys) -> None:
     assert read_manifest(store, "snapshot", 2).state == read_manifest(store, "delta", 2).state
     tensors, state = materialize(store, 3)
     assert state == read_manifest(store, "delta", 3).state
-    plan = FusionPlan.from_specs({n: spec_of(t, n) for n, t in run["weights"][0].items()})
+    plan = plan_of(run["weights"][0], tied=False)
     assert_bit_identical(tensors, fuse(plan, run["weights"][3]))

@@ -316,3 +316,14 @@ def test_zstd_wrong_exact_size_rejected() -> None:
 def test_zstd_error_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         enc.zstd_decompress(b"\x00\x00\x00\x00\x00", None, 10)
+
+
+def test_zstd_compress_errors_are_stream_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """zstandard's own error class never leaves encodings.py."""
+
+    class Broken:
+        def compress(self, data: object) -> bytes:
+            raise zstandard.ZstdError("out of memory")
+
+    with pytest.raises(StreamError, match="zstd compression failed"):
+        enc.zstd_compress(b"abc", 1, Broken())  # type: ignore[arg-type]

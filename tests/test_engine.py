@@ -22,8 +22,9 @@ from aurora_store.errors import ChainError, ConfigError, FormatError, ModelMisma
 from aurora_store.format.checkpoint import StagedDelta, encode_segments, stage_segments
 from aurora_store.lineage.fetch import fetch_delta, fetch_snapshot
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
-from aurora_store.storage.store import Store
-from workers.engine.torch_engine import Engine, EngineConfig, TorchEngine, evaluate
+from aurora_store.storage import Store
+from workers.engine.protocol import Engine, evaluate
+from workers.engine.torch_engine import EngineConfig, TorchEngine
 from workers.model import (
     fused_weights,
     fusion_plan_for,

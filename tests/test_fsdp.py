@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import torch.multiprocessing as mp
 from redis_fixtures import redis_server, redis_url  # noqa: F401
 
 from aurora_store.coordination.redisconn import connect
+from aurora_store.testing.servers import free_port
 from workers.common import RunKeys, read_digests
 from workers.model import logprobs, tiny_qwen3
 from workers.trainer.fsdp import (
@@ -89,12 +89,6 @@ def _rank(rank: int, world: int, port: int, rows: int, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_local_rows_cover_the_batch_once() -> None:
     for world in (1, 2, 3, 4):
         for n in range(0, 9):
@@ -111,7 +105,7 @@ def test_init_from_env_without_world_is_one_process() -> None:
 @pytest.mark.parametrize("rows", [5, 1], ids=["rows-split", "one-rank-idle"])
 def test_sharded_update_equals_one_process_update(tmp_path: Path, rows: int) -> None:
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(2, _free_port(), rows, out), nprocs=2)
+    mp.spawn(_rank, args=(2, free_port(), rows, out), nprocs=2)
     got = torch.load(out)
     ref = _model()
     _update(ref, SINGLE, rows)

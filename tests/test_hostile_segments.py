@@ -763,3 +763,32 @@ def test_deeply_nested_json_is_a_segment_error(where: str) -> None:
         data = struct.pack("<Q", len(h)) + h
     with pytest.raises(SegmentError):
         decode_segment(data, "s")
+
+
+def _header_only(header: dict[str, Any]) -> bytes:
+    hj = json.dumps(header).encode()
+    hj += b" " * (-len(hj) % 8)
+    return struct.pack("<Q", len(hj)) + hj
+
+
+def _meta(**over: str) -> dict[str, str]:
+    m = {"aurora.format": "1", "aurora.kind": "delta", "aurora.version": "1", "aurora.base_version": "0", "aurora.entries": "[]"}
+    m.update(over)
+    return m
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        # an integer of more than 4300 digits: json's ValueError, not JSONDecodeError
+        struct.pack("<Q", 5008) + b'{"a": 1' + b"1" * 5000 + b"}",
+        _header_only({"__metadata__": _meta(**{"aurora.entries": "[" + "1" * 5000 + "]"})}),
+        _header_only({"__metadata__": _meta(**{"aurora.version": "9" * 5000})}),
+        # an unhashable dtype code
+        _header_only({"x": {"dtype": ["U8"], "shape": [0], "data_offsets": [0, 0]}}),
+    ],
+    ids=["header-int-digits", "entries-int-digits", "version-digits", "dtype-list"],
+)
+def test_json_and_int_limits_are_segment_errors(data: bytes) -> None:
+    with pytest.raises(SegmentError):
+        decode_segment(data, "s")

@@ -18,7 +18,7 @@ import zstandard
 from codec_helpers import encode_delta, fuse, int_view
 
 from aurora_store.codec.entries import NAIVE, PAPER, EncodeOptions
-from aurora_store.codec.extract import spec_of
+from aurora_store.codec.extract import plan_of, spec_of
 from aurora_store.codec.fusion import FusionPlan
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 
@@ -155,7 +155,7 @@ def as_bits(t: torch.Tensor) -> np.ndarray:
 @pytest.fixture(scope="module")
 def steps() -> tuple[FusionPlan, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     w = make_weights(QWEN3_TINY, seed=11)
-    plan = FusionPlan.from_specs({n: spec_of(t, n) for n, t in w.items()})
+    plan = plan_of(w, tied=False)
     new = MasterWeights(w, seed=11).step(lr=2e-6)
     return plan, w, new
 

@@ -1,4 +1,4 @@
-"""Compiled kernels and their numpy twins (aurora_store/kernels.py).
+"""Compiled kernels and their numpy twins (aurora_store/codec/kernels/).
 
 Every test that exercises a kernel runs on both paths (``path`` fixture:
 numba's compiled kernel, and numpy with ``AURORA_NO_JIT=1``) and compares

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis.exceptions
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -29,11 +30,20 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from redis_fixtures import ManualClock, own_redis_server, redis_client, redis_server, run_name  # noqa: F401
+from redis_fixtures import (  # noqa: F401
+    ManualClock,
+    dead_redis_url,
+    own_redis_server,
+    redis_client,
+    redis_server,
+    run_name,
+)
 
 from aurora_store.coordination.ledger import SETTLE_REASONS, Lease, Ledger, LedgerLost, StepExists
-from aurora_store.coordination.redisconn import connect
-from aurora_store.errors import ConfigError
+from aurora_store.coordination.redisconn import RedisConfig, connect
+from aurora_store.coordination.retention import LedgerHeldVersions
+from aurora_store.errors import ConfigError, CoordinationError, RedisUnavailable
+from aurora_store.lineage.interfaces import HeldVersions
 from aurora_store.testing.servers import RedisServer
 from aurora_tools.bench.ledger import CallCounter, counting_client
 
@@ -374,6 +384,86 @@ def test_settle_many_survives_a_lost_script_cache(redis_client: Any, redis_serve
     out = led.settle_many("a", [(x, V, H, b"r") for x in leases] + [(leases[0], V, H, b"r")])
     assert [s.reason for s in out] == ["accepted", "accepted", "accepted", "duplicate"]
     assert len(led.collect(V)) == 4  # the warm-up prompt and these three, each once
+
+
+# ---------------------------------------------------------------------------
+# redis-py's errors stop at the ledger
+
+
+def test_redis_away_is_redis_unavailable(dead_redis_url: str, run_name: str, clock: ManualClock) -> None:
+    led = Ledger(connect(dead_redis_url, RedisConfig(connect_timeout_s=1.0)), run_name, clock=clock)
+    lease = Lease("p000", 1, V, H, 1, clock() + LEASE, b"", step=V)
+    calls: dict[str, Callable[[], Any]] = {
+        "Ledger.register": lambda: led.register("a"),
+        "Ledger.heartbeat": lambda: led.heartbeat("a", active=V),
+        "Ledger.create_step": lambda: led.create_step(V, H, jobs(2), {}, group=1, lease_ms=LEASE),
+        "Ledger.claim": lambda: led.claim("a", V, 1),
+        "Ledger.settle": lambda: led.settle("a", lease, V, H, b"r"),
+        "Ledger.settle_many": lambda: led.settle_many("a", [(lease, V, H, b"r")]),
+        "Ledger.open_steps": led.open_steps,
+        "Ledger.lease_counts": led.lease_counts,
+        "Ledger.step_status": lambda: led.step_status(V),
+        "Ledger.collect": lambda: led.collect(V),
+    }
+    for op, call in calls.items():
+        with pytest.raises(RedisUnavailable) as e:
+            call()
+        # the innermost public method names the operation (create_step sets the fence first)
+        assert e.value.op in (op, "Ledger.open_steps", "Ledger.ensure_fence"), (op, e.value.op)
+        assert isinstance(e.value, ConnectionError)  # what callers that know nothing of Aurora catch
+        assert isinstance(e.value.__cause__, redis.exceptions.ConnectionError)
+
+
+def test_redis_answering_an_error_is_a_coordination_error(ledger: Ledger, redis_client: Any) -> None:
+    redis_client.set(ledger.k_actor("a"), "not a hash")  # bad data where the ledger keeps an Actor
+    with pytest.raises(CoordinationError) as e:
+        ledger.register("a")
+    assert not isinstance(e.value, RedisUnavailable)
+    assert isinstance(e.value.__cause__, redis.exceptions.ResponseError)
+    redis_client.delete(ledger.k_actor("a"))
+    redis_client.srem(ledger.k_actors, "a")  # Lua does not roll back: the SADD before the failed HSET stayed
+    join(ledger, "b")
+    ledger.create_step(V, H, jobs(2), {}, group=1, lease_ms=LEASE)
+    _, (x,) = ledger.claim("b", V, 1)
+    redis_client.delete(ledger.k_step(V, "done"))
+    redis_client.set(ledger.k_step(V, "done"), "not a hash")
+    with pytest.raises(CoordinationError):  # inside a pipeline: the script's error result is raised translated
+        ledger.settle_many("b", [(x, V, H, b"r")])
+
+
+# ---------------------------------------------------------------------------
+# versions live Actors hold (retention asks through lineage's HeldVersions)
+
+
+def test_held_versions_of_live_actors(ledger: Ledger, clock: ManualClock) -> None:
+    held = LedgerHeldVersions(ledger)
+    assert held.held_versions() == frozenset()
+    ledger.register("boot")  # registered, nothing active or staged yet
+    assert ledger.heartbeat("boot", staged=-1)
+    assert held.held_versions() == frozenset()
+    join(ledger, "a", v=3, staged=5)  # on 3, with 4 and 5 staged
+    join(ledger, "b", v=5, staged=5)
+    ledger.register("c")
+    assert ledger.heartbeat("c", staged=1)  # bootstrapping: staging its first version
+    assert held.held_versions() == frozenset({1, 3, 4, 5})
+    join(ledger, "left", v=0, staged=0)
+    ledger.leave("left")
+    assert 0 not in held.held_versions()
+    join(ledger, "old", v=2, staged=2)
+    clock.advance(10_000)
+    assert ledger.heartbeat("a") and ledger.heartbeat("b") and ledger.heartbeat("c")
+    assert 2 in held.held_versions()  # alive until reaped, without a timeout
+    recent = LedgerHeldVersions(ledger, heartbeat_timeout_ms=5_000)
+    assert recent.held_versions() == frozenset({1, 3, 4, 5})  # "old" went silent
+    ledger.reap(heartbeat_timeout_ms=5_000)
+    assert held.held_versions() == frozenset({1, 3, 4, 5})
+    with pytest.raises(ConfigError):
+        LedgerHeldVersions(ledger, heartbeat_timeout_ms=0)
+
+
+def test_held_versions_is_the_lineage_interface(ledger: Ledger) -> None:
+    held: HeldVersions = LedgerHeldVersions(ledger)  # mypy checks the signature, isinstance the method
+    assert isinstance(held, HeldVersions)
 
 # ---------------------------------------------------------------------------
 # known defects (strict xfails: they start passing when fixed)

@@ -238,3 +238,19 @@ def test_layout_helpers() -> None:
     # listing order is numeric order
     names = [version_dir("delta", v) for v in (9, 10, 100, 2)]
     assert sorted(names) == [version_dir("delta", v) for v in (2, 9, 10, 100)]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"format": 1, "version": 1' + b"1" * 5000 + b"}",  # json's int-digits ValueError
+        json.dumps(
+            {"format": 1, "kind": "snapshot", "version": 0, "state": "sha256:" + "0" * 64,
+             "segments": [], "params": {"a": {"shape": [1], "dtype": ["bfloat16"]}}}
+        ).encode(),  # an unhashable dtype
+    ],
+    ids=["int-digits", "dtype-list"],
+)
+def test_json_limits_and_odd_types_are_manifest_errors(data: bytes) -> None:
+    with pytest.raises(ManifestError):
+        Manifest.from_bytes(data, "m")

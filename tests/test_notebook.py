@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from aurora_store.codec.extract import extract, spec_of
+from aurora_store.codec.extract import extract, fuse_weights, spec_of
 from aurora_store.codec.fusion import FusionPlan
 from aurora_store.format.manifest import new_attempt_id, version_dir
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
-from aurora_store.storage.store import open_store
+from aurora_store.storage import open_store
 from aurora_tools.synthetic.shapes import MasterWeights, Qwen3Shape, make_weights
 
 nbformat = pytest.importorskip("nbformat")
@@ -38,12 +38,7 @@ SNAPSHOT_AT = 4
 
 def _fused(plan: FusionPlan, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Hugging Face weights -> fused weights (as ``aurora_tools.demo.codec`` does)."""
-    return {
-        p.name: torch.cat([w[b.source].reshape(-1) for b in p.blocks]).view(p.spec.shape)
-        if p.is_fused
-        else w[p.blocks[0].source].clone()
-        for p in plan
-    }
+    return fuse_weights(w, plan)
 
 
 def make_run(url: str) -> None:

@@ -23,16 +23,17 @@ import torch
 from server_fixtures import any_store, s3_bucket, s3_server, s3_store  # noqa: F401
 
 from aurora_store.apply.sink import FusedWeights, apply_delta, weights_digest
-from aurora_store.codec.extract import extract, spec_of
+from aurora_store.codec.extract import extract, fuse_weights, spec_of
 from aurora_store.codec.fusion import FusionPlan
 from aurora_store.errors import ChainError, IntegrityError, ObjectNotFound, VersionConflict
 from aurora_store.format.manifest import manifest_key, version_dir
-from aurora_store.lineage.fetch import fetch_delta, materialize, plan_chain, scan_versions
+from aurora_store.lineage.fetch import fetch_delta, materialize
 from aurora_store.lineage.gc import run_gc
+from aurora_store.lineage.plan import plan_chain, scan_versions
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.lineage.report import read_lineage
 from aurora_store.lineage.verify import verify_run
-from aurora_store.storage.store import Store, open_store
+from aurora_store.storage import Store, open_store
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 
 pytestmark = pytest.mark.server
@@ -41,7 +42,7 @@ CFG = PublishConfig(streams=4, segment_bytes=8 << 10)
 
 
 def fused(plan: FusionPlan, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {p.name: torch.cat([w[b.source].reshape(-1) for b in p.blocks]).view(p.spec.shape) for p in plan}
+    return fuse_weights(w, plan)
 
 
 class Run:
@@ -105,7 +106,7 @@ def _put_race_script(url: str, opts: dict, key: str, payload: str, start_at: flo
     return textwrap.dedent(
         f"""
         import json, sys, time
-        from aurora_store.storage.store import open_store
+        from aurora_store.storage import open_store
         from aurora_store.errors import VersionConflict
         store = open_store({url!r}, json.loads({json.dumps(json.dumps(opts))}))
         while time.time() < {start_at}:
@@ -155,7 +156,7 @@ def test_retry_of_same_bytes_is_success_different_bytes_conflict(any_store: Stor
 
 _KILLED_PUBLISHER = """
 import sys, time
-from aurora_store.storage.store import open_store
+from aurora_store.storage import open_store
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 from aurora_store.codec.fusion import FusionPlan
 from aurora_store.codec.extract import extract, spec_of

@@ -30,23 +30,24 @@ from redis_fixtures import own_redis_server, redis_server, run_name  # noqa: F40
 from server_fixtures import s3_server  # noqa: F401
 
 from aurora_store.apply.sink import weights_digest
-from aurora_store.codec.extract import extract, spec_of
+from aurora_store.codec.extract import extract, fuse_weights, spec_of
 from aurora_store.codec.fusion import FusionPlan
 from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus, Event
 from aurora_store.coordination.redisconn import connect
 from aurora_store.errors import ConfigError
 from aurora_store.format.manifest import Manifest, manifest_key
-from aurora_store.lineage.fetch import materialize, scan_versions
+from aurora_store.lineage.fetch import materialize
+from aurora_store.lineage.plan import scan_versions
 from aurora_store.lineage.publish import (
     PublishConfig,
     SegmentEvent,
     publish_delta,
     publish_snapshot,
 )
-from aurora_store.storage.store import Store, open_store
+from aurora_store.storage import Store, open_store
 from aurora_store.testing.servers import RedisServer, S3Server
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
-from workers.relay.relay import Relay, RelayConfig, add_arguments, config_from_args, relay_key
+from workers.relay import Relay, RelayConfig, add_arguments, config_from_args, relay_key
 
 REPO = Path(__file__).resolve().parents[1]
 # Small segments: every delta of the tiny model spans several objects.
@@ -55,7 +56,7 @@ REGION = "eu"
 
 
 def fused(plan: FusionPlan, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {p.name: torch.cat([w[b.source].reshape(-1) for b in p.blocks]).view(p.spec.shape) for p in plan}
+    return fuse_weights(w, plan)
 
 
 def wait_until(pred: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
@@ -397,7 +398,7 @@ def test_redis_restart_loses_stream_and_heartbeat(own_redis_server: RedisServer,
 
 def _relay_process(origin: str, mirror: str, redis_url: str, run: str, region: str) -> subprocess.Popen[str]:
     args = [
-        sys.executable, "-m", "workers.relay.relay", "--store", origin, "--mirror", mirror, "--redis", redis_url,
+        sys.executable, "-m", "workers.relay", "--store", origin, "--mirror", mirror, "--redis", redis_url,
         "--run", run, "--region", region, "--heartbeat-s", "0.2", "--ttl-s", "1.5", "--block-ms", "100",
     ]
     env = {**os.environ, "AURORA_TORCH_THREADS": "1"}
@@ -452,3 +453,71 @@ def test_config_and_arguments() -> None:
     for bad in ({"region": "e{u}"}, {"ttl_s": 1.0, "heartbeat_s": 2.0}, {"block_ms": 0}, {"streams": 0}, {"mirror": "file:///o/"}, {"run": "a b"}):
         with pytest.raises(ConfigError):
             RelayConfig(**{**base, **bad})  # type: ignore[arg-type]
+
+
+def test_retry_while_redis_away_backs_off_on_the_clock_and_lets_other_errors_through() -> None:
+    """The one retry loop: Redis errors (redis-py's or the coordination layer's) wait a back-off delay."""
+    import redis as redis_lib
+
+    from aurora_store.config import Backoff
+    from aurora_store.errors import RedisUnavailable
+    from aurora_store.testing.clock import ManualClock
+    from workers.relay.retry import is_redis_error, redis_may_fail, retry_while_redis_away
+
+    clock = ManualClock()
+    stop = threading.Event()
+    failures: list[BaseException] = [redis_lib.exceptions.ConnectionError("refused"), RedisUnavailable("xread", "timed out")]
+    seen: list[BaseException] = []
+
+    def attempt() -> str:
+        if failures:
+            raise failures.pop(0)
+        return "1-0"
+
+    out: list[str | None] = []
+    t = threading.Thread(
+        target=lambda: out.append(retry_while_redis_away(attempt, stop, clock, Backoff(1.0, 4.0, jitter=0.0), seen.append))
+    )
+    t.start()
+    assert clock.wait_for_waiters(1)  # first failure: waiting 1 s
+    clock.advance(1.0)
+    assert clock.wait_for_waiters(2)  # second failure: waiting 2 s
+    clock.advance(2.0)
+    t.join(10)
+    assert out == ["1-0"] and [type(e).__name__ for e in seen] == ["ConnectionError", "RedisUnavailable"]
+
+    def bug() -> None:
+        raise KeyError("not an outage")
+
+    with pytest.raises(KeyError):
+        retry_while_redis_away(bug, stop, clock, Backoff(), seen.append)
+    stop.set()
+    assert retry_while_redis_away(attempt, stop, clock, Backoff(), seen.append) is None
+    assert is_redis_error(RedisUnavailable("get", "gone")) and not is_redis_error(ValueError())
+    with redis_may_fail(seen.append):
+        raise RedisUnavailable("set", "loading")
+    with pytest.raises(ValueError), redis_may_fail(seen.append):
+        raise ValueError("a bug, not an outage")
+
+
+def test_listing_schedule_on_a_manual_clock() -> None:
+    from aurora_store.testing.clock import ManualClock
+    from workers.relay.follower import ListingSchedule
+
+    clock = ManualClock()
+    s = ListingSchedule(resync_s=60.0, retry_s=5.0, clock=clock)
+    assert not s.take_due()
+    s.listed(ok=True)
+    clock.advance(59.0)
+    assert not s.take_due()
+    clock.advance(1.0)
+    assert s.take_due() and not s.take_due()  # taken once
+    s.want_resync()
+    clock.advance(4.9)
+    assert not s.take_due()
+    clock.advance(0.1)
+    assert s.take_due()
+    assert s.queue() and not s.queue()
+    s.listed(ok=False)  # a failed listing: again within retry_s
+    clock.advance(5.0)
+    assert s.take_due()

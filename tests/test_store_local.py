@@ -1,131 +1,86 @@
-"""The object store on serverless backends: ``memory://`` and ``file://``
-(aurora_store/store.py). S3 runs against a real server in the server tests."""
+"""What the serverless store backends do beyond the conformance suite
+(aurora_store/storage/: local.py, memory.py, base.py): temporary files,
+backend choice, retries on the injected clock, and StoreConfig's
+environment. The promises every backend keeps (create-only, conflicts,
+ranges, listing, missing objects) are in tests/test_store_conformance.py,
+run by aurora_store/testing/store.py."""
 
 from __future__ import annotations
 
 import os
 import threading
+import uuid
 
 import pytest
 
-from aurora_store.errors import ObjectNotFound, StoreError, VersionConflict
-from aurora_store.storage.store import open_store
-
-
-def test_put_get_round_trip(local_store) -> None:
-    local_store.put("deltas/v0000000001/abc/seg-00000.safetensors", b"hello world")
-    assert local_store.get("deltas/v0000000001/abc/seg-00000.safetensors") == b"hello world"
-    assert local_store.exists("deltas/v0000000001/abc/seg-00000.safetensors")
-    assert local_store.size("deltas/v0000000001/abc/seg-00000.safetensors") == 11
-    assert not local_store.exists("deltas/v0000000001/abc/seg-00001.safetensors")
-
-
-def test_create_is_idempotent_for_same_bytes(local_store) -> None:
-    local_store.put("k/manifest.json", b"same")
-    local_store.put("k/manifest.json", b"same")  # a retry whose first answer was lost
-    assert local_store.get("k/manifest.json") == b"same"
-
-
-def test_create_refuses_different_bytes(local_store) -> None:
-    local_store.put("k/manifest.json", b"first")
-    with pytest.raises(VersionConflict) as ei:
-        local_store.put("k/manifest.json", b"second")
-    assert isinstance(ei.value, FileExistsError)
-    assert "k/manifest.json" in str(ei.value)
-    assert local_store.get("k/manifest.json") == b"first"
-
-
-def test_overwrite_mode_replaces(local_store) -> None:
-    local_store.put("k/x", b"first")
-    local_store.put("k/x", b"second", mode="overwrite")
-    assert local_store.get("k/x") == b"second"
-    with pytest.raises(ValueError):
-        local_store.put("k/x", b"third", mode="append")
-
-
-def test_concurrent_creates_one_winner(local_store) -> None:
-    results: list[str] = []
-    barrier = threading.Barrier(8)
-
-    def go(i: int) -> None:
-        barrier.wait()
-        try:
-            local_store.put("race/manifest.json", f"writer {i}".encode())
-            results.append("ok")
-        except VersionConflict:
-            results.append("conflict")
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results.count("ok") == 1 and results.count("conflict") == 7
-    assert local_store.get("race/manifest.json").startswith(b"writer ")
-
-
-def test_get_range(local_store) -> None:
-    local_store.put("r/obj", bytes(range(100)))
-    assert local_store.get_range("r/obj", 10, 20) == bytes(range(10, 20))
-    assert local_store.get_range("r/obj", 0, 1) == b"\x00"
-    assert local_store.get_range("r/obj", 90, 100) == bytes(range(90, 100))
-
-
-def test_missing_objects(local_store) -> None:
-    for call in (
-        lambda: local_store.get("nope/x"),
-        lambda: local_store.get_range("nope/x", 0, 1),
-        lambda: local_store.size("nope/x"),
-    ):
-        with pytest.raises(ObjectNotFound) as ei:
-            call()
-        assert isinstance(ei.value, FileNotFoundError) and isinstance(ei.value, StoreError)
-        assert "nope/x" in str(ei.value)
-
-
-def test_list_and_delete(local_store) -> None:
-    keys = [
-        "deltas/v0000000002/manifest.json",
-        "deltas/v0000000001/aaaa/seg-00001.safetensors",
-        "deltas/v0000000001/aaaa/seg-00000.safetensors",
-        "deltas/v0000000001/manifest.json",
-        "snapshots/v0000000000/manifest.json",
-    ]
-    for k in keys:
-        local_store.put(k, k.encode())
-    assert local_store.list() == sorted(keys)
-    assert local_store.list("deltas/v0000000001") == sorted(
-        k for k in keys if k.startswith("deltas/v0000000001")
-    )
-    assert local_store.list("deltas/v0000000001/") == local_store.list("deltas/v0000000001")
-    assert local_store.list("nothing/here") == []
-    assert local_store.list_dirs("deltas") == ["v0000000001", "v0000000002"]
-    assert local_store.list_dirs("missing") == []
-    local_store.delete("deltas/v0000000001/aaaa/seg-00000.safetensors")
-    assert not local_store.exists("deltas/v0000000001/aaaa/seg-00000.safetensors")
-    assert "deltas/v0000000001/aaaa/seg-00000.safetensors" not in local_store.list()
-    local_store.delete("deltas/v0000000001/aaaa/seg-00000.safetensors")  # idempotent
-
-
-@pytest.mark.parametrize(
-    "key", ["../escape", "a/../../escape", "a/..", "/abs/path", "a/b/../../../c"]
+from aurora_store.errors import ConfigError, ObjectNotFound, StoreError, VersionConflict
+from aurora_store.storage import (
+    LocalStore,
+    MemoryStore,
+    RemoteStore,
+    S3Store,
+    Store,
+    StoreConfig,
+    open_store,
 )
-def test_keys_leaving_the_root_refused(local_store, key: str) -> None:
-    with pytest.raises(ValueError):
-        local_store.put(key, b"x")
-    with pytest.raises(ValueError):
-        local_store.get(key)
-    with pytest.raises(ValueError):
-        local_store.exists(key)
+from aurora_store.storage import local as local_backend
 
 
-def test_file_store_leaves_no_temp_files(file_store) -> None:
+class RecordingClock:
+    """A clock whose waits return at once and are recorded (no wall-clock sleeps)."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def monotonic(self) -> float:
+        return 0.0
+
+    def time(self) -> float:
+        return 0.0
+
+    def wait(self, event: threading.Event, timeout_s: float) -> bool:
+        self.waits.append(timeout_s)
+        return event.is_set()
+
+
+def test_file_store_leaves_no_temp_files(file_store: Store) -> None:
     file_store.put("a/b", b"1")
     file_store.put("a/b", b"1")
     with pytest.raises(VersionConflict):
         file_store.put("a/b", b"2")
     assert os.listdir(os.path.join(file_store.root, "a")) == ["b"]
     assert file_store.list() == ["a/b"]
+
+
+def test_failed_local_write_leaves_no_temp_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = open_store(f"file://{tmp_path}/run", config=StoreConfig(retries=0))
+    store.put("a/first", b"1")
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError(5, "disk on fire")
+
+    monkeypatch.setattr(local_backend.os, "fsync", broken_fsync)
+    with pytest.raises(StoreError, match="a/b"):
+        store.put("a/b", b"never")
+    assert sorted(os.listdir(tmp_path / "run" / "a")) == ["first"]
+    assert not store.exists("a/b")
+
+
+def test_local_create_syncs_the_folder(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the link, the folder itself is fsynced (the new name is durable)."""
+    store = open_store(f"file://{tmp_path}/run")
+    synced: list[str] = []
+    real = local_backend._fsync_dir
+
+    def record(folder: str) -> None:
+        synced.append(folder)
+        real(folder)
+
+    monkeypatch.setattr(local_backend, "_fsync_dir", record)
+    store.put("x/y", b"z")
+    assert synced == [os.path.join(store.root, "x")]
+    store.put("x/y", b"z")  # the same bytes again: nothing new to make durable
+    assert len(synced) == 1
 
 
 def test_file_store_plain_path_and_where(tmp_path) -> None:
@@ -136,8 +91,6 @@ def test_file_store_plain_path_and_where(tmp_path) -> None:
 
 
 def test_memory_stores_are_separate_by_root() -> None:
-    import uuid
-
     a = open_store(f"memory://t-{uuid.uuid4().hex}")
     b = open_store(f"memory://t-{uuid.uuid4().hex}")
     a.put("k", b"a")
@@ -146,3 +99,100 @@ def test_memory_stores_are_separate_by_root() -> None:
     assert a.get("k") == b"a" and b.get("k") == b"b"
     a.fs.rm(a.root, recursive=True)
     b.fs.rm(b.root, recursive=True)
+
+
+def test_two_memory_stores_on_one_root_have_one_winner() -> None:
+    url = f"memory://t-{uuid.uuid4().hex}"
+    a, b = open_store(url), open_store(url)
+    a.put("k", b"a")
+    with pytest.raises(VersionConflict):
+        b.put("k", b"b")
+    b.put("k", b"a")
+    a.fs.rm(a.root, recursive=True)
+
+
+def test_open_store_picks_the_backend_from_the_url(tmp_path) -> None:
+    assert type(open_store(str(tmp_path))) is LocalStore
+    assert type(open_store(f"file://{tmp_path}")) is LocalStore
+    assert type(open_store(f"memory://t-{uuid.uuid4().hex}")) is MemoryStore
+    s3 = open_store("s3://bucket/run", {"anon": True})
+    assert type(s3) is S3Store and s3.root == "bucket/run" and s3.protocol == "s3"
+    other = open_store(f"simplecache::file://{tmp_path}")
+    assert type(other) is RemoteStore
+    assert repr(open_store(str(tmp_path))) == f"Store({str(tmp_path)!r})"
+
+
+def test_unknown_protocol_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="cannot open store"):
+        open_store("nosuchprotocol-aurora://x/y")
+
+
+class FlakyCat:
+    """An fsspec filesystem whose first ``fail`` reads raise a transient error."""
+
+    def __init__(self, fs: object, fail: int, exc: BaseException) -> None:
+        self._fs = fs
+        self.fail = fail
+        self.exc = exc
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._fs, name)
+
+    def cat_file(self, *args: object, **kwargs: object) -> bytes:
+        self.calls += 1
+        if self.calls <= self.fail:
+            raise self.exc
+        return self._fs.cat_file(*args, **kwargs)  # type: ignore[attr-defined]
+
+
+def test_transient_failures_are_retried_on_the_clock(memory_store: Store) -> None:
+    clock = RecordingClock()
+    cfg = StoreConfig(retries=3, backoff_s=0.5, backoff_max_s=1.5)
+    store = open_store(memory_store.url, config=cfg, clock=clock)
+    store.put("k", b"v")
+    flaky = FlakyCat(store.fs, fail=3, exc=ConnectionError("reset"))
+    store.fs = flaky
+    assert store.get("k") == b"v"
+    assert flaky.calls == 4 and len(clock.waits) == 3
+    # Doubling from backoff_s, capped at backoff_max_s, jittered downwards by at most half.
+    for wait, cap in zip(clock.waits, (0.5, 1.0, 1.5), strict=True):
+        assert cap / 2 <= wait <= cap
+
+
+def test_retries_give_up_with_a_store_error(memory_store: Store) -> None:
+    clock = RecordingClock()
+    store = open_store(memory_store.url, config=StoreConfig(retries=2), clock=clock)
+    store.put("k", b"v")
+    store.fs = FlakyCat(store.fs, fail=10, exc=TimeoutError("slow"))
+    with pytest.raises(StoreError, match="failed after 3 attempts") as ei:
+        store.get("k")
+    assert isinstance(ei.value.__cause__, TimeoutError)
+    assert len(clock.waits) == 2
+
+
+def test_answers_are_not_retried(memory_store: Store) -> None:
+    clock = RecordingClock()
+    store = open_store(memory_store.url, clock=clock)
+    store.fs = FlakyCat(store.fs, fail=10, exc=FileNotFoundError("gone"))
+    with pytest.raises(ObjectNotFound):
+        store.get("k")
+    assert clock.waits == []
+
+
+def test_store_config_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AURORA_STORE_RETRIES", "7")
+    monkeypatch.setenv("AURORA_STORE_BACKOFF_S", "0.5")
+    monkeypatch.setenv("AURORA_STORE_MAX_CONNECTIONS", "64")
+    cfg = StoreConfig.from_env(retries=2, read_timeout_s=None)
+    assert cfg == StoreConfig(retries=2, backoff_s=0.5, max_connections=64)
+    assert cfg.backoff.initial_s == 0.5 and cfg.backoff.max_s == 10.0
+    monkeypatch.setenv("AURORA_STORE_CONNECT_TIMEOUT_S", "soon")
+    with pytest.raises(ConfigError, match="AURORA_STORE_CONNECT_TIMEOUT_S"):
+        StoreConfig.from_env()
+    monkeypatch.delenv("AURORA_STORE_CONNECT_TIMEOUT_S")
+    monkeypatch.setenv("AURORA_STORE_RETRIES", "-1")
+    with pytest.raises(ConfigError):
+        StoreConfig.from_env()
+    with pytest.raises(TypeError):
+        StoreConfig.from_env(no_such_field=1)

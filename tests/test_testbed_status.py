@@ -14,13 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_fixtures import ManualClock, redis_client, redis_server, run_name  # noqa: F401
+from redis_fixtures import ManualClock, dead_redis_url, redis_client, redis_server, run_name  # noqa: F401
 
+from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger
-from aurora_store.coordination.status import collect_status, relay_pattern, render
-from aurora_store.storage.store import open_store
+from aurora_store.coordination.redisconn import RedisConfig, connect
+from aurora_store.coordination.status import collect_status, render
+from aurora_store.errors import RedisUnavailable
+from aurora_store.storage import open_store
 from aurora_tools import testbed
 from aurora_tools.cli import main
+from aurora_tools.testbed import processes
 
 pytestmark = pytest.mark.server
 
@@ -28,7 +32,7 @@ H = "sha256:" + "ab" * 32
 
 
 def _ping(url: str) -> bool:
-    return testbed._redis_answers(url, timeout_s=0.5)
+    return processes.redis_answers(url, timeout_s=0.5)
 
 
 def _s3_client(endpoint: str, env: dict[str, str]) -> Any:
@@ -63,7 +67,7 @@ def test_testbed_in_process_start_stop(tmp_path: Path) -> None:
         assert store.get("hello") == b"world"
         assert tb.problem() is None
     assert not _ping(urls["redis"])
-    assert not testbed._http_answers(urls["s3"] + "/", timeout_s=0.5)
+    assert not processes.http_answers(urls["s3"] + "/", timeout_s=0.5)
     tb.stop()  # idempotent
 
 
@@ -95,12 +99,12 @@ def test_testbed_up_background_then_down(tmp_path: Path, capsys: pytest.CaptureF
         assert "stopped" in capsys.readouterr().err
     finally:
         if testbed.process_alive(pid):  # the test failed half-way: do not leak servers
-            testbed._terminate(pid, 5)
-            testbed._terminate(redis_pid, 5)
+            processes.terminate(pid, 5)
+            processes.terminate(redis_pid, 5)
     assert not state_file.exists()
     assert not testbed.process_alive(pid) and not testbed.process_alive(redis_pid)
     assert not _ping(state["urls"]["redis"])
-    assert not testbed._http_answers(state["urls"]["s3"] + "/", timeout_s=0.5)
+    assert not processes.http_answers(state["urls"]["s3"] + "/", timeout_s=0.5)
 
     assert main(["testbed", "down", "--dir", str(d)]) == 1
     err = capsys.readouterr().err
@@ -199,13 +203,19 @@ def test_collect_status_numbers(redis_client: Any, run_name: str) -> None:  # no
 
 
 def test_relay_pattern_escapes_the_hash_tag() -> None:
-    assert relay_pattern("r-1.x") == "aurora:\\{r-1.x\\}:relay:*"
+    assert RunKeys("r-1.x").relay_pattern == "aurora:\\{r-1.x\\}:relay:*"
 
 
 def test_status_of_an_empty_run(redis_client: Any, run_name: str) -> None:  # noqa: F811
     st = collect_status(redis_client, run_name)
     assert st["trainer"] is None and st["relays"] == [] and st["actors"] == [] and st["steps"] == []
     assert "nothing of run" in render(st)
+
+
+def test_status_of_a_redis_that_is_away(dead_redis_url: str, run_name: str) -> None:  # noqa: F811
+    with pytest.raises(RedisUnavailable) as e:
+        collect_status(connect(dead_redis_url, RedisConfig(connect_timeout_s=1.0)), run_name)
+    assert e.value.op == "status" and isinstance(e.value, ConnectionError)
 
 
 def test_status_cli(redis_client: Any, redis_server: Any, run_name: str, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
@@ -231,7 +241,7 @@ def test_status_cli_watch_prints_blocks_without_ansi(redis_server: Any, run_name
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     code = (
-        "import sys; from aurora_tools.cli import cmd_status; import argparse; "
+        "import sys; from aurora_tools.cli.run_cmds import cmd_status; import argparse; "
         f"sys.exit(cmd_status(argparse.Namespace(redis={redis_server.url!r}, run={run_name!r}, watch=0.1, json=False)))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

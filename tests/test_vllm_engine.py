@@ -31,8 +31,8 @@ from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import version_dir
 from aurora_store.lineage.fetch import fetch_delta, read_manifest
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
-from aurora_store.storage.store import Store, open_store
-from workers.engine.torch_engine import Engine, RemoteStaged, StoreStaging, make_engine
+from aurora_store.storage import Store, open_store
+from workers.engine import Engine, RemoteStaged, StoreStaging, make_engine
 from workers.model import (
     fused_weights,
     fusion_plan_for,
@@ -79,6 +79,39 @@ def test_vllm_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         VLLMConfig.from_env()
     with pytest.raises(ConfigError):
         VLLMConfig(kv_cache_mib=0)
+
+
+def test_worker_errors_cross_back_with_their_class_and_fields() -> None:
+    """A worker's reply carries error_to_wire; the engine raises the same class, fields intact."""
+    from aurora_store.errors import EngineError, RedisUnavailable
+    from workers.engine.vllm_engine import VLLMEngine
+    from workers.engine.vllm_wire import reply
+
+    def unavailable() -> None:
+        raise RedisUnavailable("xread", "connection refused")
+
+    def bug() -> None:
+        raise KeyError("qkv_proj")
+
+    class FakeLLM:
+        def __init__(self, fn: object) -> None:
+            self.fn = fn
+
+        def collective_rpc(self, method: str, args: tuple[object, ...] = ()) -> list[dict[str, object]]:
+            return [reply(lambda: 7), reply(self.fn)]  # type: ignore[arg-type]
+
+    e = VLLMEngine(TOK)
+    e._llm = FakeLLM(unavailable)
+    with pytest.raises(RedisUnavailable) as info:
+        e._call_all("aurora_probe")
+    assert (info.value.op, info.value.reason) == ("xread", "connection refused")
+    assert str(info.value) == str(RedisUnavailable("xread", "connection refused"))
+    e._llm = FakeLLM(bug)
+    with pytest.raises(EngineError, match="KeyError"):
+        e._call_all("aurora_probe")
+    e._llm = FakeLLM(lambda: 8)
+    assert e._call_all("aurora_probe") == [7, 8]
+    e._llm = None
 
 
 # ---------------------------------------------------------------------------

@@ -18,14 +18,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from aurora_tools.wan import (
-    LinkProfile,
-    WanTestbed,
-    WanUnavailable,
-    cleanup_stale,
-    wan_unavailable_reason,
-)
+from aurora_store.errors import WanUnavailable
 from aurora_tools.wan import netns as netns_mod
+from aurora_tools.wan.host import cleanup_stale, wan_unavailable_reason
+from aurora_tools.wan.netns import WanTestbed
+from aurora_tools.wan.profile import LinkProfile
 from aurora_tools.wan.proxy import Address
 
 pytestmark = pytest.mark.server

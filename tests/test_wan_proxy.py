@@ -21,9 +21,8 @@ from collections.abc import Iterator
 import pytest
 
 from aurora_store.errors import ConfigError
-from aurora_tools.wan import LinkProfile, ProxyStats, ProxyThread, parse_region_spec
-from aurora_tools.wan.profile import MIB, ImpairmentPlan
-from aurora_tools.wan.proxy import Address
+from aurora_tools.wan.profile import MIB, ImpairmentPlan, LinkProfile, parse_region_spec
+from aurora_tools.wan.proxy import Address, ProxyStats, ProxyThread
 
 # ---------------------------------------------------------------------------
 # loopback servers

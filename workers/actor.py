@@ -13,6 +13,10 @@ Three threads (docs/WORKERS.md):
 A delta is accepted only on top of the base it declares
 (``expect_base_state``); a version that fails validation is never staged,
 so it can never be applied. SIGTERM is a graceful leave.
+
+Every wait of these loops (polls, back-off, the mirror's grace, the Relay
+wait) is timed on the Actor's ``clock``, so tests step through them with a
+:class:`~aurora_store.testing.clock.ManualClock` instead of sleeping.
 """
 
 from __future__ import annotations
@@ -28,36 +32,63 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aurora_store.clock import SYSTEM_CLOCK, Clock
+from aurora_store.config import Backoff, from_env
 from aurora_store.coordination.bus import COMMIT, SEGMENT, Bus, BusGap
 from aurora_store.coordination.ledger import Lease, Ledger
 from aurora_store.coordination.redisconn import connect
-from aurora_store.errors import AuroraError, VersionNotFound
+from aurora_store.errors import AuroraError, ConfigError, VersionNotFound
 from aurora_store.format.checkpoint import StagedDelta
-from aurora_store.lineage.fetch import fetch_delta, materialize, scan_versions
-from aurora_store.storage.store import Store, open_store
+from aurora_store.lineage.fetch import fetch_delta, materialize
+from aurora_store.lineage.plan import scan_versions
+from aurora_store.lineage.publish import PublishConfig
+from aurora_store.storage import Store, open_store
+from workers.args import add_common_args
 from workers.common import Endpoints, RunKeys, read_model_description, record_digest
-from workers.engine.torch_engine import RemoteStaged, StoreStaging, make_engine
+from workers.engine import RemoteStaged, StoreStaging, make_engine
 
-__all__ = ["ActorConfig", "Actor", "add_arguments", "main"]
+__all__ = ["ENV_PREFIX", "ActorConfig", "ActorStats", "Actor", "add_arguments", "main", "run_until_stopped"]
+
+ENV_PREFIX = "AURORA_ACTOR_"
+"""Prefix of the Actor's environment variables (``AURORA_ACTOR_REGION`` …); ``streams`` is
+``AURORA_STREAMS``, shared with the Trainer and the Relay, and ``actor_id`` is ``AURORA_ACTOR_ID``."""
 
 log = logging.getLogger("aurora.actor")
 
 
+def _random_id() -> str:
+    return f"actor-{uuid.uuid4().hex[:8]}"
+
+
 @dataclass(frozen=True, slots=True)
 class ActorConfig:
-    actor_id: str = field(default_factory=lambda: f"actor-{uuid.uuid4().hex[:8]}")
+    """How an Actor works, where it reads versions from, and how it waits."""
+
+    actor_id: str = field(default_factory=_random_id, metadata={"env": "AURORA_ACTOR_ID"})
+    """Name in the ledger (default: ``actor-`` and 8 random hex digits)."""
     region: str = "default"
+    """Region: the Actor stages from its Relay's mirror while that Relay heartbeats."""
     engine: str = "torch"
+    """Inference engine (``torch``, ``vllm``; see :func:`workers.engine.make_engine`)."""
     claim: int = 8
     """Prompts leased per claim (one generation batch)."""
     max_new_tokens: int = 14
+    """Longest completion sampled."""
     temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
     seed: int = 0
+    """Mixed with each lease's token into the sampling seed."""
     heartbeat_s: float = 1.0
-    poll_s: float = 0.05
+    """Period of the ledger heartbeat (active and staged versions)."""
+    idle: Backoff = field(
+        default_factory=lambda: Backoff(initial_s=0.05, max_s=0.25, factor=1.5, jitter=0.0), metadata={"env": False}
+    )
+    """Pauses between looks for work while there is none: idle Actors polling Redis steal CPU
+    from whoever shares the machine."""
     slowdown: float = 1.0
     """>1 makes this Actor that many times slower (heterogeneity experiments)."""
-    streams: int = 8
+    streams: int = field(default=PublishConfig().streams, metadata={"env": "AURORA_STREAMS"})
+    """Parallel segment fetches per staged version (env ``AURORA_STREAMS``)."""
     mirror_grace_s: float = 2.0
     """While the region's Relay is alive, a version its mirror lacks is read from origin only
     once it has been missing this long: otherwise every Actor races the Relay's cut-through
@@ -67,10 +98,44 @@ class ActorConfig:
     """At start, wait up to this long for the region's Relay to heartbeat before staging from
     origin (for regions deployed with a Relay: Actors started with it would otherwise all
     read the first versions across the region boundary)."""
+    join_poll_s: float = 0.1
+    """How often the Actor looks for the run's head (``--join-at-version``) and, during
+    ``relay_wait_s``, for the region's Relay."""
+    stage_block_ms: int = 500
+    """Longest blocking read of the announcement stream by the stager."""
+    stager_retry: Backoff = field(
+        default_factory=lambda: Backoff(initial_s=0.5, max_s=0.5, factor=1.0, jitter=0.0), metadata={"env": False}
+    )
+    """Pauses of the stager after a store or Redis error, before it looks again."""
+
+    def __post_init__(self) -> None:
+        if not self.actor_id:
+            raise ConfigError("actor_id must not be empty")
+        if self.claim < 1 or self.max_new_tokens < 1:
+            raise ConfigError(f"claim and max_new_tokens must be >= 1 (got {self.claim}, {self.max_new_tokens})")
+        if not 1 <= self.streams <= 256:
+            raise ConfigError(f"streams must be 1..256, got {self.streams}")
+        if self.heartbeat_s <= 0 or self.join_poll_s <= 0 or self.stage_block_ms < 1:
+            raise ConfigError(
+                f"heartbeat_s and join_poll_s must be > 0 and stage_block_ms >= 1 "
+                f"(got {self.heartbeat_s}, {self.join_poll_s}, {self.stage_block_ms})"
+            )
+        if self.temperature < 0 or self.slowdown <= 0 or self.mirror_grace_s < 0 or self.relay_wait_s < 0:
+            raise ConfigError(
+                "temperature, mirror_grace_s and relay_wait_s must be >= 0 and slowdown > 0 "
+                f"(got {self.temperature}, {self.mirror_grace_s}, {self.relay_wait_s}, {self.slowdown})"
+            )
+
+    @classmethod
+    def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> ActorConfig:
+        """Defaults, then ``AURORA_ACTOR_*`` (and ``AURORA_STREAMS``, ``AURORA_ACTOR_ID``), then ``overrides``."""
+        return from_env(cls, prefix, **overrides)
 
 
 @dataclass(slots=True)
 class ActorStats:
+    """What an Actor has done (its own view; the ledger holds the run's)."""
+
     activations: list[tuple[int, float, float]] = field(default_factory=list)
     """(version, stage seconds, activation seconds)"""
     settled: int = 0
@@ -79,12 +144,16 @@ class ActorStats:
 
 
 class Actor:
-    def __init__(self, ep: Endpoints, cfg: ActorConfig) -> None:
+    """One Actor of a run; :meth:`run` until ``stop`` is set. ``clock`` times every wait of its loops."""
+
+    def __init__(self, ep: Endpoints, cfg: ActorConfig, clock: Clock = SYSTEM_CLOCK) -> None:
         self.ep = ep
         self.cfg = cfg
+        self.clock = clock
         self.origin: Store = open_store(ep.store, dict(ep.storage_options))
         self.redis = connect(ep.redis)
-        self.bus_redis = connect(ep.redis, block_s=1.0)
+        # Room for the stager's longest blocking read, and as much again for the reply.
+        self.bus_redis = connect(ep.redis, block_s=2 * cfg.stage_block_ms / 1000)
         self.ledger = Ledger(self.redis, ep.run)
         self.bus = Bus(self.bus_redis, ep.run)
         self.keys = RunKeys(ep.run)
@@ -110,7 +179,7 @@ class Actor:
             head = self.redis.hget(self.keys.trainer, "head")
             if head is not None and int(head) >= version:
                 return
-            self.stop.wait(0.1)
+            self.clock.wait(self.stop, self.cfg.join_poll_s)
 
     def prepare(self) -> None:
         """Build the engine from the run's model description (no weights yet)."""
@@ -146,7 +215,7 @@ class Actor:
             self.ledger.heartbeat(self.cfg.actor_id, active=self.active, staged=self.staged_version, active_state=self.active_state)
 
     def _heartbeat_loop(self) -> None:
-        while not self.stop.wait(self.cfg.heartbeat_s):
+        while not self.clock.wait(self.stop, self.cfg.heartbeat_s):
             try:
                 self._heartbeat()
             except Exception as e:  # noqa: BLE001 - keep beating through Redis hiccups
@@ -204,7 +273,7 @@ class Actor:
                 if store is self.origin:
                     return  # not committed (yet)
                 if not self._mirror_behind:
-                    now = time.monotonic()
+                    now = self.clock.monotonic()
                     since = max(self._missing_since.setdefault(v, now), self._relay_progress.get(v, 0.0))
                     if now - since < self.cfg.mirror_grace_s:
                         return
@@ -240,11 +309,11 @@ class Actor:
         """``relay_wait_s``: give the region's Relay that long to appear before staging from origin."""
         if self.cfg.relay_wait_s <= 0:
             return
-        deadline = time.monotonic() + self.cfg.relay_wait_s
-        while not self.stop.is_set() and time.monotonic() < deadline:
+        deadline = self.clock.monotonic() + self.cfg.relay_wait_s
+        while not self.stop.is_set() and self.clock.monotonic() < deadline:
             if self.redis.exists(self.keys.relay(self.cfg.region)):
                 return
-            self.stop.wait(0.1)
+            self.clock.wait(self.stop, self.cfg.join_poll_s)
         if not self.stop.is_set():
             log.warning("no Relay for region %s after %.0fs; staging from origin", self.cfg.region, self.cfg.relay_wait_s)
 
@@ -253,6 +322,7 @@ class Actor:
         last = "$"
         region = None
         polled: tuple[str | None, int | None, int | None] | None = None
+        retry = self.cfg.stager_retry.delays()
         while not self.stop.is_set():
             try:
                 url, head, commit = polled or self._poll()
@@ -262,8 +332,8 @@ class Actor:
                     last = self.bus.tail_id(new_region)
                     region = new_region
                     self._stage_available((url, head))
-                events = self.bus.read(last, block_ms=500, region=region)
-                now = time.monotonic()
+                events = self.bus.read(last, block_ms=self.cfg.stage_block_ms, region=region)
+                now = self.clock.monotonic()
                 for ev in events:
                     last = ev.id
                     if ev.type == COMMIT:
@@ -278,11 +348,12 @@ class Actor:
                     self.commit_seen = max(self.commit_seen, commit)
                 if events or (head is not None and head > self.staged_version):
                     self._stage_available((url, head))
+                retry = self.cfg.stager_retry.delays()
             except BusGap:
                 last = "$"
             except Exception as e:  # noqa: BLE001 - the stager must survive store/Redis trouble
                 log.warning("stager: %s: %s", type(e).__name__, e)
-                self.stop.wait(0.5)
+                self.clock.wait(self.stop, next(retry))
                 last, polled = "$", None
 
     # -- safe point -------------------------------------------------------------------
@@ -348,7 +419,7 @@ class Actor:
         t0 = time.perf_counter()
         gen = self.engine.generate(prompts, group, self.cfg.max_new_tokens, seed=self.cfg.seed ^ leases[0].token, temperature=self.cfg.temperature)
         if self.cfg.slowdown > 1:
-            time.sleep(gen.seconds * (self.cfg.slowdown - 1))
+            self.clock.wait(self.stop, gen.seconds * (self.cfg.slowdown - 1))
         gen_s = time.perf_counter() - t0
         items = []
         for le, comps in zip(leases, gen.completions, strict=True):
@@ -372,16 +443,15 @@ class Actor:
         for t in threads:
             t.start()
         try:
-            idle = self.cfg.poll_s
+            idle = self.cfg.idle.delays()
             while not self.stop.is_set():
                 self._activate()
                 if self._work_once():
-                    idle = self.cfg.poll_s
+                    idle = self.cfg.idle.delays()
                 else:
                     # Back off while there is nothing to do: idle Actors polling
                     # Redis steal CPU from whoever shares the machine.
-                    self.stop.wait(idle)
-                    idle = min(0.25, idle * 1.5)
+                    self.clock.wait(self.stop, next(idle))
         finally:
             self.stop.set()
             if hasattr(self.engine, "close"):  # an engine with processes of its own (vLLM)
@@ -392,44 +462,41 @@ class Actor:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", required=True, metavar="URL", help="run root at origin")
-    p.add_argument("--redis", required=True, metavar="URL")
-    p.add_argument("--run", required=True, metavar="NAME")
-    p.add_argument("--region", default="default", help="region name; the Actor uses its Relay's mirror while it is alive")
+    """Arguments of ``aurora actor`` (the GRPO Actor)."""
+    d = ActorConfig.__dataclass_fields__
+    add_common_args(p, store_help="run root at origin")
+    p.add_argument("--region", default=d["region"].default, help="region name; the Actor uses its Relay's mirror while it is alive")
     p.add_argument("--id", dest="actor_id", default=None, help="Actor id (default: random)")
-    p.add_argument("--engine", default="torch", choices=("torch", "vllm"), help="vllm: pip install 'aurora-store[vllm]' (docs/WORKERS.md)")
-    p.add_argument("--claim", type=int, default=ActorConfig().claim, help="prompts per generation batch")
+    p.add_argument("--engine", default=d["engine"].default, choices=("torch", "vllm"), help="vllm: pip install 'aurora-store[vllm]' (docs/WORKERS.md)")
+    p.add_argument("--claim", type=int, default=d["claim"].default, help="prompts per generation batch")
     p.add_argument(
-        "--mirror-grace-s", type=float, default=ActorConfig().mirror_grace_s, metavar="S",
+        "--mirror-grace-s", type=float, default=d["mirror_grace_s"].default, metavar="S",
         help="with the region's Relay alive, wait this long for its mirror to have a version before reading origin (default %(default)s)",
     )
     p.add_argument(
-        "--relay-wait-s", type=float, default=ActorConfig().relay_wait_s, metavar="S",
+        "--relay-wait-s", type=float, default=d["relay_wait_s"].default, metavar="S",
         help="at start, wait up to S seconds for the region's Relay before staging from origin (default %(default)s: do not wait)",
     )
-    p.add_argument("--slowdown", type=float, default=1.0, help="run N times slower (experiments)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slowdown", type=float, default=d["slowdown"].default, help="run N times slower (experiments)")
+    p.add_argument("--seed", type=int, default=d["seed"].default)
     p.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")
-    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE")
-    from aurora_tools.synthetic.workload import add_actor_arguments
 
-    add_actor_arguments(p)
+
+def config_from_args(args: argparse.Namespace) -> ActorConfig:
+    """The flags over ``AURORA_ACTOR_*`` (and ``AURORA_STREAMS``) over the defaults."""
+    return ActorConfig.from_env(
+        actor_id=args.actor_id or None, region=args.region, engine=args.engine, claim=args.claim,
+        slowdown=args.slowdown, seed=args.seed, mirror_grace_s=args.mirror_grace_s, relay_wait_s=args.relay_wait_s,
+    )
 
 
 def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
+    """``aurora actor``: run until SIGTERM or SIGINT (a graceful leave)."""
     from workers.common import limit_torch_threads, setup_logging
 
-    if getattr(args, "workload", "grpo") == "synthetic":
-        from aurora_tools.synthetic.workload import actor_main
-
-        return actor_main(args, storage_options)
     setup_logging(f"actor[{args.actor_id or ''}]")
     limit_torch_threads()
-    cfg = ActorConfig(
-        **({"actor_id": args.actor_id} if args.actor_id else {}),
-        region=args.region, engine=args.engine, claim=args.claim, slowdown=args.slowdown, seed=args.seed,
-        mirror_grace_s=args.mirror_grace_s, relay_wait_s=args.relay_wait_s,
-    )
+    cfg = config_from_args(args)
     return run_until_stopped(Actor(Endpoints(args.store, args.redis, args.run, storage_options), cfg), args.join_at_version)
 
 

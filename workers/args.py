@@ -2,7 +2,9 @@
 
 ``--store``, ``--redis``, ``--run`` and ``--storage-option`` mean the same
 thing for the Trainer, Actor, Relay, demo and benchmarks; they are declared
-here once and parsed into storage options by :func:`storage_options`.
+here once and parsed into storage options by :func:`storage_options`. A
+worker may word a flag's help for its own case (the Relay's ``--store`` is
+the origin); the flag itself stays the same everywhere.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ from typing import Any
 
 from aurora_store.errors import ConfigError
 
-__all__ = ["add_store_args", "add_common_args", "storage_options"]
+__all__ = ["add_store_args", "add_redis_args", "add_common_args", "storage_options"]
+
+STORE_HELP = "run root: s3://bucket/prefix/run, file:///path, or a path"
+STORAGE_OPTION_HELP = "fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000"
+REDIS_HELP = "redis://[user:password@]host:port/db or rediss://…"
+RUN_HELP = "run name (keys and streams are namespaced by it)"
 
 
 def storage_options(pairs: Sequence[str] | None, flag: str = "--storage-option") -> dict[str, Any]:
@@ -35,29 +42,37 @@ def storage_options(pairs: Sequence[str] | None, flag: str = "--storage-option")
     return out
 
 
-def add_store_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+def add_store_args(
+    p: argparse.ArgumentParser,
+    required: bool = True,
+    *,
+    store_help: str = STORE_HELP,
+    option_help: str = STORAGE_OPTION_HELP,
+) -> None:
     """``--store URL`` and repeatable ``--storage-option KEY=VALUE``."""
-    p.add_argument(
-        "--store",
-        required=required,
-        metavar="URL",
-        help="run root: s3://bucket/prefix/run, file:///path, or a path",
-    )
-    p.add_argument(
-        "--storage-option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000",
-    )
+    p.add_argument("--store", required=required, metavar="URL", help=store_help)
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help=option_help)
 
 
-def add_common_args(p: argparse.ArgumentParser, run_default: str | None = None) -> None:
+def add_redis_args(
+    p: argparse.ArgumentParser,
+    run_default: str | None = None,
+    *,
+    redis_help: str = REDIS_HELP,
+    run_help: str = RUN_HELP,
+) -> None:
+    """``--redis URL`` and ``--run NAME`` (required unless ``run_default`` is given)."""
+    p.add_argument("--redis", required=True, metavar="URL", help=redis_help)
+    p.add_argument("--run", required=run_default is None, default=run_default, metavar="NAME", help=run_help)
+
+
+def add_common_args(
+    p: argparse.ArgumentParser,
+    run_default: str | None = None,
+    *,
+    store_help: str = STORE_HELP,
+    run_help: str = RUN_HELP,
+) -> None:
     """The block shared by every worker: store, Redis and run name."""
-    add_store_args(p)
-    p.add_argument("--redis", required=True, metavar="URL", help="redis://[user:password@]host:port/db or rediss://…")
-    p.add_argument(
-        "--run",
-        required=run_default is None,
-        default=run_default,
-        help="run name (keys and streams are namespaced by it)",
-    )
+    add_store_args(p, store_help=store_help)
+    add_redis_args(p, run_default, run_help=run_help)

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from aurora_store.coordination.redisconn import key_prefix
+from aurora_store.coordination.keys import RunKeys
 from aurora_store.errors import ConfigError, ObjectNotFound
-from aurora_store.storage.store import Store
+from aurora_store.storage import Store
 
 __all__ = [
     "MODEL_CONFIG_KEY",
@@ -52,33 +52,6 @@ class Endpoints:
     run: str
     """Run name (the Redis key namespace)."""
     storage_options: Mapping[str, Any] = field(default_factory=dict)
-
-
-class RunKeys:
-    """Redis keys of docs/WORKERS.md (beyond the ledger's and the bus's)."""
-
-    def __init__(self, run: str) -> None:
-        self.p = key_prefix(run)
-
-    @property
-    def trainer(self) -> str:
-        return f"{self.p}trainer"
-
-    @property
-    def trainer_digests(self) -> str:
-        return f"{self.p}digest:trainer"
-
-    @property
-    def actor_digests(self) -> str:
-        return f"{self.p}digest:actors"
-
-    @property
-    def activations(self) -> str:
-        """hash ``actor|version`` -> JSON {stage_s, activate_s, source}: how each activation went."""
-        return f"{self.p}activations"
-
-    def relay(self, region: str) -> str:
-        return f"{self.p}relay:{region}"
 
 
 def write_model_description(store: Store, config_json: str, tokenizer_json: str) -> None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
-from aurora_store.codec.extract import spec_of
+from aurora_store.codec.extract import fuse_weights, plan_of
 from aurora_store.codec.fusion import EMBED, TIED_HEAD, FusionPlan
 from aurora_store.errors import ModelMismatchError
 from workers.task import Problem
@@ -173,27 +173,24 @@ def fusion_plan_for(
 
     ``tied=None`` reads tying from storage sharing (:func:`is_tied`); pass it
     explicitly for copies of the weights (``clone()`` unties them), or build
-    the plan once from the model and reuse it.
+    the plan once from the model and reuse it. The plan itself is
+    :func:`aurora_store.codec.extract.plan_of`'s.
     """
     w = hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights
     if tied is None:
         tied = is_tied(w)
-    return FusionPlan.from_specs({n: spec_of(t, n) for n, t in w.items()}, tied_lm_head=tied)
+    return plan_of(w, tied=tied)
 
 
 def fused_weights(
     weights: Mapping[str, torch.Tensor], plan: FusionPlan | None = None
 ) -> dict[str, torch.Tensor]:
-    """New tensors under fused names (qkv_proj, gate_up_proj): what a snapshot or vLLM holds."""
-    plan = plan if plan is not None else fusion_plan_for(weights)
-    # Fused parameters are new tensors (torch.cat); unfused ones are cloned, so
-    # the result never aliases the model.
-    return {
-        p.name: torch.cat([weights[b.source].reshape(-1) for b in p.blocks]).view(p.spec.shape)
-        if len(p.blocks) > 1
-        else weights[p.blocks[0].source].detach().clone()
-        for p in plan
-    }
+    """New tensors under fused names (qkv_proj, gate_up_proj): what a snapshot or vLLM holds.
+
+    :func:`aurora_store.codec.extract.fuse_weights` with the plan of
+    :func:`fusion_plan_for` when none is given; the result never aliases ``weights``.
+    """
+    return fuse_weights(weights, plan if plan is not None else fusion_plan_for(weights))
 
 
 # ---------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 Pure functions over numpy arrays. Encoders trust their input (they are fed by
 extraction); decoders trust nothing and raise :class:`StreamError` with a
 reason that the segment reader wraps into an error naming segment and entry.
+This module is the one place that calls zstandard: its ``ZstdError`` never
+leaves here untranslated.
 """
 
 from __future__ import annotations
@@ -59,8 +61,6 @@ DTYPES: dict[str, DtypeInfo] = {
     "float16": DtypeInfo("float16", "F16", "U16", 2, np.dtype("<u2")),
     "float32": DtypeInfo("float32", "F32", "U32", 4, np.dtype("<u4")),
 }
-
-
 
 
 # --------------------------------------------------------------------------
@@ -202,7 +202,10 @@ def zstd_compressor(level: int) -> zstandard.ZstdCompressor:
     """A compressor for :func:`zstd_compress`. Reusing one for several streams
     (all those of one entry) saves setting up its tables each time; it is
     not safe to share between threads."""
-    return zstandard.ZstdCompressor(level=level, write_content_size=True)
+    try:
+        return zstandard.ZstdCompressor(level=level, write_content_size=True)
+    except zstandard.ZstdError as e:
+        raise StreamError(f"zstd compressor at level {level}: {e}") from None
 
 
 def zstd_compress(
@@ -217,7 +220,10 @@ def zstd_compress(
     at the same ``level``, is used instead of a new one when given.
     """
     cctx = compressor if compressor is not None else zstd_compressor(level)
-    return cctx.compress(np.ascontiguousarray(data).data if isinstance(data, np.ndarray) else data)
+    try:
+        return cctx.compress(np.ascontiguousarray(data).data if isinstance(data, np.ndarray) else data)
+    except zstandard.ZstdError as e:
+        raise StreamError(f"zstd compression failed: {e}") from None
 
 
 def zstd_decompress(frame: bytes | memoryview, expected: int | None, bound: int) -> bytes:

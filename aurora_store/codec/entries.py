@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from aurora_store import config
 from aurora_store.codec import encodings as enc
 from aurora_store.codec.encodings import DTYPES, StreamError
 from aurora_store.errors import ConfigError
@@ -61,26 +62,13 @@ class EncodeOptions:
             raise ConfigError(f"EncodeOptions: zstd_level must be 1..22, got {self.zstd_level}")
 
     @classmethod
-    def from_env(cls, prefix: str = "AURORA_") -> EncodeOptions:
+    def from_env(cls, prefix: str = "AURORA_", environ: Mapping[str, str] | None = None) -> EncodeOptions:
         """Options from ``AURORA_INDEX_ENCODINGS``, ``AURORA_VALUE_MODES``,
-        ``AURORA_CODECS`` (comma lists) and ``AURORA_ZSTD_LEVEL``."""
-
-        def lst(name: str, default: tuple[str, ...]) -> tuple[str, ...]:
-            raw = os.environ.get(prefix + name)
-            return default if not raw else tuple(x.strip() for x in raw.split(",") if x.strip())
-
-        d = cls()
-        level = os.environ.get(prefix + "ZSTD_LEVEL")
-        try:
-            zl = int(level) if level else d.zstd_level
-        except ValueError:
-            raise ConfigError(f"{prefix}ZSTD_LEVEL must be an integer, got {level!r}") from None
-        return cls(
-            index_encodings=lst("INDEX_ENCODINGS", d.index_encodings),
-            value_modes=lst("VALUE_MODES", d.value_modes),
-            codecs=lst("CODECS", d.codecs),
-            zstd_level=zl,
-        )
+        ``AURORA_CODECS`` (comma lists) and ``AURORA_ZSTD_LEVEL``, read by
+        :func:`aurora_store.config.from_env`. An empty variable counts as unset."""
+        env = os.environ if environ is None else environ
+        given = {k: v for k, v in env.items() if k.startswith(prefix) and v != ""}
+        return config.from_env(cls, prefix, given)
 
 
 #: The paper's encoding: LEB128 gaps and raw new values, nothing else.

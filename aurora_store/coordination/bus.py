@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aurora_store.coordination.redisconn import key_prefix
+from aurora_store.coordination.decode import as_str
+from aurora_store.coordination.keys import RunKeys
+from aurora_store.coordination.redisconn import translate_redis_errors
 from aurora_store.errors import BusGap
 
 __all__ = ["Event", "Bus", "BusGap", "SEGMENT", "VERSION", "COMMIT", "RESYNC"]
@@ -25,8 +27,6 @@ VERSION = "version"
 COMMIT = "commit"
 """Commit(v): Actors on ``version - 1`` with ``version`` staged activate it at their next safe point."""
 RESYNC = "resync"
-
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,18 +54,22 @@ class Bus:
     def __init__(self, redis: Any, run: str, maxlen: int = 100_000) -> None:
         self.r = redis
         self.run = run
-        self.p = key_prefix(run)
+        self.keys = RunKeys(run)
+        self.p = self.keys.prefix
         self.maxlen = maxlen
 
     def stream(self, region: str | None = None) -> str:
-        return f"{self.p}events" if region is None else f"{self.p}region:{region}:events"
+        """The origin stream, or ``region``'s (what its Relay re-announces)."""
+        return self.keys.events(region)
 
+    @translate_redis_errors("Bus.announce")
     def announce(self, type: str, version: int, region: str | None = None, **fields: Any) -> str:
         """Append an event; returns its id."""
         body = {"type": type, "version": str(version), **{k: str(v) for k, v in fields.items()}}
         eid = self.r.xadd(self.stream(region), body, maxlen=self.maxlen, approximate=True)
-        return eid.decode() if isinstance(eid, bytes) else str(eid)
+        return as_str(eid)
 
+    @translate_redis_errors("Bus.tail_id")
     def tail_id(self, region: str | None = None) -> str:
         """Id of the newest entry ever added to a stream, or ``"0"``.
 
@@ -79,8 +83,9 @@ class Bus:
         lg = info.get("last-generated-id") or info.get(b"last-generated-id")
         if lg is None:
             return "0"
-        return lg.decode() if isinstance(lg, bytes) else str(lg)
+        return as_str(lg)
 
+    @translate_redis_errors("Bus.read")
     def read(self, last_id: str = "0", block_ms: int | None = None, count: int = 1000, region: str | None = None) -> list[Event]:
         """Events after ``last_id`` (``"0"``: from the start), waiting up to ``block_ms``.
 
@@ -94,12 +99,12 @@ class Bus:
         out: list[Event] = []
         for _, entries in res or []:
             for eid, body in entries:
-                f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in body.items()}
+                f = {as_str(k): as_str(v) for k, v in body.items()}
                 try:
                     version = int(f.get("version", ""))
                 except ValueError:
                     continue  # not ours, or damaged: the store is the truth anyway
-                out.append(Event(eid.decode() if isinstance(eid, bytes) else str(eid), f.get("type", ""), version, f))
+                out.append(Event(as_str(eid), f.get("type", ""), version, f))
         return out
 
     def _check_continuity(self, key: str, last_id: str) -> None:
@@ -109,14 +114,14 @@ class Bus:
         first = info.get("first-entry") or info.get(b"first-entry")
         last_gen = info.get("last-generated-id") or info.get(b"last-generated-id")
         if last_gen is not None:
-            lg = last_gen.decode() if isinstance(last_gen, bytes) else str(last_gen)
+            lg = as_str(last_gen)
             if _parse_id(lg) < _parse_id(last_id):
                 raise BusGap(f"{key}: stream was recreated (its newest id {lg} is older than {last_id}); resume from the store")
             length = int(info.get("length", info.get(b"length", 0)))
             if length == 0 and _parse_id(lg) > _parse_id(last_id):
                 raise BusGap(f"{key}: entries after {last_id} up to {lg} were trimmed away; resume from the store")
         if first:
-            fid = first[0].decode() if isinstance(first[0], bytes) else str(first[0])
+            fid = as_str(first[0])
             if _parse_id(fid) > _parse_id(last_id) and int(info.get("length", info.get(b"length", 0))) >= 1:
                 # Something between last_id and the first retained entry may be lost.
                 entries_added = info.get("entries-added") or info.get(b"entries-added")

@@ -1,21 +1,45 @@
-"""Connecting to Redis by URL, with timeouts chosen on purpose.
+"""Connecting to Redis by URL, with timeouts chosen on purpose; redis-py's errors translated.
 
 redis-py's defaults leave ``socket_timeout`` unset for some paths and set it
 for others; a blocking ``XREAD`` longer than the socket timeout then fails
 with a timeout that looks like a dead server. Aurora opens two kinds of
 client: a *command* client with short timeouts, and a *blocking* client whose
 read timeout exceeds the longest block it will ask for.
+
+redis-py's exceptions stop at the coordination layer: the public methods of
+the ledger, the bus and the status reader run inside
+:class:`translate_redis_errors`, so a caller sees
+:class:`~aurora_store.errors.RedisUnavailable` (wait and try again) or
+:class:`~aurora_store.errors.CoordinationError` (a bug or bad data), both
+also ``ConnectionError``.
 """
 
 from __future__ import annotations
 
-import os
+from contextlib import ContextDecorator
 from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 
-from aurora_store.errors import ConfigError
+import redis
+import redis.exceptions as rx
 
-__all__ = ["RedisConfig", "connect", "key_prefix", "validate_run_name"]
+from aurora_store.config import from_env
+from aurora_store.coordination.keys import key_prefix, validate_run_name
+from aurora_store.errors import ConfigError, CoordinationError, RedisUnavailable
+
+__all__ = [
+    "RedisConfig",
+    "REDIS_ENV_PREFIX",
+    "connect",
+    "key_prefix",
+    "validate_run_name",
+    "translate_redis_errors",
+    "translate_redis_error",
+]
+
+REDIS_ENV_PREFIX = "AURORA_REDIS_"
+"""Environment variables of :class:`RedisConfig`: ``AURORA_REDIS_<FIELD>``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,30 +59,17 @@ class RedisConfig:
         if min(self.connect_timeout_s, self.command_timeout_s, self.block_margin_s) <= 0:
             raise ConfigError(f"RedisConfig: timeouts must be positive ({self})")
 
-    @classmethod
-    def from_env(cls) -> RedisConfig:
-        kw: dict[str, Any] = {}
-        for f in cls.__dataclass_fields__.values():
-            raw = os.environ.get(f"AURORA_REDIS_{f.name.upper()}")
-            if raw is not None:
-                try:
-                    kw[f.name] = int(raw) if f.name == "health_check_interval_s" else float(raw)
-                except ValueError:
-                    raise ConfigError(f"AURORA_REDIS_{f.name.upper()}={raw!r} is not a number") from None
-        return cls(**kw)
-
 
 def connect(url: str, config: RedisConfig | None = None, block_s: float | None = None) -> Any:
     """A redis-py client for ``redis://`` or ``rediss://`` URLs (user and password in the URL).
 
+    ``config``: default :class:`RedisConfig` from the environment.
     ``block_s``: the longest blocking read this client will issue; its read
     timeout is set above it.
     """
-    import redis
-
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(f"Redis URL must start with redis://, rediss:// or unix://, got {url.split('@')[-1]!r}")
-    cfg = config or RedisConfig.from_env()
+    cfg = config or from_env(RedisConfig, REDIS_ENV_PREFIX)
     timeout = cfg.command_timeout_s if block_s is None else block_s + cfg.block_margin_s
     return redis.Redis.from_url(
         url,
@@ -69,16 +80,54 @@ def connect(url: str, config: RedisConfig | None = None, block_s: float | None =
     )
 
 
-_RUN_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+# Errors that mean "the server is away for now": refused, dropped, timed out,
+# still loading its data, a failover in progress. redis-py files its
+# authentication failures under ConnectionError too; those are configuration.
+_AWAY: tuple[type[BaseException], ...] = (
+    rx.ConnectionError,
+    rx.TimeoutError,
+    rx.ClusterDownError,
+    rx.TryAgainError,
+    rx.ReadOnlyError,
+)
+_NOT_AWAY: tuple[type[BaseException], ...] = tuple(
+    c for c in (getattr(rx, n, None) for n in ("AuthenticationError", "AuthorizationError", "ExternalAuthProviderError")) if isinstance(c, type)
+)
 
 
-def validate_run_name(run: str) -> str:
-    if not run or len(run) > 128 or not set(run) <= _RUN_OK:
-        raise ConfigError(f"run name {run!r} must be 1-128 characters of letters, digits, '-', '_' or '.'")
-    return run
+def translate_redis_error(op: str, e: BaseException) -> CoordinationError | None:
+    """The Aurora error for redis-py error ``e`` raised during ``op``; None if ``e`` is not redis-py's."""
+    if not isinstance(e, rx.RedisError):
+        return None
+    if isinstance(e, _AWAY) and not isinstance(e, _NOT_AWAY):
+        return RedisUnavailable(op, str(e) or type(e).__name__)
+    return CoordinationError(f"redis error during {op}: {type(e).__name__}: {e}")
 
 
-def key_prefix(run: str) -> str:
-    """``aurora:{run}:``: every key of a run shares the ``{run}`` hash tag, so
-    multi-key scripts also work on Redis Cluster (one slot per run)."""
-    return f"aurora:{{{validate_run_name(run)}}}:"
+class translate_redis_errors(ContextDecorator):  # noqa: N801 - used like a function: with/@translate_redis_errors(op)
+    """Context manager and decorator: redis-py errors inside become Aurora's.
+
+    ``with translate_redis_errors("Ledger.claim"): ...`` or
+    ``@translate_redis_errors("Bus.read")``. Connection, timeout, loading and
+    failover errors become :class:`~aurora_store.errors.RedisUnavailable`;
+    any other redis-py error (a script error, a wrong type, a refused
+    command) :class:`~aurora_store.errors.CoordinationError`. The original is
+    the new error's ``__cause__``; errors that are not redis-py's pass
+    through untouched.
+    """
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+
+    def __enter__(self) -> translate_redis_errors:
+        return self
+
+    def __exit__(self, tp: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> Literal[False]:
+        if e is None:
+            return False
+        translated = translate_redis_error(self.op, e)
+        if translated is None:
+            return False
+        raise translated from e

@@ -11,72 +11,52 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from aurora_store.coordination.decode import as_int, as_str
+from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger, LedgerLost
-from aurora_store.coordination.redisconn import key_prefix
+from aurora_store.coordination.redisconn import translate_redis_errors
 
-__all__ = ["collect_status", "render", "relay_pattern"]
-
-
-def _s(x: Any) -> str:
-    return x.decode(errors="replace") if isinstance(x, bytes) else str(x)
+__all__ = ["collect_status", "render"]
 
 
-def _int(x: Any) -> int | None:
-    if x is None or x in (b"", ""):
-        return None
-    try:
-        return int(x)
-    except (TypeError, ValueError):
-        return None
-
-
-def _glob_escape(s: str) -> str:
-    """Escape what Redis' glob treats specially (and braces, harmless and explicit)."""
-    return "".join("\\" + c if c in "*?[]\\{}" else c for c in s)
-
-
-def relay_pattern(run: str) -> str:
-    """SCAN pattern of the run's ``relay:{region}`` keys (the ``{run}`` braces escaped)."""
-    return _glob_escape(key_prefix(run)) + "relay:*"
-
-
+# Another process wrote these keys: the display decodes leniently and shows what it can.
+@translate_redis_errors("status")
 def collect_status(redis: Any, run: str, now_ms: int | None = None) -> dict[str, Any]:
     """Everything ``aurora status`` shows, as one JSON-able dict.
 
     ``now_ms``: the reference clock (default: the Redis server's ``TIME``,
     the clock heartbeats are stamped with). Ages are in seconds.
     """
-    p = key_prefix(run)
+    keys = RunKeys(run)
     ledger = Ledger(redis, run)
     if now_ms is None:
         s, us = redis.time()
         now_ms = int(s) * 1000 + int(us) // 1000
 
     # Trainer
-    th = {_s(k): v for k, v in redis.hgetall(f"{p}trainer").items()}
+    th = {as_str(k, "replace"): v for k, v in redis.hgetall(keys.trainer).items()}
     trainer: dict[str, Any] | None = None
     if th:
-        published = _int(th.get("published_ms"))
+        published = as_int(th.get("published_ms"), lenient=True)
         trainer = {
-            "head": _int(th.get("head")),
-            "head_state": _s(th.get("head_state", b"")),
+            "head": as_int(th.get("head"), lenient=True),
+            "head_state": as_str(th.get("head_state", b""), "replace"),
             "published_ms": published,
             "published_age_s": None if published is None else round((now_ms - published) / 1000.0, 3),
-            "step": _int(th.get("step")),
-            "status": _s(th["status"]) if "status" in th else None,
+            "step": as_int(th.get("step"), lenient=True),
+            "status": as_str(th["status"], "replace") if "status" in th else None,
         }
 
     # Relays
-    prefix = f"{p}relay:"
     relays = []
-    for key in sorted({_s(k) for k in redis.scan_iter(match=relay_pattern(run), count=500)}):
+    for key in sorted({as_str(k, "replace") for k in redis.scan_iter(match=keys.relay_pattern, count=500)}):
         mirror = redis.get(key)
         if mirror is None:
             continue  # expired between SCAN and GET
         pttl = int(redis.pttl(key))
         relays.append({
-            "region": key[len(prefix):],
-            "mirror": _s(mirror),
+            "region": keys.relay_region(key),
+            "mirror": as_str(mirror, "replace"),
             "ttl_s": None if pttl < 0 else round(pttl / 1000.0, 3),
         })
 

@@ -170,7 +170,9 @@ class Manifest:
         """Parse and validate an untrusted manifest, including its digests."""
         try:
             d = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:
+            # ValueError covers bad UTF-8, bad JSON and an integer of more than
+            # 4300 digits (Python's int-conversion limit); RecursionError deep nesting.
             raise ManifestError(where, f"not valid UTF-8 JSON: {e}") from None
         if not isinstance(d, dict):
             raise ManifestError(where, "not a JSON object")
@@ -223,7 +225,7 @@ class Manifest:
                 isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape
             ):
                 raise ManifestError(where, f"params[{name!r}].shape {shape!r} is invalid")
-            if p.get("dtype") not in DTYPES:
+            if not isinstance(p.get("dtype"), str) or p.get("dtype") not in DTYPES:
                 raise ManifestError(
                     where,
                     f"params[{name!r}].dtype {p.get('dtype')!r} is not one of {sorted(DTYPES)}",

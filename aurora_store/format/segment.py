@@ -119,7 +119,9 @@ def parse_safetensors(
         )
     try:
         header = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:
+        # ValueError covers bad UTF-8, bad JSON and an integer of more than
+        # 4300 digits (Python's int-conversion limit); RecursionError deep nesting.
         raise SegmentError(where, f"header is not valid UTF-8 JSON: {e}") from None
     if not isinstance(header, dict):
         raise SegmentError(where, "header is not a JSON object")
@@ -135,7 +137,7 @@ def parse_safetensors(
         if not isinstance(t, dict):
             raise SegmentError(where, f"tensor {name!r}: description is not an object")
         code, shape, offs = t.get("dtype"), t.get("shape"), t.get("data_offsets")
-        if code not in _ITEMSIZE:
+        if not isinstance(code, str) or code not in _ITEMSIZE:
             raise SegmentError(where, f"tensor {name!r}: unknown dtype {code!r}")
         if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
@@ -180,7 +182,10 @@ def _int_meta(meta: Mapping[str, str], key: str, where: str) -> int:
         raise SegmentError(where, f"metadata {key!r} is missing")
     if not raw.isascii() or not raw.isdigit():
         raise SegmentError(where, f"metadata {key!r} is not a decimal integer: {raw!r}")
-    return int(raw)
+    try:
+        return int(raw)
+    except ValueError:  # more digits than Python converts (4300)
+        raise SegmentError(where, f"metadata {key!r} has {len(raw)} digits, too many for a version") from None
 
 
 def decode_segment(
@@ -199,7 +204,7 @@ def decode_segment(
     base = _int_meta(meta, "aurora.base_version", where)
     try:
         metas = json.loads(meta.get("aurora.entries", ""))
-    except (json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:
         raise SegmentError(where, f"aurora.entries is not JSON: {e}") from None
     if not isinstance(metas, list):
         raise SegmentError(where, "aurora.entries is not a JSON list")

@@ -1,0 +1,13 @@
+"""Versions of a run in a store: planning, publishing, reading, verifying, retention.
+
+Modules (import the one you need; this package imports none of them, so
+the read-only tools stay free of torch):
+
+- :mod:`~aurora_store.lineage.plan`: which versions exist, the cheapest chain to one (pure).
+- :mod:`~aurora_store.lineage.fetch`: read a version back, every object verified.
+- :mod:`~aurora_store.lineage.publish`: write a version: segments first, manifest last.
+- :mod:`~aurora_store.lineage.report`: what a run holds, one row per version.
+- :mod:`~aurora_store.lineage.verify`: re-hash every object, check the chain of states.
+- :mod:`~aurora_store.lineage.gc`: retention: remove orphans and unneeded versions.
+- :mod:`~aurora_store.lineage.interfaces`: what lineage needs from coordination (Protocols).
+"""

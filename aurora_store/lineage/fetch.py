@@ -1,9 +1,13 @@
-"""Versions in a store: what exists, how to reach a version, and reading it back.
+"""Reading versions back: manifests, verified objects, decoded deltas, snapshots.
 
-Chain planning is a pure function over version numbers. Reading verifies
-every object against its manifest (size and sha256) and decodes everything
-before returning, so a caller gets either a fully validated version or an
-error naming the object at fault.
+Reading verifies every object against its manifest (size and sha256) and
+decodes everything before returning, so a caller gets either a fully
+validated version or an error naming the object at fault. Which versions
+exist and how to reach one is :mod:`aurora_store.lineage.plan`.
+
+Importing this module loads no torch: :func:`read_manifest` and
+:func:`fetch_objects` serve the torch-free tools (``aurora verify``);
+decoding and snapshots import their heavy modules when called.
 """
 
 from __future__ import annotations
@@ -11,10 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.errors import (
@@ -25,95 +26,25 @@ from aurora_store.errors import (
     SegmentError,
     VersionNotFound,
 )
-from aurora_store.format.checkpoint import StagedDelta, assemble_staged
-from aurora_store.format.manifest import Manifest, manifest_key, parse_version_dir, version_dir
+from aurora_store.format.manifest import Manifest, manifest_key, version_dir
 from aurora_store.format.segment import decode_segment
-from aurora_store.storage.store import Store
+from aurora_store.lineage.plan import plan_chain, scan_versions
+from aurora_store.storage import Store
+
+if TYPE_CHECKING:
+    import torch
+
+    from aurora_store.format.checkpoint import StagedDelta
 
 T = TypeVar("T")
 
 __all__ = [
-    "ChainPlan",
-    "VersionIndex",
-    "plan_chain",
-    "scan_versions",
     "read_manifest",
     "fetch_objects",
     "fetch_delta",
     "fetch_snapshot",
     "materialize",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class VersionIndex:
-    """Committed versions of a run (those whose manifest exists)."""
-
-    deltas: frozenset[int]
-    snapshots: frozenset[int]
-
-    @property
-    def latest(self) -> int | None:
-        allv = self.deltas | self.snapshots
-        return max(allv) if allv else None
-
-
-@dataclass(frozen=True, slots=True)
-class ChainPlan:
-    """How to reach ``target``: optionally a snapshot, then deltas in order."""
-
-    target: int
-    snapshot: int | None
-    deltas: tuple[int, ...]
-
-
-def plan_chain(index: VersionIndex, target: int, held: int | None = None) -> ChainPlan:
-    """Plan the cheapest path to ``target``.
-
-    From a held version, replaying the missed deltas costs O(missed steps) and
-    wins whenever the chain is unbroken. Otherwise: the newest snapshot at or
-    below ``target`` from which every delta up to ``target`` exists.
-    """
-    if target not in index.deltas and target not in index.snapshots:
-        raise VersionNotFound(f"version {target} is not committed (no manifest)")
-    if held is not None:
-        if held > target:
-            raise ChainError(
-                f"cannot go back from version {held} to {target}: deltas only move forward"
-            )
-        if held == target:
-            return ChainPlan(target, None, ())
-        if all(v in index.deltas for v in range(held + 1, target + 1)):
-            return ChainPlan(target, None, tuple(range(held + 1, target + 1)))
-    for s in sorted((s for s in index.snapshots if s <= target), reverse=True):
-        if all(v in index.deltas for v in range(s + 1, target + 1)):
-            return ChainPlan(target, s, tuple(range(s + 1, target + 1)))
-    start = held if held is not None else (min(index.snapshots) if index.snapshots else None)
-    if start is None:
-        raise ChainError(
-            f"version {target} is unreachable: the store holds no snapshot at or below it"
-        )
-    missing = [v for v in range(start + 1, target + 1) if v not in index.deltas]
-    raise ChainError(
-        f"version {target} is unreachable: delta(s) {missing[:10]} missing after version {start}"
-    )
-
-
-def scan_versions(store: Store) -> VersionIndex:
-    """List committed versions: a version exists exactly when its manifest does.
-
-    One recursive listing per kind (a single request per 1,000 keys on S3),
-    not a request per version.
-    """
-    found: dict[str, set[int]] = {"delta": set(), "snapshot": set()}
-    for kind in found:
-        for key in store.list(f"{kind}s"):
-            parts = key.split("/")
-            if len(parts) == 3 and parts[2] == "manifest.json":
-                v = parse_version_dir(parts[1])
-                if v is not None:
-                    found[kind].add(v)
-    return VersionIndex(frozenset(found["delta"]), frozenset(found["snapshot"]))
 
 
 def read_manifest(store: Store, kind: str, version: int) -> Manifest:
@@ -171,6 +102,8 @@ def fetch_delta(
     expect_base_state: str | None = None,
 ) -> tuple[Manifest, StagedDelta]:
     """Fetch, verify, decode and validate delta ``version``. Applies nothing."""
+    from aurora_store.format.checkpoint import assemble_staged
+
     m = read_manifest(store, "delta", version)
     if expect_base_state is not None and m.base_state != expect_base_state:
         raise ChainError(

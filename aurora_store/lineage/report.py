@@ -13,7 +13,7 @@ from typing import Any
 
 from aurora_store.errors import AuroraError
 from aurora_store.format.manifest import Manifest, parse_version_dir, version_dir
-from aurora_store.storage.store import Store
+from aurora_store.storage import Store
 
 __all__ = ["VersionRow", "Lineage", "read_lineage", "layer_of"]
 

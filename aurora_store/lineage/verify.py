@@ -14,7 +14,7 @@ from aurora_store.format.manifest import Manifest, content_digest, manifest_key
 from aurora_store.format.segment import decode_segment
 from aurora_store.lineage.fetch import fetch_objects
 from aurora_store.lineage.report import Lineage, read_lineage
-from aurora_store.storage.store import Store
+from aurora_store.storage import Store
 
 __all__ = ["VerifyReport", "verify_run"]
 

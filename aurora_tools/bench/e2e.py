@@ -64,8 +64,8 @@ def vllm_activation(store_url: str, storage_options: dict[str, Any] | None = Non
     """
     import statistics
 
-    from aurora_store.lineage.fetch import scan_versions
-    from aurora_store.storage.store import open_store
+    from aurora_store.lineage.plan import scan_versions
+    from aurora_store.storage import open_store
     from workers.common import MODEL_CONFIG_KEY, TOKENIZER_KEY
     from workers.engine.vllm_engine import VLLMConfig, VLLMEngine
     from workers.tokenizer import CharTokenizer
@@ -110,13 +110,11 @@ def synthetic_run(root: str, shape: Any, versions: int = 3, lr: float = 2e-7, se
     per step at lr 2e-7, as in RL post-training), published to ``file://root``; returns its URL."""
     from transformers import Qwen3Config
 
-    from aurora_store.codec.extract import extract, spec_of
-    from aurora_store.codec.fusion import FusionPlan
+    from aurora_store.codec.extract import extract, fuse_weights, plan_of
     from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
-    from aurora_store.storage.store import open_store
+    from aurora_store.storage import open_store
     from aurora_tools.synthetic.shapes import MasterWeights, make_weights
     from workers.common import write_model_description
-    from workers.model import fused_weights
     from workers.tokenizer import CharTokenizer
 
     url = f"file://{os.path.abspath(root)}"
@@ -129,9 +127,9 @@ def synthetic_run(root: str, shape: Any, versions: int = 3, lr: float = 2e-7, se
     )
     write_model_description(store, cfg.to_json_string(), CharTokenizer().to_json())
     base = make_weights(shape, seed=seed)
-    plan = FusionPlan.from_specs({n: spec_of(t, n) for n, t in base.items()})
+    plan = plan_of(base, tied=False)
     pub = PublishConfig()
-    state = publish_snapshot(store, "activation", 0, fused_weights(base, plan), None, pub).state
+    state = publish_snapshot(store, "activation", 0, fuse_weights(base, plan), None, pub).state
     master = MasterWeights(base, seed=seed)
     for v in range(1, versions + 1):
         new = master.step(lr)

@@ -1,7 +1,7 @@
 """``aurora bench wan``: the paper's comparisons over an emulated WAN, with the real workers.
 
 Each configuration runs the Trainer, a Relay and Actors as processes (the
-synthetic workload of ``workers/synthetic.py``: simulated compute, real
+synthetic workload of :mod:`aurora_tools.synthetic`: simulated compute, real
 weights, store, ledger and bus) with the Actors in a network namespace behind
 a rate-limited veth and an impairing proxy (``aurora_tools.wan``). Modes
 (``wan_sweep.MODES``): ``ideal``, ``full``, ``full-async2``, ``full-async4``,
@@ -81,7 +81,7 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
     wl = Workload(params=params, prompts_per_actor=args.prompts_per_actor, gen_window_s=args.gen_window_s, train_s=args.train_s, digests=args.digests)
     net = args.net
     if net == "auto":
-        from aurora_tools.wan import wan_unavailable_reason
+        from aurora_tools.wan.host import wan_unavailable_reason
 
         reason = wan_unavailable_reason()
         net = "netns" if reason is None else "loopback"

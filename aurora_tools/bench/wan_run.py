@@ -3,7 +3,7 @@
 The trainer region is this machine's root namespace: moto's S3 server (a
 child process, objects in memory) and ``redis-server``, both on 127.0.0.1,
 and the Trainer (``aurora trainer --workload synthetic``, a child process).
-The Actor region ``r1`` is a network namespace of :class:`~aurora_tools.wan.WanTestbed`
+The Actor region ``r1`` is a network namespace of :class:`~aurora_tools.wan.netns.WanTestbed`
 (or, where namespaces are not permitted, loopback with the same proxies):
 its Relay and Actors (``aurora relay``, ``aurora actor --workload synthetic``)
 reach S3 and Redis only through the testbed's proxies (delay, stalls) and
@@ -29,19 +29,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from aurora_store.testing.servers import RedisServer, S3Server
 from aurora_tools.bench.wan_sweep import RunConfig, summarize
 
 __all__ = ["Servers", "Workload", "servers", "run_config"]
 
-_CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-_S3_CHILD = """
-import sys
-from aurora_store.testing.servers import S3Server
-s = S3Server().start()
-print(s.endpoint, flush=True)
-sys.stdin.read()
-s.stop()
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,15 +66,20 @@ class Workload:
 
 @dataclass(slots=True)
 class Servers:
-    s3_endpoint: str
-    s3_pid: int
+    s3: S3Server
     redis_url: str
     redis_port: int
     workdir: str
     client: Any = None
 
+    @property
+    def s3_endpoint(self) -> str:
+        return self.s3.endpoint
+
     def env(self, endpoint: str | None = None) -> dict[str, str]:
-        e = dict(os.environ, PYTHONUNBUFFERED="1", AURORA_TORCH_THREADS="1", AWS_ENDPOINT_URL=endpoint or self.s3_endpoint, **_CREDS)
+        """The environment of a worker process: unbuffered, one torch thread, S3 at ``endpoint`` (default: the server)."""
+        e = dict(os.environ, PYTHONUNBUFFERED="1", AURORA_TORCH_THREADS="1", **self.s3.env_vars)
+        e["AWS_ENDPOINT_URL"] = endpoint or self.s3_endpoint
         e.pop("AWS_ENDPOINT_URL_S3", None)
         return e
 
@@ -90,32 +87,12 @@ class Servers:
 @contextlib.contextmanager
 def servers(workdir: str | None = None) -> Iterator[Servers]:
     """moto (child process, objects held in memory) and redis-server on loopback, for a whole sweep."""
-    import boto3
-
-    from aurora_store.testing.servers import RedisServer
-
     wd = workdir or tempfile.mkdtemp(prefix="aurora-wan-")
     os.makedirs(wd, exist_ok=True)
-    env = dict(os.environ, MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(1 << 40), **_CREDS)
-    child = subprocess.Popen([sys.executable, "-c", _S3_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    rs = RedisServer()
-    try:
-        assert child.stdout is not None
-        endpoint = child.stdout.readline().strip()
-        if not endpoint.startswith("http://127.0.0.1:"):
-            raise RuntimeError(f"the S3 server process did not start (said {endpoint!r})")
-        rs.start()
-        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
-        yield Servers(endpoint, child.pid, rs.url, rs.port, wd, client)
-    finally:
-        rs.close()
-        if child.stdin is not None:
-            child.stdin.close()
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+    # Objects of one version are large: moto's default buffer spills them to disk.
+    s3 = S3Server(process=True, env={"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(1 << 40)})
+    with s3, RedisServer() as rs:
+        yield Servers(s3, rs.url, rs.port, wd, s3.client())
 
 
 def _drop_bucket(srv: Servers, bucket: str) -> None:
@@ -167,13 +144,13 @@ def run_config(
     """Run ``cfg`` end to end and return :func:`~.wan_sweep.summarize`'s figures (plus ``error`` on failure)."""
     import redis
 
-    from aurora_tools.synthetic.shapes import qwen3_shapes
-    from aurora_tools.synthetic.workload import synthetic_shape
-    from aurora_tools.wan import LinkProfile, WanTestbed
+    from aurora_tools.synthetic.shapes import shape_for_params
+    from aurora_tools.wan.netns import WanTestbed
+    from aurora_tools.wan.profile import LinkProfile
 
-    shape = synthetic_shape(wl.params)
+    shape = shape_for_params(wl.params)
     params = shape.params
-    full_bytes = 2 * sum(_numel(s) for s in qwen3_shapes(shape).values())
+    full_bytes = 2 * params  # bf16
     run = f"wan{index}"
     bucket = f"wan{index}-{os.getpid()}-{int(time.time())}"
     srv.client.create_bucket(Bucket=bucket)
@@ -221,10 +198,11 @@ def run_config(
         files.append(f)
         return f
 
-    from aurora_store.coordination.redisconn import key_prefix
+    from aurora_store.coordination.keys import RunKeys
 
-    steps_key = f"{key_prefix(run)}wan:steps"
-    trainer_key = f"{key_prefix(run)}trainer"
+    rk = RunKeys(run)
+    steps_key = rk.wan("steps")
+    trainer_key = rk.trainer
     tb = WanTestbed(profiles, mode=net_mode)  # type: ignore[arg-type]
     try:
         tb.start()
@@ -308,22 +286,22 @@ def run_config(
             # Every live Actor stages every version it can (deltas are small): wait for the last
             # one so the run's byte count covers whole versions.
             live = [n for n, p in procs.items() if n.startswith("a") and p.poll() is None]
-            staged_key = f"{key_prefix(run)}wan:staged"
+            staged_key = rk.wan("staged")
             until = time.monotonic() + 30
             while time.monotonic() < until and not all(r.hexists(staged_key, f"{a}|{cfg.steps}") for a in live):
                 time.sleep(0.1)
             totals = (start_counters, _stats(tb, s3_up_port))
         steps = [json.loads(x) for x in r.lrange(steps_key, 0, -1)]
-        published = {int(k): json.loads(v) for k, v in r.hgetall(f"{key_prefix(run)}wan:published").items()}
+        published = {int(k): json.loads(v) for k, v in r.hgetall(rk.wan("published")).items()}
         staged: dict[tuple[str, int], Any] = {}
-        for k, v in r.hgetall(f"{key_prefix(run)}wan:staged").items():
+        for k, v in r.hgetall(rk.wan("staged")).items():
             who, _, ver = _s(k).rpartition("|")
             staged[(who, int(ver))] = json.loads(v)
         late = frozenset(n for n in procs if n.startswith("a") and int(n[1:]) >= cfg.actors)
         res = summarize(cfg, steps, published, staged, bytes_at, full_bytes, totals, late)
         if wl.digests and hold and spec.transfer != "none":
-            tdig = {int(_s(k)): _s(v) for k, v in r.hgetall(f"{key_prefix(run)}digest:trainer").items()}
-            adig = {_s(k): _s(v) for k, v in r.hgetall(f"{key_prefix(run)}digest:actors").items()}
+            tdig = {int(_s(k)): _s(v) for k, v in r.hgetall(rk.trainer_digests).items()}
+            adig = {_s(k): _s(v) for k, v in r.hgetall(rk.actor_digests).items()}
             pairs = [(d, tdig.get(int(k.rpartition("|")[2]))) for k, d in adig.items()]
             res["digests_compared"] = len(pairs)
             res["digests_match"] = bool(pairs) and all(a == b for a, b in pairs)
@@ -345,7 +323,7 @@ def run_config(
             _drop_bucket(srv, bucket)
         shutil.rmtree(mirror_dir, ignore_errors=True)
         with contextlib.suppress(Exception):
-            keys = list(r.scan_iter(f"{key_prefix(run)}*", count=1000))
+            keys = list(r.scan_iter(rk.pattern, count=1000))
             for i in range(0, len(keys), 500):
                 r.delete(*keys[i : i + 500])
         r.close()
@@ -370,10 +348,3 @@ def _mem_available() -> float | None:
 
 def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

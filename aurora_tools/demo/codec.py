@@ -14,13 +14,12 @@ import shutil
 import time
 
 from aurora_store.apply.sink import FusedWeights, SplitWeights, apply_delta, weights_digest
-from aurora_store.codec.extract import extract, spec_of
-from aurora_store.codec.fusion import FusionPlan
+from aurora_store.codec.extract import extract, fuse_weights, plan_of
 from aurora_store.errors import AuroraError
 from aurora_store.format.manifest import version_dir
 from aurora_store.lineage.fetch import fetch_delta, materialize
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
-from aurora_store.storage.store import open_store
+from aurora_store.storage import open_store
 from aurora_tools.synthetic.shapes import MasterWeights, Qwen3Shape, make_weights
 
 __all__ = ["DEMO_SHAPE", "run_demo"]
@@ -28,17 +27,6 @@ __all__ = ["DEMO_SHAPE", "run_demo"]
 DEMO_SHAPE = Qwen3Shape(
     vocab=8192, hidden=256, layers=4, intermediate=768, heads=4, kv_heads=2, head_dim=64
 )
-
-
-def _fused(plan: FusionPlan, w: dict) -> dict:
-    import torch
-
-    return {
-        p.name: torch.cat([w[b.source].reshape(-1) for b in p.blocks]).view(p.spec.shape)
-        if p.is_fused
-        else w[p.blocks[0].source].clone()
-        for p in plan
-    }
 
 
 def run_demo(folder: str, steps: int = 5) -> int:
@@ -51,12 +39,12 @@ def run_demo(folder: str, steps: int = 5) -> int:
     cfg = PublishConfig(streams=4, segment_bytes=256 << 10)
 
     weights = make_weights(DEMO_SHAPE, seed=0)
-    plan = FusionPlan.from_specs({n: spec_of(t, n) for n, t in weights.items()})
+    plan = plan_of(weights, tied=False)
     full_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     print(
         f"  {len(weights)} Hugging Face tensors -> {len(plan)} fused parameters (qkv_proj, gate_up_proj)"
     )
-    snap = publish_snapshot(store, "demo", 0, _fused(plan, weights), None, cfg)
+    snap = publish_snapshot(store, "demo", 0, fuse_weights(weights, plan), None, cfg)
     print(f"  snapshot v0: {snap.total_bytes / 1e6:.2f} MB, state {snap.state[:23]}…")
 
     master = MasterWeights(weights, seed=0)
@@ -103,7 +91,7 @@ def run_demo(folder: str, steps: int = 5) -> int:
     data = bytearray(original)
     data[len(data) // 2] ^= 0xFF
     store.put(seg_key, bytes(data), mode="overwrite")
-    victim = FusedWeights(_fused(plan, weights))
+    victim = FusedWeights(fuse_weights(weights, plan))
     before = weights_digest(victim.tensors)
     try:
         apply_delta(fetch_delta(store, 1, plan.specs())[1], victim)

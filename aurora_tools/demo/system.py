@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aurora_store.coordination.redisconn import connect
-from aurora_store.storage.store import Store, open_store
+from aurora_store.storage import Store, open_store
 from workers.common import Endpoints, RunKeys, read_digests
-from workers.trainer.trainer import StepLog, Trainer, TrainerConfig
+from workers.trainer import TrainerConfig
+from workers.trainer.trainer import StepLog, Trainer
 
 __all__ = ["DemoConfig", "DemoResult", "run_system_demo", "add_arguments", "main"]
 

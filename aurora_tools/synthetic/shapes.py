@@ -15,6 +15,8 @@ seconds, on one core).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +26,9 @@ __all__ = [
     "Qwen3Shape",
     "QWEN3_TINY",
     "QWEN3_0_6B",
+    "QWEN3_1_7B",
     "qwen3_shapes",
+    "shape_for_params",
     "make_weights",
     "MasterWeights",
 ]
@@ -70,6 +74,10 @@ QWEN3_TINY = Qwen3Shape(
 QWEN3_0_6B = Qwen3Shape(
     vocab=151936, hidden=1024, layers=28, intermediate=3072, heads=16, kv_heads=8, head_dim=128
 )
+#: Qwen3-1.7B's published dimensions (hidden 2048, 28 layers, tied embeddings).
+QWEN3_1_7B = Qwen3Shape(
+    vocab=151936, hidden=2048, layers=28, intermediate=6144, heads=16, kv_heads=8, head_dim=128
+)
 
 
 def qwen3_shapes(s: Qwen3Shape) -> dict[str, tuple[int, ...]]:
@@ -92,6 +100,48 @@ def qwen3_shapes(s: Qwen3Shape) -> dict[str, tuple[int, ...]]:
     if not s.tied:
         out["lm_head.weight"] = (s.vocab, s.hidden)
     return out
+
+
+def shape_for_params(params: float) -> Qwen3Shape:
+    """A Qwen3-shaped model of about ``params`` parameters: the one generator
+    of model sizes that every benchmark and the synthetic workload use.
+
+    From about 0.9 B up: Qwen3-1.7B's geometry with as many layers as fit
+    (1.0 B: 14 layers, the 311 M-element tied embedding kept). From about
+    171 M: Qwen3-0.6B's geometry (hidden 1024, vocab 151936), so
+    ``shape_for_params(QWEN3_0_6B.params) == QWEN3_0_6B``. Below: a narrower
+    Qwen3-style model (vocab 32 x hidden) with the widest hidden size that
+    leaves room for a layer.
+    """
+    target = float(params)
+    if not target > 0 or not math.isfinite(target):
+        raise ValueError(f"--params must be positive, got {params}")
+
+    def fit(base: Qwen3Shape) -> Qwen3Shape | None:
+        fixed = dataclasses.replace(base, layers=0).params
+        per_layer = dataclasses.replace(base, layers=1).params - fixed
+        if target < fixed + per_layer:
+            return None
+        return dataclasses.replace(base, layers=max(1, round((target - fixed) / per_layer)))
+
+    for geometry in ((QWEN3_1_7B,) if target >= 0.9e9 else ()) + (QWEN3_0_6B,):
+        got = fit(geometry)
+        if got is not None:
+            return got
+    for hidden in (768, 512, 384, 256, 192, 128, 96, 64):
+        small = Qwen3Shape(
+            vocab=32 * hidden,
+            hidden=hidden,
+            layers=1,
+            intermediate=3 * hidden,
+            heads=max(2, hidden // 64),
+            kv_heads=max(1, hidden // 128),
+            head_dim=64 if hidden >= 128 else 32,
+        )
+        got = fit(small)
+        if got is not None:
+            return got
+    return dataclasses.replace(small, layers=1)  # the smallest model there is
 
 
 def _chunks(n: int) -> range:

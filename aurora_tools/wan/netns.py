@@ -27,7 +27,8 @@ directly. ``mode="auto"`` picks netns when permitted.
 Teardown (``close()``/``__exit__``, also after exceptions, KeyboardInterrupt,
 and at interpreter exit) stops the processes started in each namespace, the
 proxies, and deletes the namespaces (which deletes the veth pairs and their
-qdiscs). :func:`cleanup_stale` removes leftovers of dead processes.
+qdiscs). :func:`~aurora_tools.wan.host.cleanup_stale` removes leftovers of
+dead processes; :mod:`aurora_tools.wan.host` holds the ``ip``/``tc`` commands.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import dataclasses
 import fcntl
 import os
 import re
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -50,7 +50,17 @@ from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from aurora_store.errors import ConfigError, WanUnavailable
-from aurora_tools.testbed import process_alive
+from aurora_tools.wan.host import (
+    SUBNET,
+    cleanup_stale,
+    netns_list,
+    sh,
+    shape_egress,
+    subnets_in_use,
+    sysfs_counter,
+    tc_dropped,
+    wan_unavailable_reason,
+)
 from aurora_tools.wan.profile import LinkProfile
 from aurora_tools.wan.proxy import Address, Proxy, ProxyLoop, ProxyStats
 
@@ -63,37 +73,11 @@ __all__ = [
     "SUBNET",
 ]
 
-SUBNET = "10.77"
-"""Regions get ``10.77.<k>.0/24``: private, and only ever on our own veths."""
-
 Mode = Literal["netns", "loopback", "auto"]
 
 _LOCK_PATH = Path(tempfile.gettempdir()) / "aurora-wan.lock"
 _PREFIX = re.compile(r"^[a-z][a-z0-9]{0,10}$")
 _REGION = re.compile(r"^[a-z][a-z0-9_]{0,15}$")
-_PID_PREFIX = re.compile(r"^aur(\d+)[a-z]?$")
-
-
-
-
-def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise WanUnavailable(f"`{' '.join(argv)}` failed (status {proc.returncode}): {proc.stderr.strip()}")
-    return proc
-
-
-def wan_unavailable_reason() -> str | None:
-    """Why a netns testbed cannot run here, or None when it can."""
-    if os.geteuid() != 0:
-        return "the netns WAN testbed needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN for `ip netns`); use mode='loopback'"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"the netns WAN testbed needs `{tool}` (iproute2) on PATH"
-    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        return f"`ip netns list` failed: {proc.stderr.strip()}"
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,13 +189,13 @@ class WanTestbed:
         return self
 
     def _create_namespaces(self) -> None:
-        existing = set(_netns_list())
+        existing = set(netns_list())
         _LOCK_PATH.touch(exist_ok=True)
         with open(_LOCK_PATH) as lock:
             # Held from choosing k until its address is on our veth: a parallel testbed
             # that scans afterwards sees the subnet taken.
             fcntl.flock(lock, fcntl.LOCK_EX)
-            used = _subnets_in_use()
+            used = subnets_in_use()
             free = (k for k in range(1, 255) if k not in used)
             for name, prof in self._profiles.items():
                 k = next(free, None)
@@ -224,21 +208,21 @@ class WanTestbed:
                     if self._explicit_prefix:
                         raise WanUnavailable(f"network namespace {region.ns!r} already exists; "
                                              f"another testbed uses prefix {self.prefix!r}, or run cleanup_stale")
-                    _sh("ip", "netns", "del", region.ns, check=False)  # ours: same pid, dead process
+                    sh("ip", "netns", "del", region.ns, check=False)  # ours: same pid, dead process
                 self._regions[name] = region
-                _sh("ip", "netns", "add", region.ns)
+                sh("ip", "netns", "add", region.ns)
                 # Created with its peer already inside the namespace: no window in which a
                 # half-built pair sits in the root namespace.
-                _sh("ip", "link", "add", region.veth_root, "type", "veth",
+                sh("ip", "link", "add", region.veth_root, "type", "veth",
                     "peer", "name", region.veth_ns, "netns", region.ns)
-                _sh("ip", "addr", "add", f"{region.host_ip}/24", "dev", region.veth_root)
-                _sh("ip", "link", "set", region.veth_root, "up")
-                _sh("ip", "-n", region.ns, "addr", "add", f"{region.region_ip}/24", "dev", region.veth_ns)
-                _sh("ip", "-n", region.ns, "link", "set", region.veth_ns, "up")
-                _sh("ip", "-n", region.ns, "link", "set", "lo", "up")
+                sh("ip", "addr", "add", f"{region.host_ip}/24", "dev", region.veth_root)
+                sh("ip", "link", "set", region.veth_root, "up")
+                sh("ip", "-n", region.ns, "addr", "add", f"{region.region_ip}/24", "dev", region.veth_ns)
+                sh("ip", "-n", region.ns, "link", "set", region.veth_ns, "up")
+                sh("ip", "-n", region.ns, "link", "set", "lo", "up")
                 if prof.rate_mbit is not None:
-                    _shape(None, region.veth_root, prof.rate_mbit)
-                    _shape(region.ns, region.veth_ns, prof.rate_mbit)
+                    shape_egress(None, region.veth_root, prof.rate_mbit)
+                    shape_egress(region.ns, region.veth_ns, prof.rate_mbit)
 
     def close(self) -> None:
         """Tear everything down; safe to call twice, and after a failed start."""
@@ -255,12 +239,12 @@ class WanTestbed:
             for region in self._regions.values():
                 if region.ns is None:
                     continue
-                for pid in _sh("ip", "netns", "pids", region.ns, check=False).stdout.split():
+                for pid in sh("ip", "netns", "pids", region.ns, check=False).stdout.split():
                     with contextlib.suppress(OSError, ValueError):
                         os.kill(int(pid), signal.SIGKILL)
-                _sh("ip", "netns", "del", region.ns, check=False)
+                sh("ip", "netns", "del", region.ns, check=False)
                 if region.veth_root and Path(f"/sys/class/net/{region.veth_root}").exists():
-                    _sh("ip", "link", "del", region.veth_root, check=False)
+                    sh("ip", "link", "del", region.veth_root, check=False)
             with _live_lock:
                 _live.discard(self.prefix)
 
@@ -364,55 +348,14 @@ class WanTestbed:
         return RegionStats(
             region,
             proxy,
-            veth_bytes_down=_sysfs_counter(r.veth_root, "tx_bytes"),
-            veth_bytes_up=_sysfs_counter(r.veth_root, "rx_bytes"),
-            tc_dropped_down=_tc_dropped(None, r.veth_root),
-            tc_dropped_up=_tc_dropped(r.ns, r.veth_ns),
+            veth_bytes_down=sysfs_counter(r.veth_root, "tx_bytes"),
+            veth_bytes_up=sysfs_counter(r.veth_root, "rx_bytes"),
+            tc_dropped_down=tc_dropped(None, r.veth_root),
+            tc_dropped_up=tc_dropped(r.ns, r.veth_ns),
         )
 
     def all_stats(self) -> dict[str, RegionStats]:
         return {name: self.stats(name) for name in self._regions}
-
-
-# ---------------------------------------------------------------------------
-# helpers
-
-
-def _shape(ns: str | None, dev: str, rate_mbit: float) -> None:
-    """htb on ``dev``'s egress: one class at ``rate_mbit``, burst sized for the rate."""
-    tc = ["tc", "-n", ns] if ns else ["tc"]
-    rate = f"{rate_mbit * 1000:.0f}kbit"
-    # htb refills from a timer; at Gbit rates a tiny burst caps throughput well below the rate.
-    # 2 ms of line rate (>= two 64 KiB GSO packets) keeps it within a few percent.
-    burst = max(128 * 1024, int(rate_mbit * 1e6 / 8 * 0.002))
-    _sh(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
-    _sh(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate,
-        "ceil", rate, "burst", str(burst), "cburst", str(burst), "quantum", "60000")
-
-
-def _netns_list() -> list[str]:
-    out = _sh("ip", "netns", "list", check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def _subnets_in_use() -> set[int]:
-    out = _sh("ip", "-4", "-o", "addr", "show", check=False).stdout
-    pat = re.compile(rf"inet {re.escape(SUBNET)}\.(\d+)\.")
-    return {int(m.group(1)) for m in pat.finditer(out)}
-
-
-def _sysfs_counter(dev: str, name: str) -> int:
-    try:
-        return int(Path(f"/sys/class/net/{dev}/statistics/{name}").read_text())
-    except (OSError, ValueError):
-        return 0
-
-
-def _tc_dropped(ns: str | None, dev: str) -> int:
-    tc = ["tc", "-n", ns] if ns else ["tc"]
-    out = _sh(*tc, "-s", "qdisc", "show", "dev", dev, check=False).stdout
-    m = re.search(r"qdisc htb 1: .*?dropped (\d+)", out, re.S)
-    return int(m.group(1)) if m else 0
 
 
 def _stop(proc: subprocess.Popen[Any], grace_s: float = 3.0) -> None:
@@ -442,39 +385,6 @@ def _sigint_deferred() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
         if hit:
             raise KeyboardInterrupt
-
-
-def cleanup_stale(prefix: str = "aur", *, force: bool = False) -> list[str]:
-    """Delete namespaces ``<P>-<region>`` and veths ``<P>v<k>`` whose prefix P starts with ``prefix``.
-
-    A P of the default form ``aur<pid>[a-z]`` is removed only once that pid is
-    gone (so ``cleanup_stale()`` never touches a running testbed); any other P
-    only when it equals ``prefix`` (it may belong to a live testbed with an
-    explicit prefix: name it to remove it). ``force`` removes every P starting
-    with ``prefix``. Returns what was deleted.
-    """
-    def stale(p: str) -> bool:
-        if not p.startswith(prefix):
-            return False
-        if force:
-            return True
-        m = _PID_PREFIX.match(p)
-        return p == prefix if m is None else not process_alive(int(m.group(1)))
-
-    removed: list[str] = []
-    for ns in _netns_list():
-        p, sep, _ = ns.partition("-")
-        if sep and stale(p):
-            for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
-                with contextlib.suppress(OSError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
-            if _sh("ip", "netns", "del", ns, check=False).returncode == 0:
-                removed.append(f"netns {ns}")
-    links = _sh("ip", "-o", "link", "show", check=False).stdout
-    for m in re.finditer(r"^\d+: ([a-z][a-z0-9]*)v(\d+)[@:]", links, re.M):
-        if stale(m.group(1)) and _sh("ip", "link", "del", f"{m.group(1)}v{m.group(2)}", check=False).returncode == 0:
-            removed.append(f"link {m.group(1)}v{m.group(2)}")
-    return removed
 
 
 # ---------------------------------------------------------------------------

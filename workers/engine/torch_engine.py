@@ -1,31 +1,19 @@
-"""Inference engines: what an Actor generates with and applies deltas to.
+"""The torch engine: any Hugging Face causal LM on CPU or CUDA, patched in place by deltas.
 
-An Actor needs exactly five things from an engine: sample completions,
-overwrite a full version (bootstrap from a snapshot), apply a staged delta
-in place, say which parameters it holds (so a fetcher validates a delta
-against *this* model before staging it), and digest its weights (so it can
-prove to the ledger what it generated with). :class:`Engine` is that and no
-more, so a vLLM engine fits behind it as well as :class:`TorchEngine`.
-
-:class:`TorchEngine` runs any Hugging Face causal LM on CPU or CUDA. The
+:class:`TorchEngine` is an :class:`~workers.engine.protocol.Engine`. The
 weights that deltas are written into are the very tensors that generate:
 there is no second copy in another dtype, so an applied version is the
 version sampled from. Generation and weight writes share one lock, so a
 delta lands between batches (the paper's safe point), never inside one.
-
-:class:`workers.engine.vllm_engine.VLLMEngine` is the vLLM engine (``make_engine("vllm", …)``).
-An engine that generates in processes of its own also implements
-:class:`StoreStaging`: its workers read versions from the store themselves.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import Any, cast
 
 import torch
 
@@ -34,169 +22,18 @@ from aurora_store.codec.encodings import DTYPES
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.extract import spec_of
 from aurora_store.codec.fusion import FusionPlan
+from aurora_store.config import from_env
 from aurora_store.errors import ChainError, ConfigError, ModelMismatchError
 from aurora_store.format.checkpoint import StagedDelta
+from workers.engine.protocol import Completion, Generation, TokenCodec
 from workers.model import fusion_plan_for, hf_weights
 
-if TYPE_CHECKING:
-    from aurora_store.format.manifest import Manifest
-    from aurora_store.storage.store import Store
-    from workers.task import Problem
+__all__ = ["ENV_PREFIX", "EngineConfig", "TorchEngine"]
 
-__all__ = [
-    "Completion",
-    "Engine",
-    "EngineConfig",
-    "EvalResult",
-    "Generation",
-    "RemoteStaged",
-    "StoreStaging",
-    "TextCodec",
-    "TokenCodec",
-    "TorchEngine",
-    "evaluate",
-    "make_engine",
-]
+ENV_PREFIX = "AURORA_ENGINE_"
+"""Prefix of :class:`EngineConfig`'s environment variables."""
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-# ---------------------------------------------------------------------------
-# values
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """One sampled continuation of one prompt."""
-
-    token_ids: tuple[int, ...]
-    """Generated ids, ending with ``eos`` when :attr:`finished`."""
-    text: str
-    """The ids decoded, special tokens dropped."""
-    finished: bool
-    """True when the model emitted ``eos``; False when ``max_new_tokens`` cut it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Generation:
-    """Completions of a batch of prompts, and what producing them cost."""
-
-    completions: tuple[tuple[Completion, ...], ...]
-    """``completions[i][j]``: sample ``j`` of the group of prompt ``i``."""
-    new_tokens: int
-    """Tokens generated, over all samples (``eos`` included, padding not)."""
-    seconds: float
-    """Wall time of the whole call."""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-class TokenCodec(Protocol):
-    """What an engine needs of a tokenizer: the stop and padding ids, and decoding."""
-
-    @property
-    def eos_id(self) -> int: ...
-
-    @property
-    def pad_id(self) -> int: ...
-
-    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
-
-
-class TextCodec(TokenCodec, Protocol):
-    """A :class:`TokenCodec` that also encodes prompts (for :func:`evaluate`)."""
-
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]: ...
-
-
-@runtime_checkable
-class Engine(Protocol):
-    """An Actor's inference engine, as narrow as the Actor's needs.
-
-    Why each member is here: ``generate`` is the Actor's work; ``apply`` is
-    the activation step (in place, at a safe point, checked before the first
-    write); ``load_weights`` is bootstrap and snapshot catch-up;
-    ``param_specs``/``fusion_plan`` let a fetcher validate a delta against
-    this model while it is staged, before activation; ``digest`` lets the
-    Actor prove which bits it generated with; ``version`` is what it reports
-    with each rollout. How the model is built or held is left to each engine.
-    """
-
-    @property
-    def version(self) -> int | None:
-        """Policy version held, or ``None`` when the caller never said."""
-        ...
-
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        group: int,
-        max_new_tokens: int,
-        seed: int,
-        temperature: float = 1.0,
-    ) -> Generation:
-        """``group`` samples per prompt; the same seed and weights give the same samples."""
-        ...
-
-    def apply(self, staged: StagedDelta) -> None:
-        """Overwrite the changed elements in place; a delta that does not fit changes nothing."""
-        ...
-
-    def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> None:
-        """Overwrite every weight in place from a full version (fused or Hugging Face names)."""
-        ...
-
-    def digest(self) -> str:
-        """``weights_digest`` of the held weights under the fused plan."""
-        ...
-
-    def fusion_plan(self) -> FusionPlan:
-        """The fused view of the held model (FORMAT.md §2)."""
-        ...
-
-    def param_specs(self) -> Mapping[str, ParamSpec]:
-        """Fused name -> spec: what deltas for this engine must match."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteStaged:
-    """A delta staged inside an engine's own processes (see :class:`StoreStaging`)."""
-
-    version: int
-    base_version: int
-    state: str
-    """The version's ``state`` digest (its manifest's)."""
-    nnz: int
-
-
-@runtime_checkable
-class StoreStaging(Protocol):
-    """An engine whose workers read versions from the store themselves.
-
-    Why: an engine that generates in other processes (vLLM) would otherwise
-    receive every delta twice over a process boundary; with this, the
-    workers fetch, verify and decode segments and only a handle comes back.
-    An Actor uses it when its engine has it, and ``fetch_delta`` otherwise.
-    """
-
-    def bootstrap_from_store(
-        self, store: Store, storage_options: Mapping[str, Any] | None = None, version: int | None = None, streams: int = 8
-    ) -> tuple[int, str]:
-        """Reach ``version`` (default: the newest) from the store; returns (version, state)."""
-        ...
-
-    def stage_from_store(
-        self, store: Store, storage_options: Mapping[str, Any] | None, version: int, expect_base_state: str | None, streams: int = 8
-    ) -> tuple[Manifest, RemoteStaged | StagedDelta]:
-        """Stage delta ``version`` on top of ``expect_base_state``; ``apply`` takes the handle."""
-        ...
-
-
-# ---------------------------------------------------------------------------
-# config
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,18 +68,9 @@ class EngineConfig:
             )
 
     @classmethod
-    def from_env(cls, prefix: str = "AURORA_ENGINE_") -> EngineConfig:
-        d = cls()
-        rows = os.environ.get(prefix + "MAX_BATCH_ROWS")
-        try:
-            max_rows = int(rows) if rows else d.max_batch_rows
-        except ValueError:
-            raise ConfigError(f"{prefix}MAX_BATCH_ROWS must be an integer, got {rows!r}") from None
-        return cls(
-            device=os.environ.get(prefix + "DEVICE") or d.device,
-            dtype=os.environ.get(prefix + "DTYPE") or d.dtype,
-            max_batch_rows=max_rows,
-        )
+    def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> EngineConfig:
+        """Defaults, then ``AURORA_ENGINE_DEVICE``/``_DTYPE``/``_MAX_BATCH_ROWS``, then ``overrides``."""
+        return from_env(cls, prefix, **overrides)
 
 
 # ---------------------------------------------------------------------------
@@ -522,19 +350,6 @@ class TorchEngine:
         return self._model, self._plan
 
 
-def make_engine(name: str, tokenizer: TokenCodec) -> Any:
-    """An unloaded engine by name: ``torch`` (:class:`TorchEngine`) or ``vllm``
-    (:class:`workers.engine.vllm_engine.VLLMEngine`, configured from ``AURORA_VLLM_*``)."""
-    if name == "torch":
-        return TorchEngine(tokenizer, EngineConfig())
-    if name == "vllm":
-        from workers.engine.vllm_engine import VLLMConfig, VLLMEngine, import_vllm
-
-        import_vllm()  # fail now, with the install command, not later in a worker
-        return VLLMEngine(tokenizer, VLLMConfig.from_env())
-    raise ConfigError(f"unknown engine {name!r}: torch or vllm")
-
-
 def _check_entries(staged: StagedDelta, specs: Mapping[str, ParamSpec]) -> None:
     """Every entry fits the held parameters: name, range, index bounds, value count and width.
 
@@ -571,39 +386,3 @@ def _check_entries(staged: StagedDelta, specs: Mapping[str, ParamSpec]) -> None:
                 f"{where} has {e.indices.size} indices and {e.bits.size} values, "
                 f"indices must lie in [{e.start}, {e.stop})"
             )
-
-
-# ---------------------------------------------------------------------------
-# evaluation
-
-
-@dataclass(frozen=True, slots=True)
-class EvalResult:
-    """Sampling accuracy on a problem set."""
-
-    accuracy: float
-    """Mean reward over all samples."""
-    samples: int
-    generation: Generation
-
-
-def evaluate(
-    engine: Engine,
-    tokenizer: TextCodec,
-    problems: Sequence[Problem],
-    samples: int = 1,
-    max_new_tokens: int = 24,
-    seed: int = 0,
-    temperature: float = 1.0,
-) -> EvalResult:
-    """Mean :func:`workers.task.reward` of ``samples`` completions per problem."""
-    from workers.task import reward
-
-    prompts = [tokenizer.encode(p.prompt_text, bos=True) for p in problems]
-    g = engine.generate(prompts, samples, max_new_tokens, seed, temperature)
-    scores = [
-        reward(c.text, p.answer)
-        for p, group in zip(problems, g.completions, strict=True)
-        for c in group
-    ]
-    return EvalResult(sum(scores) / max(1, len(scores)), len(scores), g)

@@ -1,6 +1,6 @@
 """The ``vllm`` engine: an Actor generates with vLLM and patches vLLM's own weights in place.
 
-:class:`VLLMEngine` is an :class:`~workers.engine.torch_engine.Engine` like
+:class:`VLLMEngine` is an :class:`~workers.engine.protocol.Engine` like
 :class:`~workers.engine.torch_engine.TorchEngine`. vLLM runs the model in worker
 processes of its own (one per tensor-parallel rank); this class drives them
 through ``LLM.collective_rpc`` and the methods of
@@ -17,13 +17,15 @@ Two ways in, both checked against the whole model before a single write:
   the worker already holds. The delta never crosses a process boundary.
 - :meth:`VLLMEngine.apply` with a :class:`~aurora_store.format.checkpoint.StagedDelta`
   decoded in this process: the entries are shipped to the workers (the
-  generic :class:`~workers.engine.torch_engine.Engine` path; also used for ``memory://``
+  generic :class:`~workers.engine.protocol.Engine` path; also used for ``memory://``
   stores, which other processes cannot read).
 
 vLLM is imported lazily; choosing this engine without it installed raises
 :class:`~aurora_store.errors.ConfigError` naming the install command.
 Configuration (:class:`VLLMConfig`) comes from ``AURORA_VLLM_*`` variables;
-see docs/WORKERS.md for the CPU settings and their defaults.
+see docs/WORKERS.md for the CPU settings and their defaults. Errors raised in
+the workers come back as the same Aurora error classes, fields intact
+(:func:`aurora_store.errors.error_to_wire` there, ``error_from_wire`` here).
 """
 
 from __future__ import annotations
@@ -37,23 +39,33 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from aurora_store import errors
 from aurora_store.codec.entries import ParamSpec
-from aurora_store.codec.extract import spec_of
+from aurora_store.codec.extract import fuse_weights, spec_of
 from aurora_store.codec.fusion import TIED_HEAD, FusionPlan
-from aurora_store.errors import AuroraError, ChainError, ConfigError, ModelMismatchError
+from aurora_store.config import from_env
+from aurora_store.errors import (
+    AuroraError,
+    ChainError,
+    ConfigError,
+    ModelMismatchError,
+    error_from_wire,
+)
 from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import Manifest, manifest_key
 from aurora_store.lineage.fetch import fetch_delta, read_manifest
-from aurora_store.storage.store import Store
-from workers.engine.torch_engine import Completion, Generation, RemoteStaged, TokenCodec
+from aurora_store.storage import Store
+from workers.engine.protocol import Completion, Generation, RemoteStaged, TokenCodec
+from workers.engine.vllm_wire import encode_entries
 
-__all__ = ["VLLM_MISSING", "VLLMConfig", "VLLMEngine", "import_vllm"]
+__all__ = ["ENV_PREFIX", "VLLM_MISSING", "VLLMConfig", "VLLMEngine", "import_vllm"]
+
+ENV_PREFIX = "AURORA_VLLM_"
+"""Prefix of :class:`VLLMConfig`'s environment variables."""
 
 VLLM_MISSING = (
     "the vllm engine needs vLLM, which is not installed: pip install 'aurora-store[vllm]' "
@@ -73,24 +85,16 @@ def import_vllm() -> Any:
     return vllm
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    try:
-        return int(raw) if raw else default
-    except ValueError:
-        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
-
-
 @dataclass(frozen=True, slots=True)
 class VLLMConfig:
     """How a :class:`VLLMEngine` starts vLLM. Every field has an ``AURORA_VLLM_*`` variable."""
 
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = field(default=1, metadata={"env": "AURORA_VLLM_TP"})
     """Ranks the model is split over (env ``AURORA_VLLM_TP``)."""
     dtype: str = "bfloat16"
     """Weights and compute dtype; deltas are cut in bf16 (env ``AURORA_VLLM_DTYPE``)."""
     max_model_len: int | None = None
-    """Longest prompt + completion; default: the model config's (env ``AURORA_VLLM_MAX_MODEL_LEN``)."""
+    """Longest prompt + completion; default (``None`` or 0): the model config's (env ``AURORA_VLLM_MAX_MODEL_LEN``)."""
     kv_cache_mib: int = 1024
     """KV cache size in MiB, on CPU and GPU alike (vLLM's ``kv_cache_memory_bytes``; env
     ``AURORA_VLLM_KV_CACHE_MIB``). Setting it also stops vLLM's CPU backend from reserving
@@ -103,12 +107,17 @@ class VLLMConfig:
     gpu_memory_utilization: float = 0.5
     """GPU only: fraction of the GPU vLLM may take (env ``AURORA_VLLM_GPU_MEMORY_UTILIZATION``)."""
     enforce_eager: bool = True
-    """No CUDA graphs or compilation: starts faster; graphs would hold no weight copies either."""
+    """No CUDA graphs or compilation: starts faster; graphs would hold no weight copies either
+    (env ``AURORA_VLLM_ENFORCE_EAGER``)."""
     seed: int = 0
+    """vLLM's own seed (env ``AURORA_VLLM_SEED``); sampling seeds come per request from ``generate``."""
     stage_poll_s: float = 0.02
-    """How often :meth:`VLLMEngine.stage_from_store` asks the workers whether a delta is staged."""
+    """How often :meth:`VLLMEngine.stage_from_store` asks the workers whether a delta is staged
+    (env ``AURORA_VLLM_STAGE_POLL_S``)."""
 
     def __post_init__(self) -> None:
+        if self.max_model_len == 0:
+            object.__setattr__(self, "max_model_len", None)  # 0 in the environment: the model's own
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"VLLMConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -117,24 +126,15 @@ class VLLMConfig:
             raise ConfigError("VLLMConfig.kv_cache_mib must be >= 1 and cpu_threads >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"VLLMConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1 or self.stage_poll_s <= 0:
+            raise ConfigError(
+                f"VLLMConfig.max_model_len must be >= 1 and stage_poll_s > 0 (got {self.max_model_len}, {self.stage_poll_s})"
+            )
 
     @classmethod
-    def from_env(cls, prefix: str = "AURORA_VLLM_") -> VLLMConfig:
-        d = cls()
-        mml = os.environ.get(prefix + "MAX_MODEL_LEN")
-        gmu = os.environ.get(prefix + "GPU_MEMORY_UTILIZATION")
-        try:
-            gpu_util = float(gmu) if gmu else d.gpu_memory_utilization
-        except ValueError:
-            raise ConfigError(f"{prefix}GPU_MEMORY_UTILIZATION must be a number, got {gmu!r}") from None
-        return cls(
-            tensor_parallel_size=_env_int(prefix + "TP", d.tensor_parallel_size),
-            dtype=os.environ.get(prefix + "DTYPE") or d.dtype,
-            max_model_len=_env_int(prefix + "MAX_MODEL_LEN", 0) or None if mml else d.max_model_len,
-            kv_cache_mib=_env_int(prefix + "KV_CACHE_MIB", d.kv_cache_mib),
-            cpu_threads=_env_int(prefix + "CPU_THREADS", d.cpu_threads),
-            gpu_memory_utilization=gpu_util,
-        )
+    def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> VLLMConfig:
+        """Defaults, then ``AURORA_VLLM_*`` (``AURORA_VLLM_TP`` for the tensor-parallel size), then ``overrides``."""
+        return from_env(cls, prefix, **overrides)
 
 
 @contextlib.contextmanager
@@ -153,7 +153,7 @@ def _spawn_env(values: Mapping[str, str]) -> Iterator[None]:
 
 
 class VLLMEngine:
-    """vLLM behind the :class:`~workers.engine.torch_engine.Engine` interface, patched in place by deltas.
+    """vLLM behind the :class:`~workers.engine.protocol.Engine` interface, patched in place by deltas.
 
     Public methods take the engine's lock: vLLM's ``LLM`` is not thread-safe,
     and a delta must land between two ``generate`` calls (inside the worker,
@@ -339,8 +339,6 @@ class VLLMEngine:
             if isinstance(staged, RemoteStaged):
                 took = self._call_all("aurora_activate", staged.version)
             else:
-                from workers.engine.vllm_worker import encode_entries
-
                 took = self._call_all("aurora_apply", encode_entries(staged))
             self.last_apply_s = max(float(t) for t in took)
             self._weights_changed()
@@ -445,15 +443,13 @@ class VLLMEngine:
         replies = self._llm.collective_rpc(method, args=args)
         for r in replies:
             if "error" in r:
-                _raise(str(r["error"]), str(r["message"]))
+                raise error_from_wire(r["error"])
         return [r["ok"] for r in replies]
 
     def _fused(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._specs.keys() <= tensors.keys():
             out = {n: tensors[n] for n in self._specs}
         else:
-            from workers.model import fused_weights
-
             plan = FusionPlan.from_specs(
                 {n: spec_of(t, n) for n, t in tensors.items()}, tied_lm_head=TIED_HEAD not in self._specs
             )
@@ -463,7 +459,7 @@ class VLLMEngine:
                     f"weights lack {len(lack)} of the engine's parameters (e.g. {lack[:3]}), "
                     "under fused and under Hugging Face names"
                 )
-            out = fused_weights(tensors, plan)
+            out = fuse_weights(tensors, plan)
         for n, t in out.items():
             if spec_of(t, n) != self._specs[n]:
                 raise ModelMismatchError(
@@ -486,13 +482,3 @@ def _readable(store: Store) -> str:
 def _request_seed(seed: int, prompt: int, sample: int) -> int:
     h = hashlib.blake2b(f"aurora/{seed}/{prompt}/{sample}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") >> 2  # vLLM wants a non-negative int64
-
-
-def _raise(name: str, message: str) -> None:
-    """Raise a worker's error as the Aurora error class it was, message intact."""
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, AuroraError):
-        e = cls.__new__(cls)
-        Exception.__init__(e, message)
-        raise e
-    raise AuroraError(f"vLLM worker: {message}")

@@ -15,12 +15,13 @@ verify sha256, decode, validate, in a background thread of the worker), so a
 delta crosses no process boundary after it leaves the store; only small
 replies (states, digests, counts) come back. A rank keeps the elements of a
 delta its shard holds (:mod:`aurora_store.apply.tp`). Every method returns
-``{"ok": value}`` or ``{"error": class name, "message": text}``: an
-exception raised here would reach the caller as a bare string, and the
-engine translates these replies back into Aurora's error classes once.
+``{"ok": value}`` or ``{"error": wire}`` (:mod:`workers.engine.vllm_wire`):
+an exception raised here would reach the caller as a bare string, and the
+engine turns these replies back into Aurora's error classes, fields intact.
 
 Importing this module in a CPU worker also keeps vLLM's CPU linear layers on
-their own weight tensors (see :func:`_cpu_linear_on_live_weights`); vLLM
+their own weight tensors (see
+:func:`workers.engine.vllm_params.keep_cpu_linear_on_live_weights`); vLLM
 imports it in the worker before it loads the model.
 """
 
@@ -31,32 +32,19 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from aurora_store.apply.sink import apply_delta, weights_digest
-from aurora_store.apply.tp import (
-    ShardedWeights,
-    ShardLayout,
-    assemble,
-    column_parallel,
-    merged_column_parallel,
-    qkv_parallel,
-    replicated,
-    row_parallel,
-    vocab_parallel,
-)
-from aurora_store.codec.entries import DecodedEntry, ParamSpec
 from aurora_store.codec.extract import spec_of
-from aurora_store.codec.fusion import FusionPlan
-from aurora_store.errors import AuroraError, ChainError, ConfigError, ModelMismatchError
+from aurora_store.errors import ChainError, ConfigError, ModelMismatchError
 from aurora_store.format.checkpoint import StagedDelta
-from aurora_store.format.manifest import Manifest
-from aurora_store.lineage.fetch import fetch_delta, fetch_snapshot, plan_chain, scan_versions
-from aurora_store.storage.store import Store, open_store
+from aurora_store.lineage.fetch import fetch_delta, fetch_snapshot
+from aurora_store.lineage.plan import plan_chain, scan_versions
+from workers.engine.vllm_params import Held, keep_cpu_linear_on_live_weights
+from workers.engine.vllm_wire import decode_entries, encode_entries, reply
 
 __all__ = ["AuroraWorkerExtension", "decode_entries", "encode_entries", "reply"]
 
@@ -64,250 +52,9 @@ log = logging.getLogger("aurora.vllm_worker")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-
-# ---------------------------------------------------------------------------
-# wire forms: what crosses collective_rpc (plain msgpack types only)
-
-
-def reply(fn: Callable[[], Any]) -> dict[str, Any]:
-    """``{"ok": fn()}``, or the error's class name and message (never raises)."""
-    try:
-        return {"ok": fn()}
-    except AuroraError as e:
-        return {"error": type(e).__name__, "message": str(e)}
-    except Exception as e:  # noqa: BLE001 - reported to the caller, which raises it
-        log.exception("aurora worker call failed")
-        return {"error": type(e).__name__, "message": f"{type(e).__name__}: {e}"}
-
-
-def encode_entries(staged: StagedDelta) -> dict[str, Any]:
-    """A staged delta as plain types for ``collective_rpc`` (arrays as bytes)."""
-    return {
-        "version": staged.version,
-        "base_version": staged.base_version,
-        "entries": [
-            [e.param, list(e.spec.shape), e.spec.dtype, e.start, e.stop, e.nnz,
-             None if e.indices is None else e.indices.astype("<i8").tobytes(),
-             e.bits.dtype.str, e.bits.tobytes(), e.values]
-            for e in staged.entries
-        ],
-    }
-
-
-def decode_entries(wire: Mapping[str, Any]) -> StagedDelta:
-    """Inverse of :func:`encode_entries`."""
-    import numpy as np
-
-    entries = []
-    for param, shape, dtype, start, stop, nnz, idx, bits_dtype, bits, values in wire["entries"]:
-        entries.append(
-            DecodedEntry(
-                param, ParamSpec(tuple(shape), dtype), int(start), int(stop), int(nnz),
-                None if idx is None else np.frombuffer(idx, dtype="<i8").copy(),
-                np.frombuffer(bits, dtype=bits_dtype).copy(), values,
-            )
-        )
-    return StagedDelta(int(wire["version"]), int(wire["base_version"]), tuple(entries))
-
-
-# ---------------------------------------------------------------------------
-# CPU GEMMs on the live weights
-
-
-def _cpu_linear_on_live_weights() -> None:
-    """Keep vLLM's CPU linear layers multiplying by their own ``weight`` tensors.
-
-    On CPUs with AVX-512/AMX, vLLM's CPU backend repacks each linear weight
-    for oneDNN or its own kernels after loading and, for linear layers,
-    frees the original (``dispatch_cpu_unquantized_gemm`` in
-    ``vllm/model_executor/layers/utils.py``): a delta written in place would
-    never reach the packed copy, and the embedding's packed copy would keep
-    serving the tied LM head. In this worker process only, every 2-D layer
-    uses ``F.linear`` on its live weight instead (what vLLM itself falls
-    back to where oneDNN is unavailable, as on AVX2-only CPUs).
-    ``aurora_attach`` checks that every layer really does.
-    """
-    try:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return
-        import vllm.model_executor.layers.utils as vutils
-    except ImportError:
-        return
-    original = getattr(vutils, "dispatch_cpu_unquantized_gemm", None)
-    if original is None or getattr(original, "_aurora_live", False):
-        return
-
-    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
-        w = getattr(layer, "weight", None)
-        if isinstance(w, torch.Tensor) and w.ndim == 2 and not w.is_meta:
-            layer.cpu_linear = _live_linear  # type: ignore[assignment]
-            return
-        original(layer, remove_weight)
-
-    dispatch._aurora_live = True  # type: ignore[attr-defined]
-    vutils.dispatch_cpu_unquantized_gemm = dispatch
-
-
-def _live_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-_live_linear._aurora_live = True  # type: ignore[attr-defined]
-_cpu_linear_on_live_weights()
-
-
-# ---------------------------------------------------------------------------
-# the model's parameters, their layouts, and the whole-model view
-
-
-def _layout_builder(module: torch.nn.Module, pname: str, t: torch.Tensor) -> Callable[[int], ShardLayout]:
-    """How ``module``'s parameter ``pname`` is split, as a function of the rank (vLLM 0.32 layers)."""
-    from vllm.model_executor.layers.linear import (
-        ColumnParallelLinear,
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
-        RowParallelLinear,
-    )
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    m: Any = module
-    # A layer built with disable_tp (tp_size 1) is whole on every rank.
-    tp = int(getattr(m, "tp_size", 1) or 1)
-    trailing = tuple(t.shape[1:])
-    shape = tuple(t.shape)
-
-    def at(r: int) -> int:
-        return r if tp > 1 else 0
-
-    if isinstance(m, VocabParallelEmbedding):
-        if m.num_added_embeddings:
-            raise ModelMismatchError(f"{type(m).__name__}: LoRA-added vocabulary rows are not supported")
-        return lambda r: vocab_parallel(m.org_vocab_size, m.embedding_dim, tp, at(r), padded=m.num_embeddings_padded)
-    if tp == 1:
-        return lambda r: replicated(shape)
-    if isinstance(m, QKVParallelLinear):
-        return lambda r: qkv_parallel(m.head_size, m.total_num_heads, m.total_num_kv_heads, trailing, tp, r, m.v_head_size)
-    if isinstance(m, MergedColumnParallelLinear):
-        return lambda r: merged_column_parallel(m.output_sizes, trailing, tp, r)
-    if isinstance(m, ColumnParallelLinear):
-        return lambda r: column_parallel((m.output_size, *trailing), tp, r)
-    if isinstance(m, RowParallelLinear) and pname == "weight":
-        return lambda r: row_parallel((m.output_size, m.input_size), tp, r)
-    return lambda r: replicated(shape)
-
-
-class _Held:
-    """What one rank holds: the model's tensors under fused names, their layouts, the sink."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        tensors: dict[str, torch.Tensor] = {}
-        builders: dict[str, Callable[[int], ShardLayout]] = {}
-        layouts: dict[str, ShardLayout] = {}
-        dtypes: dict[str, str] = {}
-        from vllm.distributed import (
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-        )
-
-        self.tp = int(get_tensor_model_parallel_world_size())
-        self.rank = int(get_tensor_model_parallel_rank())
-        # named_parameters() lists a shared tensor once: a tied head is the embedding.
-        for name, p in model.named_parameters():
-            mod_name, _, pname = name.rpartition(".")
-            module = model.get_submodule(mod_name)
-            build = _layout_builder(module, pname, p.data)
-            lay = build(self.rank)
-            if tuple(p.shape) != lay.local_shape or not p.data.is_contiguous():
-                raise ModelMismatchError(
-                    f"{name}: vLLM holds {list(p.shape)}, a {type(module).__name__} of this model should hold "
-                    f"{list(lay.local_shape)} on rank {self.rank}/{self.tp} (a quantized or repacked layer "
-                    "cannot take deltas)"
-                )
-            tensors[name], builders[name], layouts[name] = p.data, build, lay
-            dtypes[name] = spec_of(p.data, name).dtype
-        _check_live_gemms(model)
-        self.sink = ShardedWeights(tensors, layouts, dtypes)
-        self.builders = builders
-        self.plan = FusionPlan.from_specs(self.sink.specs())
-        self.version: int | None = None
-        self.state: str | None = None
-        self.stores: dict[str, Store] = {}
-        self.staging: dict[int, Future[tuple[Manifest, StagedDelta]]] = {}
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aurora-stage")
-        self.lock = threading.Lock()
-
-    def store(self, url: str, options: Mapping[str, Any]) -> Store:
-        if url.startswith("memory://"):
-            raise ConfigError(f"{url}: a memory:// store lives in another process; vLLM workers need file:// or s3://")
-        s = self.stores.get(url)
-        if s is None:
-            s = self.stores[url] = open_store(url, dict(options))
-        return s
-
-    def whole(self) -> Mapping[str, torch.Tensor]:
-        """Fused name -> the whole parameter as the Trainer holds it (lazy, one at a time)."""
-        return _WholeView(self)
-
-    def load_whole(self, name: str, full: torch.Tensor) -> None:
-        """Copy a whole parameter into this rank's shard, in place."""
-        lay = self.sink.layouts[name]
-        dst = self.sink.tensors[name]
-        if spec_of(full, name) != self.sink.specs()[name]:
-            raise ModelMismatchError(f"{name}: given {list(full.shape)} {full.dtype}, the model holds {self.sink.specs()[name]}")
-        src = full.reshape(-1) if lay.is_prefix else lay.shard(full).reshape(-1)
-        with torch.no_grad():
-            dst.view(-1)[: src.numel()].copy_(src.to(dst.device), non_blocking=False)
-            dst.view(-1)[src.numel() :].zero_()  # vocabulary padding rows, zero as vLLM's loader leaves them
-
-
-class _WholeView(Mapping[str, torch.Tensor]):
-    """Whole parameters for :func:`weights_digest`: views on one rank, gathered with TP."""
-
-    def __init__(self, held: _Held) -> None:
-        self.held = held
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        h = self.held
-        local = h.sink.tensors[name]
-        lay = h.sink.layouts[name]
-        if h.tp == 1:
-            n = lay.held
-            return local.reshape(-1)[:n].view(lay.global_shape)
-        from vllm.distributed import get_tp_group
-
-        # Every rank calls this in the same (sorted) order: all_gather is collective.
-        gathered = get_tp_group().all_gather(local.contiguous(), dim=0)
-        parts = gathered.chunk(h.tp, dim=0)
-        return assemble([(h.builders[name](r), parts[r]) for r in range(h.tp)])
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.held.sink.tensors)
-
-    def __len__(self) -> int:
-        return len(self.held.sink.tensors)
-
-
-def _check_live_gemms(model: torch.nn.Module) -> None:
-    """Refuse a model whose CPU GEMMs read a packed copy instead of the weights we patch."""
-    for name, mod in model.named_modules():
-        fn = getattr(mod, "cpu_linear", None)
-        if fn is None or getattr(fn, "_aurora_live", False):
-            continue
-        # vLLM's own fallback, `lambda x, weight, bias: F.linear(x, weight, bias)`, reads the live
-        # weight too; its packed variants close over a handle or a packed tensor.
-        code = getattr(fn, "__code__", None)
-        if code is None or code.co_freevars or "linear" not in code.co_names:
-            raise ModelMismatchError(
-                f"{name}: vLLM's CPU backend multiplies by a repacked copy of this layer's weight; "
-                "deltas written in place would not reach it (workers.engine.vllm_worker must be imported "
-                "in the worker before the model loads: pass it as worker_extension_cls)"
-            )
-
-
-# ---------------------------------------------------------------------------
-# the extension
+# vLLM imports this module in each worker before it loads the model: from
+# then on, the worker's CPU linear layers multiply by their live weights.
+keep_cpu_linear_on_live_weights()
 
 
 class AuroraWorkerExtension:
@@ -317,9 +64,9 @@ class AuroraWorkerExtension:
     Worker's, hence the prefix (and the single attribute ``_aurora``).
     """
 
-    _aurora: _Held | None = None
+    _aurora: Held | None = None
 
-    def _aurora_held(self) -> _Held:
+    def _aurora_held(self) -> Held:
         if self._aurora is None:
             raise ConfigError("aurora_attach was not called in this worker")
         return self._aurora
@@ -336,7 +83,7 @@ class AuroraWorkerExtension:
             from aurora_store.codec import kernels
 
             model = self.get_model()  # type: ignore[attr-defined]
-            self._aurora = _Held(model)
+            self._aurora = Held(model)
             kernels.warm_up()  # compile (or load) the apply kernels now, not inside the first activation
             if driver_pid is not None:
                 threading.Thread(target=_exit_with, args=(driver_pid,), name="aurora-watchdog", daemon=True).start()
@@ -524,7 +271,7 @@ class AuroraWorkerExtension:
         return reply(go)
 
 
-def _apply(h: _Held, staged: StagedDelta, state: str | None) -> None:
+def _apply(h: Held, staged: StagedDelta, state: str | None) -> None:
     if h.version is not None and staged.base_version != h.version:
         raise ChainError(
             f"delta {staged.version} is based on version {staged.base_version}, the worker holds version {h.version}"

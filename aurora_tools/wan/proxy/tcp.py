@@ -1,53 +1,23 @@
-"""A seeded asyncio TCP proxy that makes a loopback hop look like a WAN link.
-
-Each accepted connection is forwarded to one upstream ``(host, port)``. Per
-direction the bytes go through a *delivery queue*: a reader task reads up to
-256 KiB at a time, stamps each chunk with its due time (``now + delay +-
-jitter``, never earlier than the chunk before it, so byte order holds) and
-queues it; a sender task writes each chunk when it is due. The queue holds up
-to ``LinkProfile.window_bytes`` in flight (queued, plus delivered bytes whose
-"ACK" is still one delay away), so a link with 60 ms RTT carries a full window
-per RTT, the way TCP does, instead of one chunk per delay.
-
-Impairments, all drawn from :class:`~aurora_tools.wan.profile.ImpairmentPlan`
-(seeded per connection, see ``profile.py``): a token-bucket rate limit shared
-by all connections of the proxy per direction (optional: a netns testbed
-shapes with tc instead), stalls and loss-like pauses placed at byte offsets,
-and per connection a reset (RST to both ends) or a truncation (clean FIN to
-both ends) after a random byte count.
-
-Counters are kept under a lock and :meth:`Proxy.stats` may be called from any
-thread. :class:`ProxyLoop` runs any number of proxies on one background event
-loop; :class:`ProxyThread` is one proxy on its own loop, for sync code.
-
-CLI: ``python -m aurora_tools.wan.proxy --listen 127.0.0.1:0 --upstream
-127.0.0.1:9000 --delay-ms 30 --jitter-ms 5 --seed 1`` prints the bound address
-and forwards until interrupted; ``--selftest`` measures throughput.
-"""
+"""The asyncio TCP proxy: connections, per-direction delivery queues, the shared rate limit, counters."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import socket
 import struct
-import sys
 import threading
-from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from aurora_tools.wan.profile import Direction, DirectionPlan, ImpairmentPlan, LinkProfile
 
-__all__ = ["Proxy", "ProxyStats", "ProxyLoop", "ProxyThread", "Address", "main"]
+__all__ = ["Proxy", "ProxyStats", "Address", "CHUNK", "parse_address"]
 
 Address = tuple[str, int]
-T = TypeVar("T")
 
 CHUNK = 256 * 1024
 """Largest read per system call."""
@@ -419,145 +389,8 @@ def _nodelay(w: asyncio.StreamWriter) -> None:
     w.transport.set_write_buffer_limits(high=_WRITE_HIGH)
 
 
-# ---------------------------------------------------------------------------
-# sync API
-
-
-class ProxyLoop:
-    """A background thread with its own event loop, hosting any number of proxies."""
-
-    def __init__(self, name: str = "aurora-wan-proxy") -> None:
-        self.loop = asyncio.new_event_loop()
-        self._proxies: list[Proxy] = []
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-        self._closed = False
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 30.0) -> T:
-        """Run ``coro`` on the loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def start_proxy(self, upstream: Address, profile: LinkProfile | None = None, *,
-                    listen: Address = ("127.0.0.1", 0), rate_limit: bool = True, name: str = "") -> Proxy:
-        if self._closed:
-            raise RuntimeError("ProxyLoop is closed")
-        proxy = Proxy(upstream, profile, listen=listen, rate_limit=rate_limit, name=name)
-        self.call(proxy.start())
-        self._proxies.append(proxy)
-        return proxy
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
-                self.call(asyncio.wait_for(self._close_all(), 10.0), timeout=15.0)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10.0)
-            if not self._thread.is_alive():
-                self.loop.close()
-
-    async def _close_all(self) -> None:
-        await asyncio.gather(*(p.close() for p in self._proxies), return_exceptions=True)
-
-    def __enter__(self) -> ProxyLoop:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class ProxyThread:
-    """One :class:`Proxy` on its own background loop: ``.address``, ``.stats()``, ``.close()``."""
-
-    def __init__(self, upstream: Address, profile: LinkProfile | None = None, *,
-                 listen: Address = ("127.0.0.1", 0), rate_limit: bool = True) -> None:
-        self._loop = ProxyLoop()
-        try:
-            self.proxy = self._loop.start_proxy(upstream, profile, listen=listen, rate_limit=rate_limit)
-        except BaseException:
-            self._loop.close()
-            raise
-
-    @property
-    def address(self) -> Address:
-        return self.proxy.address
-
-    @property
-    def profile(self) -> LinkProfile:
-        return self.proxy.profile
-
-    def stats(self) -> ProxyStats:
-        return self.proxy.stats()
-
-    def close(self) -> None:
-        self._loop.close()
-
-    def __enter__(self) -> ProxyThread:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-# ---------------------------------------------------------------------------
-# CLI
-
-
 def parse_address(text: str) -> Address:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r}: expected HOST:PORT")
     return host or "127.0.0.1", int(port)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m aurora_tools.wan.proxy", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--listen", type=parse_address, default=("127.0.0.1", 0))
-    ap.add_argument("--upstream", type=parse_address)
-    ap.add_argument("--rate-mbit", type=float, default=None)
-    ap.add_argument("--delay-ms", type=float, default=0.0, help="one way; RTT is twice this")
-    ap.add_argument("--jitter-ms", type=float, default=0.0)
-    ap.add_argument("--stall-prob", type=float, default=0.0, help="per MiB per direction")
-    ap.add_argument("--stall-ms", type=float, default=500.0)
-    ap.add_argument("--reset-prob", type=float, default=0.0, help="per connection")
-    ap.add_argument("--truncate-prob", type=float, default=0.0, help="per connection")
-    ap.add_argument("--loss-prob", type=float, default=0.0, help="per MiB per direction")
-    ap.add_argument("--loss-pause-ms", type=float, default=200.0)
-    ap.add_argument("--window-bytes", type=int, default=LinkProfile().window_bytes)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--selftest", action="store_true", help="measure throughput; print a table and JSON")
-    ap.add_argument("--json", action="store_true", help="with --selftest: JSON only")
-    args = ap.parse_args(argv)
-    if args.selftest:
-        from aurora_tools.wan.selftest import main as selftest_main
-
-        return selftest_main(["--json"] if args.json else [])
-    if args.upstream is None:
-        ap.error("--upstream is required (or --selftest)")
-    profile = LinkProfile(
-        rate_mbit=args.rate_mbit, delay_ms=args.delay_ms, jitter_ms=args.jitter_ms,
-        stall_prob=args.stall_prob, stall_ms=args.stall_ms, reset_prob=args.reset_prob,
-        truncate_prob=args.truncate_prob, loss_prob=args.loss_prob, loss_pause_ms=args.loss_pause_ms,
-        window_bytes=args.window_bytes, seed=args.seed,
-    )
-
-    async def serve() -> None:
-        proxy = Proxy(args.upstream, profile, listen=args.listen)
-        host, port = await proxy.start()
-        print(f"{host}:{port}", flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            print(json.dumps(proxy.stats().as_dict()), file=sys.stderr, flush=True)
-            await proxy.close()
-
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

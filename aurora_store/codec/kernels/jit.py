@@ -1,0 +1,117 @@
+"""Choosing between the compiled kernels and their numpy twins, and compiling.
+
+The kernels are compiled with numba (``njit(cache=True, nogil=True)``) the
+first time each is used, not at import: importing numba costs a quarter of a
+second and compiling a kernel about as much again, once per machine (the
+compiled code is cached in ``__pycache__`` next to the kernel's module; where
+that is not writable, numba's user cache, and failing that nothing is
+cached). The kernels are serial: the codec's targets are per core, the scan
+runs near memory bandwidth on one, and numba's parallel mode would bring in a
+threading layer whose default (workqueue) aborts the process when two Python
+threads launch parallel kernels at once, which a publisher with upload
+threads could do. ``nogil`` lets callers run kernels on threads instead.
+
+Every kernel has a pure numpy twin, used when numba is not installed or
+``AURORA_NO_JIT=1`` is set. The switch is read on every call, so a test can
+change paths with an environment variable.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "JIT_ENV",
+    "jit_available",
+    "jit_enabled",
+    "path",
+    "numba_version",
+    "use_jit",
+    "compiled",
+    "readonly",
+    "unsigned",
+]
+
+#: Set to ``1`` to use the numpy twins even where numba is installed.
+JIT_ENV = "AURORA_NO_JIT"
+
+
+@functools.cache
+def _numba() -> Any | None:
+    try:
+        import numba
+    except ImportError:
+        return None
+    return numba
+
+
+def jit_available() -> bool:
+    """Whether numba can be imported."""
+    return _numba() is not None
+
+
+def jit_enabled() -> bool:
+    """Whether the compiled kernels are used: numba is there and
+    ``AURORA_NO_JIT`` is unset (or ``0``). Read on every call, so a test
+    can switch paths with an environment variable."""
+    # Not a config dataclass: a per-call switch between two exact twins,
+    # which the tests flip with monkeypatch.setenv between examples.
+    if os.environ.get(JIT_ENV, "").strip() not in ("", "0"):
+        return False
+    return jit_available()
+
+
+def path() -> str:
+    """``"jit"`` or ``"numpy"``: which implementation the kernels use now."""
+    return "jit" if jit_enabled() else "numpy"
+
+
+def numba_version() -> str | None:
+    """The installed numba's version, or ``None``."""
+    numba = _numba()
+    return None if numba is None else str(numba.__version__)
+
+
+def use_jit(jit: bool | None) -> bool:
+    """The path a wrapper takes: ``jit`` when forced, else :func:`jit_enabled`."""
+    if jit is None:
+        return jit_enabled()
+    if jit and not jit_available():
+        raise RuntimeError("numba is not installed; the compiled kernels are unavailable")
+    return jit
+
+
+@functools.cache
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` compiled by numba; compiled (or loaded from the cache) on first use."""
+    numba = _numba()
+    if numba is None:
+        raise RuntimeError("numba is not installed; the compiled kernels are unavailable")
+    try:
+        return numba.njit(cache=True, nogil=True)(fn)
+    except RuntimeError:
+        # No writable cache location at all (a read-only install, no home):
+        # compile in every process instead of failing.
+        return numba.njit(cache=False, nogil=True)(fn)
+
+
+def readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view: numba compiles one variant per writeability, so
+    inputs are always passed read-only (bytes from a segment are)."""
+    if not a.flags.writeable:
+        return a
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def unsigned(a: np.ndarray) -> np.ndarray:
+    """``a`` viewed as the unsigned integer type of its width (bit work is unsigned)."""
+    if a.dtype.kind == "u":
+        return a
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))

@@ -1,0 +1,159 @@
+"""What the ledger hands out and answers: value objects, and parsing them from Redis.
+
+Each record is a frozen, slotted dataclass. The ``*_from_*`` helpers turn
+what Redis returns (bytes, hash fields) into them, so the ledger's methods
+only say which keys they read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aurora_store.coordination.decode import as_int, as_str
+
+__all__ = [
+    "SETTLE_REASONS",
+    "Lease",
+    "Settlement",
+    "AcceptedResult",
+    "ActorRecord",
+    "StepStatus",
+    "lease_holder",
+    "actor_from_hash",
+    "accepted_from_redis",
+    "step_status_from_hash",
+]
+
+#: Every answer ``settle`` can give.
+SETTLE_REASONS = ("accepted", "duplicate", "already_settled", "not_leased", "stale_token", "expired", "wrong_version", "wrong_digest", "no_step")
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One prompt leased to one Actor."""
+
+    prompt: str
+    token: int
+    """Fencing token: only the newest lease of a prompt can settle it."""
+    version: int
+    """Version v_j the rollout must be generated on."""
+    state: str
+    """State digest h(v_j) the rollout must carry."""
+    group: int
+    """Completions to generate for the prompt (GRPO group size)."""
+    expiry_ms: int
+    """Server-clock deadline of the lease."""
+    payload: bytes
+    """The prompt itself, as the Trainer stored it."""
+    step: int = -1
+    """Ledger step id the lease belongs to (defaults to ``version``)."""
+
+    @property
+    def step_id(self) -> int:
+        return self.version if self.step < 0 else self.step
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """The ledger's answer to one result."""
+
+    prompt: str
+    reason: str
+    """One of :data:`SETTLE_REASONS`."""
+    now_ms: int
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason == "accepted"
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptedResult:
+    """A result the ledger accepted, as the Trainer collects it."""
+
+    prompt: str
+    actor: str
+    token: int
+    version: int
+    settled_ms: int
+    leased_ms: int
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ActorRecord:
+    """An Actor as the registry knows it."""
+
+    actor: str
+    region: str
+    engine: str
+    status: str
+    """``alive``, ``left`` (graceful) or ``gone`` (heartbeat lost)."""
+    active: int | None
+    staged: int | None
+    active_state: str
+    tau: float
+    heartbeat_ms: int
+    settled: int
+    leases: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepStatus:
+    version: int
+    total: int
+    settled: int
+    leased: int
+    pending: int
+    expired: int
+    rejected: int
+
+
+def lease_holder(raw: Any) -> str:
+    """The Actor of a ``step:{v}:lease`` value ``actor|token|expiry_ms|leased_ms``."""
+    return as_str(raw).rsplit("|", 3)[0]
+
+
+def _fields(h: Mapping[Any, Any]) -> dict[str, Any]:
+    return {as_str(k): v for k, v in h.items()}
+
+
+def actor_from_hash(actor: str, h: Mapping[Any, Any], leases: int) -> ActorRecord:
+    """An ``actor:{id}`` hash (HGETALL) as a record; ``leases`` counted elsewhere."""
+    g = _fields(h)
+    return ActorRecord(
+        actor=actor,
+        region=as_str(g.get("region", b"")),
+        engine=as_str(g.get("engine", b"")),
+        status=as_str(g.get("status", b"")),
+        active=as_int(g.get("active")),
+        staged=as_int(g.get("staged")),
+        active_state=as_str(g.get("active_state", b"")),
+        tau=float(g.get("tau", b"0") or 0),
+        heartbeat_ms=as_int(g.get("heartbeat_ms"), 0) or 0,
+        settled=as_int(g.get("settled"), 0) or 0,
+        leases=leases,
+    )
+
+
+def accepted_from_redis(head: Any, payload: Any) -> AcceptedResult:
+    """One ``step:{v}:results`` entry (JSON) and its ``results:payload`` entry."""
+    p, actor, token, version, settled, leased = json.loads(head)
+    return AcceptedResult(str(p), str(actor), int(token), int(version), int(settled), int(leased), bytes(payload))
+
+
+def step_status_from_hash(v: int, h: Mapping[Any, Any], leased: int, pending: int) -> StepStatus:
+    """A ``step:{v}`` hash (HGETALL) with the counts read beside it."""
+    g = _fields(h)
+    return StepStatus(
+        version=v,
+        total=int(g.get("total", 0)),
+        settled=int(g.get("settled", 0)),
+        leased=leased,
+        pending=pending,
+        expired=int(g.get("expired", 0)),
+        rejected=int(g.get("rejected", 0)),
+    )

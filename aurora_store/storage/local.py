@@ -1,0 +1,58 @@
+"""Local files (``file://…`` or a plain path): create by temporary file + hard link.
+
+The bytes go to a temporary file in the key's folder, flushed to disk, which
+is then hard-linked to its name. ``link`` fails if the name exists, so a
+reader never sees a partial object and two writers cannot both win; the
+folder is fsynced after the link so that a committed object survives a
+crash of the machine, not only of the process. The temporary file is
+removed whatever happens (a failed write included); one left by a killed
+writer is hidden from listings by its name (:data:`~aurora_store.storage.base.TEMP_PREFIX`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+
+from aurora_store.storage.base import TEMP_PREFIX, Store
+
+__all__ = ["LocalStore"]
+
+
+def _fsync_dir(folder: str) -> None:
+    """Make the entries of ``folder`` (a new link, a removed name) durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStore(Store):
+    """A run root on the local filesystem."""
+
+    def _create(self, key: str, path: str, data: bytes) -> None:
+        self._retry(f"put {self.where(key)}", lambda: self._link_exclusive(key, path, data))
+
+    def _link_exclusive(self, key: str, path: str, data: bytes) -> None:
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+        taken = False
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                taken = True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        if taken:
+            self._same_or_conflict(key, data)
+        else:
+            _fsync_dir(folder)

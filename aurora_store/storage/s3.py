@@ -1,0 +1,107 @@
+"""S3 (``s3://…``, ``s3a://…``) through s3fs: create with ``If-None-Match: *``.
+
+The create-only write is :class:`~aurora_store.storage.remote.RemoteStore`'s
+(``PutObject`` with ``If-None-Match: *``; ``412 Precondition Failed``
+arrives as ``FileExistsError``). This module adds what is S3's own: the
+client's timeouts and pool size from :class:`~aurora_store.storage.base.StoreConfig`,
+no listing cache (other processes write the run), one request per object,
+the ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` endpoint, and the one
+place where botocore's and s3fs's errors become Aurora's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aurora_store.clock import Clock
+from aurora_store.errors import StoreError
+from aurora_store.storage.base import StoreConfig
+from aurora_store.storage.remote import RemoteStore
+
+__all__ = ["S3Store"]
+
+T = TypeVar("T")
+
+
+@functools.cache
+def _botocore_errors() -> Any:
+    # botocore comes with s3fs; imported on the first S3 call, not with the package.
+    import botocore.exceptions
+
+    return botocore.exceptions
+
+
+class S3Store(RemoteStore):
+    """A run root under an S3 bucket (any S3-protocol server)."""
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        config: StoreConfig | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        super().__init__(url, storage_options, config, clock)
+        if hasattr(self.fs, "retries"):
+            # We retry whole operations ourselves, with back-off; keep s3fs's own short.
+            self.fs.retries = 2
+
+    def _options(self, opts: dict[str, Any]) -> dict[str, Any]:
+        ck = dict(opts.pop("config_kwargs", {}) or {})
+        ck.setdefault("connect_timeout", self.config.connect_timeout_s)
+        ck.setdefault("read_timeout", self.config.read_timeout_s)
+        ck.setdefault("max_pool_connections", self.config.max_connections)
+        opts["config_kwargs"] = ck
+        # Other processes write the run: a cached listing would hide their versions.
+        opts.setdefault("use_listings_cache", False)
+        # s3fs's default (10) turns every whole-object get into HEAD + ranged
+        # GETs: an extra round trip per segment. We stripe across objects
+        # ourselves (PublishConfig.streams), so one request per object.
+        opts.setdefault("max_concurrency", 1)
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint and "endpoint_url" not in opts.get("client_kwargs", {}):
+            opts.setdefault("client_kwargs", {})["endpoint_url"] = endpoint
+        return opts
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """Translate botocore's and s3fs's errors, once.
+
+        - ``FileNotFoundError`` / ``FileExistsError`` (s3fs's 404 and 412) stay
+          builtins: the verbs turn them into ``ObjectNotFound`` and the
+          create-only read-back;
+        - connection trouble and timeouts become (or stay) ``ConnectionError``
+          / ``TimeoutError``, and plain ``OSError`` (s3fs's mapping of 5xx and
+          unknown codes): retried, then ``StoreError``;
+        - everything else (access denied, bad request, no credentials) is an
+          answer retrying will not change: ``StoreError`` at once.
+        """
+        errors = _botocore_errors()
+        try:
+            return fn()
+        except (errors.HTTPClientError, errors.ConnectionError) as e:  # refused, reset, timeouts
+            raise ConnectionError(f"{type(e).__name__}: {e}") from e
+        except errors.ClientError as e:  # a response s3fs did not translate itself
+            from s3fs.errors import translate_boto_error
+
+            raise _classify(what, translate_boto_error(e)) from e
+        except errors.BotoCoreError as e:
+            raise StoreError(f"{what}: {type(e).__name__}: {e}") from e
+        except (OSError, ValueError) as e:
+            out = _classify(what, e)
+            if out is e:
+                raise
+            raise out from e
+
+
+def _classify(what: str, e: BaseException) -> BaseException:
+    """The error to raise for an (s3fs-translated) error ``e``."""
+    if isinstance(e, (PermissionError, IsADirectoryError, NotADirectoryError, ValueError)):
+        return StoreError(f"{what}: {type(e).__name__}: {e}")
+    if isinstance(e, OSError):
+        # Not found, exists, connection, timeout, and s3fs's EIO for 5xx and
+        # codes it does not know: the verbs and the retry loop handle these.
+        return e
+    return StoreError(f"{what}: {type(e).__name__}: {e}")

@@ -1,0 +1,177 @@
+"""``aurora snapshot create``, ``aurora delta create``, ``aurora delta apply``: weights files in and out of a run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+from aurora_store.errors import ConfigError
+from aurora_tools.cli.console import say
+from workers.args import storage_options
+
+__all__ = [
+    "add_encode_args",
+    "cmd_snapshot_create",
+    "cmd_delta_create",
+    "cmd_delta_apply",
+]
+
+
+def add_encode_args(p: argparse.ArgumentParser) -> None:
+    """How a version is encoded: index encodings, value modes, compression, segment size, streams."""
+    p.add_argument(
+        "--encodings",
+        metavar="LIST",
+        help="index encodings allowed (default: leb128,bitmask,dense,u32,u64)",
+    )
+    p.add_argument("--values", metavar="LIST", help="value modes allowed (default: new,xor)")
+    p.add_argument(
+        "--no-zstd", action="store_true", help="never compress streams (fast links, spare CPU)"
+    )
+    p.add_argument(
+        "--paper",
+        action="store_true",
+        help="the paper's encoding only: leb128 indices, raw new values",
+    )
+    p.add_argument(
+        "--segment-mib",
+        type=float,
+        default=None,
+        help="target segment size in MiB (default 16, env AURORA_SEGMENT_MIB)",
+    )
+    p.add_argument(
+        "--streams", type=int, default=None, help="parallel uploads (default 8, env AURORA_STREAMS)"
+    )
+
+
+def _publish_config(args: argparse.Namespace) -> Any:
+    from aurora_store.codec.entries import PAPER, EncodeOptions
+    from aurora_store.lineage.publish import PublishConfig
+
+    opts = EncodeOptions.from_env()
+    if args.paper:
+        opts = PAPER
+    else:
+        kw: dict[str, Any] = {}
+        if args.encodings:
+            kw["index_encodings"] = tuple(x.strip() for x in args.encodings.split(","))
+        if args.values:
+            kw["value_modes"] = tuple(x.strip() for x in args.values.split(","))
+        if args.no_zstd:
+            kw["codecs"] = ("none",)
+        if kw:
+            opts = EncodeOptions(
+                **{
+                    **{
+                        f: getattr(opts, f)
+                        for f in ("index_encodings", "value_modes", "codecs", "zstd_level")
+                    },
+                    **kw,
+                }
+            )
+    # Flags win over AURORA_STREAMS / AURORA_SEGMENT_MIB; no size anywhere: adaptive.
+    seg = None if args.segment_mib is None else int(args.segment_mib * (1 << 20))
+    return PublishConfig.from_env(streams=args.streams, segment_bytes=seg, options=opts)
+
+
+def _load_weights(path: str) -> dict[str, Any]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: no such file")
+    try:
+        return dict(load_file(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a readable safetensors file: {e}") from None
+
+
+def cmd_snapshot_create(args: argparse.Namespace) -> int:
+    from aurora_store.codec.extract import fuse_weights, plan_of
+    from aurora_store.lineage.fetch import read_manifest
+    from aurora_store.lineage.plan import scan_versions
+    from aurora_store.lineage.publish import publish_snapshot
+    from aurora_store.storage import open_store
+
+    store = open_store(args.store, storage_options(args.storage_option))
+    w = _load_weights(args.weights)
+    fused = fuse_weights(w, plan_of(w, args.tied_lm_head, args.weights))
+    index = scan_versions(store)
+    v = args.version
+    if v in index.deltas:
+        state = read_manifest(store, "delta", v).state
+    elif index.latest is None or v == 0:
+        state = None  # first version of the run: its own content digest
+    else:
+        raise ConfigError(
+            f"snapshot {v}: the store already holds versions up to {index.latest} but no delta {v}; "
+            "a snapshot must capture a version the chain reaches (or be the first of the run)"
+        )
+    t0 = time.perf_counter()
+    m = publish_snapshot(store, args.run, v, fused, state, _publish_config(args))
+    say(
+        f"snapshot {v}: {len(m.segments)} shard(s), {m.total_bytes} bytes, state {m.state[:19]}… in {time.perf_counter() - t0:.2f}s -> {store.url}"
+    )
+    return 0
+
+
+def cmd_delta_create(args: argparse.Namespace) -> int:
+    from aurora_store.codec.extract import extract, plan_of
+    from aurora_store.lineage.fetch import read_manifest
+    from aurora_store.lineage.plan import scan_versions
+    from aurora_store.lineage.publish import publish_delta
+    from aurora_store.storage import open_store
+
+    store = open_store(args.store, storage_options(args.storage_option))
+    v = args.version
+    if v < 1:
+        raise ConfigError(f"delta {v}: version must be >= 1")
+    index = scan_versions(store)
+    if v - 1 in index.deltas:
+        base_m = read_manifest(store, "delta", v - 1)
+    elif v - 1 in index.snapshots:
+        base_m = read_manifest(store, "snapshot", v - 1)
+    else:
+        raise ConfigError(f"delta {v}: its base version {v - 1} is not committed in {store.url}")
+    base, new = _load_weights(args.base), _load_weights(args.new)
+    plan = plan_of(base, args.tied_lm_head, args.base)
+    snaps = [s for s in index.snapshots if s <= v - 1]
+    if snaps:
+        model = read_manifest(store, "snapshot", max(snaps)).param_specs()
+        if model != plan.specs():
+            diff = [
+                f"{n}: store {list(model[n].shape) if n in model else None}, file {list(plan.specs()[n].shape) if n in plan.specs() else None}"
+                for n in sorted(set(model) | set(plan.specs()))
+                if model.get(n) != plan.specs().get(n)
+            ][:3]
+            raise ConfigError(
+                f"delta {v}: {args.base} does not describe the run's model (first differences: {diff})"
+            )
+    t0 = time.perf_counter()
+    m = publish_delta(
+        store, args.run, v, extract(plan, base, new), base_m.state, _publish_config(args)
+    )
+    numel = plan_numel = sum(p.spec.numel for p in plan)
+    say(
+        f"delta {v}: {m.nnz} changed of {plan_numel} elements ({100 * m.nnz / max(1, numel):.3f}%), "
+        f"{len(m.segments)} segment(s), {m.total_bytes} bytes ({m.total_bytes / max(1, m.nnz):.2f} B/changed) "
+        f"in {time.perf_counter() - t0:.2f}s -> {store.url}"
+    )
+    return 0
+
+
+def cmd_delta_apply(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from aurora_store.lineage.fetch import materialize
+    from aurora_store.storage import open_store
+
+    store = open_store(args.store, storage_options(args.storage_option))
+    tensors, state = materialize(store, args.version, progress=say)
+    tmp = args.out + ".partial"
+    save_file(tensors, tmp, metadata={"aurora.version": str(args.version), "aurora.state": state})
+    os.replace(tmp, args.out)
+    say(f"version {args.version} (state {state[:19]}…) -> {args.out}")
+    return 0

@@ -1,0 +1,152 @@
+"""``aurora trainer|actor|relay|status|testbed|demo``: the processes of a run and the tools around them.
+
+The options of ``trainer``, ``actor``, ``relay`` and ``demo`` are declared
+by the workers (and the synthetic workload) themselves; the ``add_*``
+functions here import them, so :mod:`aurora_tools.cli.main` calls them only
+for the subcommand being run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from aurora_store.errors import ConfigError, CoordinationError
+from aurora_tools.cli.console import say
+from workers.args import storage_options
+
+__all__ = [
+    "add_trainer_arguments",
+    "add_actor_arguments",
+    "add_relay_arguments",
+    "add_demo_arguments",
+    "cmd_trainer",
+    "cmd_actor",
+    "cmd_relay",
+    "cmd_status",
+    "cmd_testbed",
+    "cmd_demo",
+]
+
+
+# -- trainer and actor: the GRPO workers, or the synthetic workload of ``aurora bench wan`` --
+def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
+    from aurora_tools.synthetic.args import add_trainer_arguments as add_synthetic
+    from workers.trainer import add_arguments
+
+    add_arguments(p)
+    add_synthetic(p)
+
+
+def cmd_trainer(args: argparse.Namespace) -> int:
+    options = storage_options(args.storage_option)
+    if args.workload == "synthetic":
+        from aurora_tools.synthetic.trainer import trainer_main
+
+        return trainer_main(args, options)
+    from workers.trainer import main
+
+    return main(args, options)
+
+
+def add_actor_arguments(p: argparse.ArgumentParser) -> None:
+    from aurora_tools.synthetic.args import add_actor_arguments as add_synthetic
+    from workers.actor import add_arguments
+
+    add_arguments(p)
+    add_synthetic(p)
+
+
+def cmd_actor(args: argparse.Namespace) -> int:
+    options = storage_options(args.storage_option)
+    if args.workload == "synthetic":
+        from aurora_tools.synthetic.actor import actor_main
+
+        return actor_main(args, options)
+    from workers.actor import main
+
+    return main(args, options)
+
+
+# -- relay --
+def add_relay_arguments(p: argparse.ArgumentParser) -> None:
+    from workers.relay import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    from workers.relay import run_from_args
+
+    return run_from_args(args)
+
+
+# -- status --
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from aurora_store.coordination.redisconn import connect
+    from aurora_store.coordination.status import collect_status, render
+
+    if args.watch is not None and args.watch <= 0:
+        raise ConfigError(f"--watch {args.watch}: the refresh period must be positive")
+    client = connect(args.redis)
+    where = args.redis.rsplit("@", 1)[-1]
+    tty = sys.stdout.isatty()
+    first = True
+    try:
+        while True:
+            try:
+                st = collect_status(client, args.run)
+                text = json.dumps(st, sort_keys=True) if args.json else render(st)
+            except CoordinationError as e:
+                reason = e.__cause__ or e  # redis-py's own words, as printed before the translation
+                if args.watch is None:
+                    raise ConfigError(f"Redis at {where}: {reason}") from None
+                text = f"Redis at {where}: {reason} (retrying)"
+            if args.watch is not None and tty and not args.json:
+                text = "\x1b[H\x1b[2J" + text
+            elif args.watch is not None and not first and not args.json:
+                text = "\n" + text
+            print(text, flush=True)
+            first = False
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
+
+
+# -- testbed --
+def cmd_testbed(args: argparse.Namespace) -> int:
+    from aurora_tools.testbed.background import start_background, stop_background
+    from aurora_tools.testbed.serve import banner, serve
+    from aurora_tools.testbed.state import STATE_FILE
+
+    if args.action == "down":
+        res = stop_background(args.dir)
+        say(f"testbed in {os.path.abspath(args.dir)} stopped: {'; '.join(res['stopped'])}")
+        return 0
+    if args.background:
+        state = start_background(args.dir, args.s3_port, args.redis_port, args.bucket)
+        print(banner(state, background=True), flush=True)
+        say(f"(state {os.path.join(state['dir'], STATE_FILE)}, log {state['log']})")
+        return 0
+    return serve(args.dir, args.s3_port, args.redis_port, args.bucket)
+
+
+# -- demo --
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    from aurora_tools.demo.system import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from aurora_tools.demo.system import main
+
+    return main(args)

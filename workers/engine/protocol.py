@@ -1,0 +1,208 @@
+"""What an Actor needs of an inference engine, and the values engines hand back.
+
+An Actor needs exactly five things from an engine: sample completions,
+overwrite a full version (bootstrap from a snapshot), apply a staged delta
+in place, say which parameters it holds (so a fetcher validates a delta
+against *this* model before staging it), and digest its weights (so it can
+prove to the ledger what it generated with). :class:`Engine` is that and no
+more, so the vLLM engine (:mod:`workers.engine.vllm_engine`) fits behind it
+as well as the torch one (:mod:`workers.engine.torch_engine`).
+
+An engine that generates in processes of its own also implements
+:class:`StoreStaging`: its workers read versions from the store themselves.
+
+This module imports no engine, and neither torch nor vLLM at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from workers.task import Problem, reward
+
+if TYPE_CHECKING:
+    import torch
+
+    from aurora_store.codec.entries import ParamSpec
+    from aurora_store.codec.fusion import FusionPlan
+    from aurora_store.format.checkpoint import StagedDelta
+    from aurora_store.format.manifest import Manifest
+    from aurora_store.storage import Store
+
+__all__ = [
+    "Completion",
+    "Engine",
+    "EvalResult",
+    "Generation",
+    "RemoteStaged",
+    "StoreStaging",
+    "TextCodec",
+    "TokenCodec",
+    "evaluate",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One sampled continuation of one prompt."""
+
+    token_ids: tuple[int, ...]
+    """Generated ids, ending with ``eos`` when :attr:`finished`."""
+    text: str
+    """The ids decoded, special tokens dropped."""
+    finished: bool
+    """True when the model emitted ``eos``; False when ``max_new_tokens`` cut it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """Completions of a batch of prompts, and what producing them cost."""
+
+    completions: tuple[tuple[Completion, ...], ...]
+    """``completions[i][j]``: sample ``j`` of the group of prompt ``i``."""
+    new_tokens: int
+    """Tokens generated, over all samples (``eos`` included, padding not)."""
+    seconds: float
+    """Wall time of the whole call."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class TokenCodec(Protocol):
+    """What an engine needs of a tokenizer: the stop and padding ids, and decoding."""
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
+
+
+class TextCodec(TokenCodec, Protocol):
+    """A :class:`TokenCodec` that also encodes prompts (for :func:`evaluate`)."""
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An Actor's inference engine, as narrow as the Actor's needs.
+
+    Why each member is here: ``generate`` is the Actor's work; ``apply`` is
+    the activation step (in place, at a safe point, checked before the first
+    write); ``load_weights`` is bootstrap and snapshot catch-up;
+    ``param_specs``/``fusion_plan`` let a fetcher validate a delta against
+    this model while it is staged, before activation; ``digest`` lets the
+    Actor prove which bits it generated with; ``version`` is what it reports
+    with each rollout. How the model is built or held is left to each engine.
+    """
+
+    @property
+    def version(self) -> int | None:
+        """Policy version held, or ``None`` when the caller never said."""
+        ...
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        group: int,
+        max_new_tokens: int,
+        seed: int,
+        temperature: float = 1.0,
+    ) -> Generation:
+        """``group`` samples per prompt; the same seed and weights give the same samples."""
+        ...
+
+    def apply(self, staged: StagedDelta) -> None:
+        """Overwrite the changed elements in place; a delta that does not fit changes nothing."""
+        ...
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Overwrite every weight in place from a full version (fused or Hugging Face names)."""
+        ...
+
+    def digest(self) -> str:
+        """``weights_digest`` of the held weights under the fused plan."""
+        ...
+
+    def fusion_plan(self) -> FusionPlan:
+        """The fused view of the held model (FORMAT.md §2)."""
+        ...
+
+    def param_specs(self) -> Mapping[str, ParamSpec]:
+        """Fused name -> spec: what deltas for this engine must match."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteStaged:
+    """A delta staged inside an engine's own processes (see :class:`StoreStaging`)."""
+
+    version: int
+    base_version: int
+    state: str
+    """The version's ``state`` digest (its manifest's)."""
+    nnz: int
+
+
+@runtime_checkable
+class StoreStaging(Protocol):
+    """An engine whose workers read versions from the store themselves.
+
+    Why: an engine that generates in other processes (vLLM) would otherwise
+    receive every delta twice over a process boundary; with this, the
+    workers fetch, verify and decode segments and only a handle comes back.
+    An Actor uses it when its engine has it, and ``fetch_delta`` otherwise.
+    """
+
+    def bootstrap_from_store(
+        self, store: Store, storage_options: Mapping[str, Any] | None = None, version: int | None = None, streams: int = 8
+    ) -> tuple[int, str]:
+        """Reach ``version`` (default: the newest) from the store; returns (version, state)."""
+        ...
+
+    def stage_from_store(
+        self, store: Store, storage_options: Mapping[str, Any] | None, version: int, expect_base_state: str | None, streams: int = 8
+    ) -> tuple[Manifest, RemoteStaged | StagedDelta]:
+        """Stage delta ``version`` on top of ``expect_base_state``; ``apply`` takes the handle."""
+        ...
+
+
+# ---------------------------------------------------------------------------
+# evaluation
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResult:
+    """Sampling accuracy on a problem set."""
+
+    accuracy: float
+    """Mean reward over all samples."""
+    samples: int
+    generation: Generation
+
+
+def evaluate(
+    engine: Engine,
+    tokenizer: TextCodec,
+    problems: Sequence[Problem],
+    samples: int = 1,
+    max_new_tokens: int = 24,
+    seed: int = 0,
+    temperature: float = 1.0,
+) -> EvalResult:
+    """Mean :func:`workers.task.reward` of ``samples`` completions per problem."""
+    prompts = [tokenizer.encode(p.prompt_text, bos=True) for p in problems]
+    g = engine.generate(prompts, samples, max_new_tokens, seed, temperature)
+    scores = [
+        reward(c.text, p.answer)
+        for p, group in zip(problems, g.completions, strict=True)
+        for c in group
+    ]
+    return EvalResult(sum(scores) / max(1, len(scores)), len(scores), g)

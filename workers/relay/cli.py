@@ -1,0 +1,86 @@
+"""``aurora relay``: its arguments, and running a Relay until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+from collections.abc import Sequence
+
+from aurora_store.errors import AuroraError
+from workers.args import add_redis_args, add_store_args, storage_options
+from workers.relay.config import RelayConfig, relay_config_from_env
+from workers.relay.relay import run_relay
+
+__all__ = ["add_arguments", "config_from_args", "run_from_args", "main"]
+
+log = logging.getLogger("aurora.relay")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``aurora relay``."""
+    d = RelayConfig.__dataclass_fields__
+    add_store_args(p, store_help="run root at origin", option_help="fsspec option of the origin store (repeatable)")
+    p.add_argument("--mirror", required=True, metavar="URL", help="run root of the region's mirror")
+    p.add_argument("--mirror-option", action="append", metavar="KEY=VALUE", help="fsspec option of the mirror store (repeatable)")
+    add_redis_args(p, redis_help="redis://[user:password@]host:port/db or rediss://", run_help="run name (Redis namespace)")
+    p.add_argument("--region", required=True, help="region this Relay serves")
+    p.add_argument("--heartbeat-s", type=float, default=d["heartbeat_s"].default, help="heartbeat period (default %(default)s)")
+    p.add_argument("--ttl-s", type=float, default=d["ttl_s"].default, help="heartbeat key TTL (default %(default)s)")
+    p.add_argument("--block-ms", type=int, default=d["block_ms"].default, help="longest blocking stream read (default %(default)s)")
+    p.add_argument(
+        "--streams", type=int, default=None,
+        help=f"concurrent copies (default: AURORA_STREAMS or {d['streams'].default})",
+    )
+    p.add_argument("--resync-s", type=float, default=d["resync_s"].default, help="list origin this often even without a gap; 0: never (default %(default)s)")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> RelayConfig:
+    """The Relay's config: the flags, then ``AURORA_STREAMS`` (and ``AURORA_RELAY_*``) for what they leave out."""
+    return relay_config_from_env(
+        origin=args.store,
+        mirror=args.mirror,
+        redis=args.redis,
+        run=args.run,
+        region=args.region,
+        origin_options=storage_options(args.storage_option),
+        mirror_options=storage_options(args.mirror_option, "--mirror-option"),
+        heartbeat_s=args.heartbeat_s,
+        ttl_s=args.ttl_s,
+        block_ms=args.block_ms,
+        streams=args.streams,
+        resync_s=args.resync_s,
+    )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``aurora relay``: run until SIGTERM or SIGINT, then delete the heartbeat key and exit 0."""
+    from workers.common import install_stop_handlers, setup_logging
+
+    setup_logging(f"relay[{args.region}]", getattr(args, "verbose", False))
+    config = config_from_args(args)
+    stop = threading.Event()
+    install_stop_handlers(stop)
+    stats = run_relay(config, stop)
+    log.info(
+        "relay %s stopped: %d version(s) mirrored, %d bytes copied",
+        config.region, stats.versions_mirrored, stats.bytes_copied,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="aurora relay", description="Mirror a run into a region's store.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_from_args(args)
+    except AuroraError as e:
+        print(f"aurora relay: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""What a Relay is told (:class:`RelayConfig`) and what it reports (:class:`RelayStats`)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aurora_store.config import Backoff, from_env
+from aurora_store.coordination.keys import validate_run_name
+from aurora_store.errors import ConfigError
+
+__all__ = ["ENV_PREFIX", "RelayConfig", "RelayStats", "VersionId", "relay_config_from_env"]
+
+ENV_PREFIX = "AURORA_RELAY_"
+"""Prefix of the Relay's environment variables (``AURORA_RELAY_HEARTBEAT_S`` …);
+``streams`` is ``AURORA_STREAMS``, shared with publishing."""
+
+_REGION = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+VersionId = tuple[str, int]
+"""(kind, version): ``("delta", 5)`` and ``("snapshot", 5)`` are different objects."""
+
+
+@dataclass(frozen=True, slots=True)
+class RelayConfig:
+    """Where a Relay copies from and to, and how often it proves it is alive."""
+
+    origin: str
+    """Run root at origin (``s3://bucket/prefix/run``, ``file:///path``)."""
+    mirror: str
+    """Run root of the region's mirror; also the value of the heartbeat key."""
+    redis: str
+    """Redis URL of the run."""
+    run: str
+    """Run name (Redis namespace)."""
+    region: str
+    """Region this Relay serves (letters, digits, ``.``, ``_``, ``-``)."""
+    origin_options: Mapping[str, Any] = field(default_factory=dict, repr=False, metadata={"env": False})
+    """fsspec storage options of the origin (may hold credentials: never logged)."""
+    mirror_options: Mapping[str, Any] = field(default_factory=dict, repr=False, metadata={"env": False})
+    """fsspec storage options of the mirror (may hold credentials: never logged)."""
+    heartbeat_s: float = 2.0
+    """Period of the heartbeat ``SET``."""
+    ttl_s: float = 6.0
+    """TTL of the heartbeat key: how long Actors keep using a silent Relay's mirror."""
+    block_ms: int = 1000
+    """Longest blocking stream read; also bounds how long a stop takes to be noticed."""
+    # PublishConfig's default too; not imported from there, which would load torch into the Relay.
+    streams: int = field(default=8, metadata={"env": "AURORA_STREAMS"})
+    """Concurrent object copies (connections to each store); env ``AURORA_STREAMS``."""
+    resync_s: float = 60.0
+    """Period of a full listing of origin even without a gap (0: only on gaps and failures)."""
+    retry_s: float = 5.0
+    """Delay before listing again after a version could not be mirrored."""
+    backoff: Backoff = field(default_factory=Backoff, metadata={"env": False})
+    """Delays between attempts to reach Redis while it is away (stream reads, the stream's tail)."""
+
+    def __post_init__(self) -> None:
+        validate_run_name(self.run)
+        if not _REGION.fullmatch(self.region):
+            raise ConfigError(f"region {self.region!r} must be 1-64 letters, digits, '.', '_' or '-'")
+        if not self.origin or not self.mirror:
+            raise ConfigError("a Relay needs an origin and a mirror URL")
+        if self.origin.rstrip("/") == self.mirror.rstrip("/"):
+            raise ConfigError(f"mirror {self.mirror!r} is the origin itself")
+        if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
+            raise ConfigError(
+                f"need 0 < heartbeat_s < ttl_s (got heartbeat_s={self.heartbeat_s}, ttl_s={self.ttl_s})"
+            )
+        if self.block_ms < 1:
+            raise ConfigError(f"block_ms must be >= 1 (0 would block forever), got {self.block_ms}")
+        if not 1 <= self.streams <= 256:
+            raise ConfigError(f"streams must be 1..256, got {self.streams}")
+        if self.resync_s < 0 or self.retry_s <= 0:
+            raise ConfigError(f"resync_s must be >= 0 and retry_s > 0 ({self.resync_s}, {self.retry_s})")
+
+
+def relay_config_from_env(**overrides: Any) -> RelayConfig:
+    """A :class:`RelayConfig` from ``AURORA_RELAY_*`` (and ``AURORA_STREAMS``); ``overrides`` win."""
+    return from_env(RelayConfig, ENV_PREFIX, **overrides)
+
+
+@dataclass(frozen=True, slots=True)
+class RelayStats:
+    """What a Relay has done so far (a consistent snapshot)."""
+
+    versions_mirrored: int
+    """Versions this process committed to the mirror (its manifest written)."""
+    bytes_copied: int
+    """Bytes written to the mirror."""
+    bytes_fetched: int
+    """Bytes read from origin: what crossed into the region."""
+    segments_copied: int
+    """Objects (segments, shards) written to the mirror."""
+    segments_rejected: int
+    """Objects read from origin whose size or sha256 did not match; never written."""
+    last_event_id: str
+    """Newest origin stream id handled."""
+    mirrored: tuple[VersionId, ...]
+    """Versions known to be complete in the mirror, in order."""
+    bytes_by_version: Mapping[VersionId, int]
+    """Bytes fetched from origin per version (objects and manifest)."""

@@ -1,0 +1,190 @@
+"""Copying objects origin -> mirror: verified, create-only, each object across once.
+
+Every byte from origin is untrusted: an object is written to the mirror only
+if its size and sha256 match what it was announced (or listed in its
+manifest) with. One that fails is not written and an error names it; the
+version it belongs to is retried from its manifest, then by later listings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from aurora_store.clock import Clock
+from aurora_store.coordination.bus import Event
+from aurora_store.errors import AuroraError, ObjectNotFound
+from aurora_store.storage import Store
+from workers.relay.config import VersionId
+
+__all__ = ["Copier", "Traffic", "object_version"]
+
+log = logging.getLogger("aurora.relay")
+
+_OBJECT_KEY = re.compile(r"^(delta|snapshot)s/v([0-9]{10})/[0-9a-f]{16,}/(?:seg|shard)-[0-9]{5}\.safetensors$")
+
+OnCopied = Callable[[VersionId, Event, str, int, str], None]
+"""``(version id, announcement, key, bytes, sha256)``: an announced object first landed in the mirror."""
+
+
+def object_version(key: str) -> VersionId | None:
+    """The version a segment or shard key belongs to, or None for any other key."""
+    m = _OBJECT_KEY.fullmatch(key)
+    return None if m is None else (m.group(1), int(m.group(2)))
+
+
+@dataclass(slots=True)
+class Traffic:
+    """What crossed into the region. Guarded by the Relay's lock, like the rest of its bookkeeping."""
+
+    bytes_fetched: int = 0
+    """Bytes read from origin."""
+    bytes_copied: int = 0
+    """Bytes written to the mirror."""
+    segments_copied: int = 0
+    """Objects written to the mirror."""
+    segments_rejected: int = 0
+    """Objects whose size or sha256 did not match; never written."""
+    versions_mirrored: int = 0
+    """Manifests written to the mirror."""
+    by_version: dict[VersionId, int] = field(default_factory=dict)
+    """Bytes fetched from origin per version."""
+    started: dict[VersionId, float] = field(default_factory=dict)
+    """When the first object of each version was fetched (``clock.monotonic()``)."""
+
+    def fetched(self, vid: VersionId, nbytes: int) -> None:
+        self.bytes_fetched += nbytes
+        self.by_version[vid] = self.by_version.get(vid, 0) + nbytes
+
+
+class Copier:
+    """Copies objects on a pool of ``streams`` threads; an object in the mirror or on its way is not copied again."""
+
+    def __init__(
+        self,
+        origin: Store,
+        mirror: Store,
+        streams: int,
+        region: str,
+        lock: threading.Lock,
+        traffic: Traffic,
+        clock: Clock,
+        on_copied: OnCopied,
+    ) -> None:
+        self.origin = origin
+        self.mirror = mirror
+        self.region = region
+        self.clock = clock
+        self._lock = lock
+        self._traffic = traffic
+        self._on_copied = on_copied
+        self._pool = ThreadPoolExecutor(streams, thread_name_prefix=f"relay-{region}-copy")
+        self._have: dict[str, str] = {}  # mirror key -> sha256 verified in it
+        self._inflight: dict[str, Future[None]] = {}
+        self._announced: set[str] = set()
+
+    # -- what the mirror holds ---------------------------------------------------
+    def missing(self, refs: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+        """The ``(key, bytes, sha256)`` of ``refs`` not verified in the mirror."""
+        with self._lock:
+            return [(k, b, s) for k, b, s in refs if self._have.get(k) != s]
+
+    def copy_plain(self, key: str) -> None:
+        """Copy ``key`` as it is if origin has it and the mirror does not (no digest to check it against)."""
+        with self._lock:
+            if key in self._have:
+                return
+        if not self.mirror.exists(key):
+            try:
+                data = self.origin.get(key)
+            except ObjectNotFound:
+                return  # not written yet (or a run without one)
+            self.mirror.put(key, data, mode="create")
+            with self._lock:
+                self._traffic.bytes_fetched += len(data)
+                self._traffic.bytes_copied += len(data)
+        with self._lock:
+            self._have[key] = ""
+
+    # -- copies ------------------------------------------------------------------
+    def copy_async(self, key: str, size: int, sha: str, announce: Event | None = None) -> Future[None]:
+        """Copy one object unless it is in the mirror or on its way (each object crosses once).
+
+        With ``announce`` (the segment event it came from), ``on_copied`` is
+        called the first time the object lands.
+        """
+        with self._lock:
+            if self._have.get(key) == sha:
+                done: Future[None] = Future()
+                done.set_result(None)
+                return done
+            f = self._inflight.get(key)
+            if f is None:
+                # _copy drops this entry under the same lock, so it can only run after it is set.
+                f = self._pool.submit(self._copy, key, size, sha, announce)
+                self._inflight[key] = f
+            return f
+
+    def _copy(self, key: str, size: int, sha: str, announce: Event | None) -> None:
+        vid = object_version(key)
+        assert vid is not None
+        ok = False
+        try:
+            ok = self._copy_impl(key, size, sha, vid)
+        except (AuroraError, OSError) as e:
+            log.error("relay %s: copying %s failed: %s", self.region, self.origin.where(key), e)
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
+                if ok:
+                    self._have[key] = sha
+                first = ok and announce is not None and key not in self._announced
+                if first:
+                    self._announced.add(key)
+        if first and announce is not None:
+            self._on_copied(vid, announce, key, size, sha)
+
+    def _copy_impl(self, key: str, size: int, sha: str, vid: VersionId) -> bool:
+        if self.mirror.exists(key):
+            # Written by an earlier run of this Relay: check it here, in the region,
+            # rather than bring it across again.
+            have = self.mirror.get(key)
+            if len(have) == size and hashlib.sha256(have).hexdigest() == sha:
+                return True
+            log.error(
+                "relay %s: mirror object %s is %d bytes with another sha256 than expected; not replacing it",
+                self.region, self.mirror.where(key), len(have),
+            )
+            return False
+        with self._lock:
+            self._traffic.started.setdefault(vid, self.clock.monotonic())
+        try:
+            data = self.origin.get(key)
+        except ObjectNotFound:
+            log.error("relay %s: %s was announced but is not in the origin store", self.region, self.origin.where(key))
+            return False
+        with self._lock:
+            self._traffic.fetched(vid, len(data))
+        if len(data) != size or hashlib.sha256(data).hexdigest() != sha:
+            with self._lock:
+                self._traffic.segments_rejected += 1
+            log.error(
+                "relay %s: %s %d: %s is %d bytes with sha256 %s…, expected %d bytes with %s…; not mirrored",
+                self.region, vid[0], vid[1], self.origin.where(key), len(data),
+                hashlib.sha256(data).hexdigest()[:12], size, sha[:12],
+            )
+            return False
+        self.mirror.put(key, data, mode="create")
+        with self._lock:
+            self._traffic.bytes_copied += len(data)
+            self._traffic.segments_copied += 1
+        return True
+
+    def shutdown(self) -> None:
+        """Cancel queued copies and wait for running ones."""
+        self._pool.shutdown(wait=True, cancel_futures=True)

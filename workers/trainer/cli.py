@@ -1,0 +1,91 @@
+"""``aurora trainer``: its arguments, and running the Trainer (one process, or FSDP ranks)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from workers.args import add_common_args
+from workers.common import Endpoints
+from workers.trainer.config import TrainerConfig
+
+__all__ = ["add_arguments", "config_from_args", "main"]
+
+log = logging.getLogger("aurora.trainer")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``aurora trainer`` (the GRPO run)."""
+    add_common_args(p, store_help="run root (s3://bucket/prefix/run, file:///path)", run_help="run name (Redis namespace)")
+    d = TrainerConfig()
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch", type=int, default=d.batch, help="prompts per step")
+    p.add_argument("--group", type=int, default=d.group, help="completions per prompt")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--kl-coef", type=float, default=d.kl_coef)
+    p.add_argument("--snapshot-every", type=int, default=d.snapshot_every)
+    p.add_argument("--streams", type=int, default=d.streams)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--nproc", type=int, default=1, metavar="N",
+        help="train with N processes sharding the weights with FSDP2 (one per GPU; gloo on CPU). "
+        "Under torchrun (WORLD_SIZE set) this is ignored: torchrun made the processes",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> TrainerConfig:
+    """The flags over ``AURORA_TRAINER_*`` over the defaults."""
+    return TrainerConfig.from_env(
+        steps=args.steps, batch=args.batch, group=args.group, lr=args.lr, kl_coef=args.kl_coef,
+        snapshot_every=args.snapshot_every, streams=args.streams, seed=args.seed,
+    )
+
+
+def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace, storage_options: Mapping[str, Any]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rc = main(args, storage_options)
+    if rc:
+        raise SystemExit(rc)
+
+
+def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
+    """``aurora trainer``: train until done, SIGTERM or SIGINT (130)."""
+    from workers.common import install_stop_handlers, limit_torch_threads, setup_logging
+    from workers.trainer.fsdp import init_from_env
+    from workers.trainer.trainer import Trainer, follow
+
+    nproc = getattr(args, "nproc", 1)
+    if nproc < 1:
+        raise SystemExit(f"--nproc must be >= 1, got {nproc}")
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        # The parsed arguments travel to the new processes: only plain values pickle.
+        plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
+        mp.spawn(_spawned_rank, args=(nproc, port, plain, dict(storage_options)), nprocs=nproc)
+        return 0
+    ctx = init_from_env()
+    setup_logging("trainer" if ctx.leader else f"trainer-rank{ctx.rank}")
+    limit_torch_threads()
+    if not ctx.leader:
+        n = follow(config_from_args(args), ctx)
+        log.info("rank %d: %d updates, done", ctx.rank, n)
+        return 0
+    tr = Trainer(Endpoints(args.store, args.redis, args.run, storage_options), config_from_args(args), ctx=ctx)
+    install_stop_handlers(tr.stop)
+    try:
+        logs = tr.run()
+    except KeyboardInterrupt:
+        log.info("stopped")
+        return 130
+    if logs:
+        log.info("done: reward %.3f -> %.3f over %d steps", logs[0].reward, logs[-1].reward, len(logs))
+    return 0

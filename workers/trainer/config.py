@@ -1,0 +1,101 @@
+"""The knobs of a training run (:class:`TrainerConfig`); defaults are the CPU demo's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from aurora_store.codec.entries import EncodeOptions
+from aurora_store.config import from_env
+from aurora_store.coordination.scheduler import SchedulerConfig
+from aurora_store.errors import ConfigError
+from aurora_store.lineage.publish import PublishConfig
+
+__all__ = ["ENV_PREFIX", "TRANSFERS", "TrainerConfig"]
+
+ENV_PREFIX = "AURORA_TRAINER_"
+"""Prefix of the Trainer's environment variables (``AURORA_TRAINER_STEPS`` …);
+``streams`` is ``AURORA_STREAMS``, shared with every publisher."""
+
+TRANSFERS = ("delta", "full", "none")
+"""How a version may be shipped (:attr:`TrainerConfig.transfer`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerConfig:
+    """Knobs of a training run (defaults: the CPU demo)."""
+
+    steps: int = 20
+    """Optimizer steps (versions published after v0)."""
+    batch: int = 32
+    """Prompts per batch."""
+    group: int = 8
+    """Completions per prompt (GRPO group)."""
+    max_new_tokens: int = 14
+    """Longest completion an Actor may return; longer ones are rejected as malformed."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    clip: float = 0.2
+    """PPO-style ratio clip."""
+    epochs: int = 4
+    """Passes over each batch (the ratio moves away from 1 after the first)."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the warm-started reference (0: no reference kept)."""
+    snapshot_every: int = 10
+    """Write a full snapshot every N versions (late joiners start there)."""
+    warm_start_steps: int = 85
+    """Supervised steps before RL: enough for some rewarded samples (about 10% here), not more."""
+    difficulty: int = 1
+    """Difficulty of the generated problems (:func:`workers.task.make_problems`)."""
+    head_dim: int = 16
+    """Attention head size of the tiny policy model; vLLM's CPU attention needs >= 32 (``aurora demo --engine vllm``)."""
+    seed: int = 0
+    """Seeds the model, the problems and the sampling of every batch."""
+    streams: int = field(default=PublishConfig().streams, metadata={"env": "AURORA_STREAMS"})
+    """Concurrent uploads per published version (env ``AURORA_STREAMS``)."""
+    segment_bytes: int | None = field(default=None, metadata={"env": "AURORA_SEGMENT_MIB", "scale": 1 << 20})
+    """Target segment size of a published delta; None (the default, as for every publisher)
+    adapts it to each delta (:func:`aurora_store.lineage.publish.segment_bytes_for`).
+    Env ``AURORA_SEGMENT_MIB``, in MiB."""
+    heartbeat_timeout_s: float = 8.0
+    """An Actor silent this long is marked gone and its work released."""
+    wait_timeout_s: float = 300.0
+    """Give up on a batch nobody finishes."""
+    poll_s: float = 0.05
+    """Pause between two reads of a batch's results while it is not complete."""
+    weight_transfer: bool = True
+    """False: the "ideal" baseline of ``aurora bench e2e``: versions are trained but never
+    shipped, every batch is generated on v0, so the weight path costs nothing."""
+    transfer: str = "delta"
+    """How each version is shipped (``aurora bench wan`` baselines): ``delta`` (sparse delta,
+    Aurora), ``full`` (a full snapshot every version), ``none`` (nothing moves: the version
+    and its state are only announced; Actors of the synthetic workload advance for free)."""
+    max_lag: int = 1
+    """Lag bound K: batch b is generated on version max(0, b - K). 1 is one-step asynchrony;
+    2 and 4 are the full-broadcast baselines that hide transfer behind K batches."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata={"env": False})
+    """How batches are split over Actors and how long leases last."""
+    options: EncodeOptions = field(default_factory=EncodeOptions, metadata={"env": False})
+    """Encodings the delta encoder may choose from."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch < 1 or self.group < 2:
+            raise ConfigError("steps >= 1, batch >= 1 and group >= 2 are required (GRPO needs a group)")
+        if self.transfer not in TRANSFERS or self.max_lag < 1:
+            raise ConfigError(f"transfer must be delta, full or none and max_lag >= 1 (got {self.transfer!r}, {self.max_lag})")
+        if self.poll_s <= 0 or self.wait_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
+            raise ConfigError(
+                f"poll_s, wait_timeout_s and heartbeat_timeout_s must be > 0 "
+                f"(got {self.poll_s}, {self.wait_timeout_s}, {self.heartbeat_timeout_s})"
+            )
+
+    def publish_config(self, **overrides: Any) -> PublishConfig:
+        """How this run's versions are cut and sent."""
+        kw: dict[str, Any] = {"streams": self.streams, "segment_bytes": self.segment_bytes, "options": self.options}
+        kw.update(overrides)
+        return PublishConfig(**kw)
+
+    @classmethod
+    def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> TrainerConfig:
+        """Defaults, then ``AURORA_TRAINER_*`` (and ``AURORA_STREAMS``), then ``overrides``."""
+        return from_env(cls, prefix, **overrides)
