@@ -30,9 +30,32 @@ from typing import Any, TypeVar
 
 from aurora_store.errors import ConfigError
 
-__all__ = ["from_env", "env_name", "parse_value", "Backoff"]
+__all__ = [
+    "from_env",
+    "env_name",
+    "parse_value",
+    "Backoff",
+    "DEFAULT_STREAMS",
+    "STREAMS_ENV",
+    "SEGMENT_MIB_ENV",
+    "streams_field",
+]
 
 T = TypeVar("T")
+
+#: Parallel connections per version, publishing and fetching alike: the one
+#: default every component (Trainer, Actor, Relay, CLI, library) starts from.
+DEFAULT_STREAMS = 8
+#: The environment variable that overrides it everywhere.
+STREAMS_ENV = "AURORA_STREAMS"
+#: Segment size in MiB (fractions allowed); unset means adaptive
+#: (:func:`aurora_store.lineage.publish.segment_bytes_for`).
+SEGMENT_MIB_ENV = "AURORA_SEGMENT_MIB"
+
+
+def streams_field() -> Any:
+    """A dataclass field for a stream count: :data:`DEFAULT_STREAMS`, env :data:`STREAMS_ENV`."""
+    return dataclasses.field(default=DEFAULT_STREAMS, metadata={"env": STREAMS_ENV})
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

@@ -39,16 +39,12 @@ finally:
 sys.exit(rc)
 """
 
-#: Allowed from the workers package: the shared, torch-free option block.
-ALLOWED_WORKERS = {"workers", "workers.args"}
-
-
 def _heavy(modules: list[str]) -> list[str]:
     """The imported modules a light command must not load."""
     return [
         m
         for m in modules
-        if m.split(".")[0] in ("torch", "vllm") or (m.split(".")[0] == "workers" and m not in ALLOWED_WORKERS)
+        if m.split(".")[0] in ("torch", "vllm") or m.split(".")[0] == "workers"
     ]
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aurora_store.clock import SYSTEM_CLOCK, Clock
-from aurora_store.config import Backoff, from_env
+from aurora_store.config import Backoff, from_env, streams_field
 from aurora_store.coordination.bus import COMMIT, SEGMENT, Bus, BusGap
 from aurora_store.coordination.ledger import Lease, Ledger
 from aurora_store.coordination.redisconn import connect
@@ -41,9 +41,8 @@ from aurora_store.errors import AuroraError, ConfigError, VersionNotFound
 from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.lineage.fetch import fetch_delta, materialize
 from aurora_store.lineage.plan import scan_versions
-from aurora_store.lineage.publish import PublishConfig
+from aurora_store.options import add_common_args
 from aurora_store.storage import Store, open_store
-from workers.args import add_common_args
 from workers.common import Endpoints, RunKeys, read_model_description, record_digest
 from workers.engine import RemoteStaged, StoreStaging, make_engine
 
@@ -87,7 +86,7 @@ class ActorConfig:
     from whoever shares the machine."""
     slowdown: float = 1.0
     """>1 makes this Actor that many times slower (heterogeneity experiments)."""
-    streams: int = field(default=PublishConfig().streams, metadata={"env": "AURORA_STREAMS"})
+    streams: int = streams_field()
     """Parallel segment fetches per staged version (env ``AURORA_STREAMS``)."""
     mirror_grace_s: float = 2.0
     """While the region's Relay is alive, a version its mirror lacks is read from origin only
@@ -477,16 +476,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--relay-wait-s", type=float, default=d["relay_wait_s"].default, metavar="S",
         help="at start, wait up to S seconds for the region's Relay before staging from origin (default %(default)s: do not wait)",
     )
+    p.add_argument(
+        "--streams", type=int, default=None, metavar="S",
+        help=f"parallel connections per fetched version (default: $AURORA_STREAMS, else {d['streams'].default})",
+    )
     p.add_argument("--slowdown", type=float, default=d["slowdown"].default, help="run N times slower (experiments)")
     p.add_argument("--seed", type=int, default=d["seed"].default)
     p.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")
 
 
-def config_from_args(args: argparse.Namespace) -> ActorConfig:
-    """The flags over ``AURORA_ACTOR_*`` (and ``AURORA_STREAMS``) over the defaults."""
+def config_from_args(args: argparse.Namespace, engine: str | None = None) -> ActorConfig:
+    """The flags over ``AURORA_ACTOR_*`` (and ``AURORA_STREAMS``) over the defaults;
+    ``engine`` overrides ``--engine`` (the synthetic workload's own engine)."""
     return ActorConfig.from_env(
-        actor_id=args.actor_id or None, region=args.region, engine=args.engine, claim=args.claim,
+        actor_id=args.actor_id or None, region=args.region, engine=engine or args.engine, claim=args.claim,
         slowdown=args.slowdown, seed=args.seed, mirror_grace_s=args.mirror_grace_s, relay_wait_s=args.relay_wait_s,
+        streams=args.streams,
     )
 
 

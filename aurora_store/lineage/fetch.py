@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aurora_store.codec.entries import ParamSpec
+from aurora_store.config import DEFAULT_STREAMS
 from aurora_store.errors import (
     ChainError,
     IntegrityError,
@@ -61,7 +62,7 @@ def read_manifest(store: Store, kind: str, version: int) -> Manifest:
     return m
 
 
-def fetch_objects(store: Store, m: Manifest, streams: int = 8, then: Callable[[str, bytes], T] | None = None) -> list[tuple[str, T]]:
+def fetch_objects(store: Store, m: Manifest, streams: int = DEFAULT_STREAMS, then: Callable[[str, bytes], T] | None = None) -> list[tuple[str, T]]:
     """Download every object of a version over ``streams`` connections; verify size and sha256.
 
     ``then(where, data)`` runs in the download thread right after the check
@@ -98,7 +99,7 @@ def fetch_delta(
     store: Store,
     version: int,
     model: Mapping[str, ParamSpec] | None,
-    streams: int = 8,
+    streams: int = DEFAULT_STREAMS,
     expect_base_state: str | None = None,
 ) -> tuple[Manifest, StagedDelta]:
     """Fetch, verify, decode and validate delta ``version``. Applies nothing."""
@@ -127,7 +128,7 @@ def fetch_delta(
 
 
 def fetch_snapshot(
-    store: Store, version: int, streams: int = 8
+    store: Store, version: int, streams: int = DEFAULT_STREAMS
 ) -> tuple[Manifest, dict[str, torch.Tensor]]:
     """Fetch and verify a snapshot; returns its fused tensors (on the CPU)."""
     from safetensors import SafetensorError
@@ -166,7 +167,7 @@ def fetch_snapshot(
 def materialize(
     store: Store,
     target: int,
-    streams: int = 8,
+    streams: int = DEFAULT_STREAMS,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], str]:
     """Full fused weights of version ``target``: newest usable snapshot, then deltas.

@@ -31,7 +31,7 @@ import torch
 from aurora_store import __version__
 from aurora_store.codec.entries import EncodeOptions
 from aurora_store.codec.extract import ParamDelta, spec_of
-from aurora_store.config import from_env
+from aurora_store.config import SEGMENT_MIB_ENV, from_env, streams_field
 from aurora_store.errors import ConfigError
 from aurora_store.format.checkpoint import DEFAULT_SEGMENT_BYTES, EncodedSegment, encode_segments
 from aurora_store.format.manifest import (
@@ -107,10 +107,10 @@ class PublishConfig:
     plain construction uses the defaults below and reads nothing.
     """
 
-    streams: int = field(default=8, metadata={"env": "AURORA_STREAMS"})
+    streams: int = streams_field()
     """Concurrent uploads (TCP connections) per version. Env ``AURORA_STREAMS``."""
     segment_bytes: int | None = field(
-        default=None, metadata={"env": "AURORA_SEGMENT_MIB", "scale": _MIB}
+        default=None, metadata={"env": SEGMENT_MIB_ENV, "scale": _MIB}
     )
     """Target segment size in bytes; None (the default) adapts it to each delta with
     :func:`segment_bytes_for`. Env ``AURORA_SEGMENT_MIB``, in MiB (fractions allowed)."""

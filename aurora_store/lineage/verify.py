@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from aurora_store.config import DEFAULT_STREAMS
 from aurora_store.errors import AuroraError
 from aurora_store.format.manifest import Manifest, content_digest, manifest_key
 from aurora_store.format.segment import decode_segment
@@ -48,7 +49,7 @@ def verify_run(
     first: int | None = None,
     last: int | None = None,
     deep: bool = False,
-    streams: int = 8,
+    streams: int = DEFAULT_STREAMS,
     progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Verify versions in ``[first, last]`` (all by default).

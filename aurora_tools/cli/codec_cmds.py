@@ -8,8 +8,8 @@ import time
 from typing import Any
 
 from aurora_store.errors import ConfigError
+from aurora_store.options import storage_options
 from aurora_tools.cli.console import say
-from workers.args import storage_options
 
 __all__ = [
     "add_encode_args",

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 
 from aurora_store import __version__
 from aurora_store.errors import AuroraError
+from aurora_store.options import add_redis_args, add_storage_option, add_store_args
 from aurora_tools.cli import bench_cmds, codec_cmds, run_cmds, store_cmds
-from workers.args import add_store_args
 
 __all__ = ["build_parser", "main"]
 
@@ -86,7 +86,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     ln = sub.add_parser("lineage", help="one row per version; orphans and gaps called out")
     ln.add_argument("url", metavar="URL")
     ln.add_argument("--json", action="store_true")
-    ln.add_argument("--storage-option", action="append", metavar="KEY=VALUE")
+    add_storage_option(ln, help=None)
     ln.set_defaults(func=store_cmds.cmd_lineage)
 
     vf = sub.add_parser("verify", help="re-hash every object, check chain continuity and state digests")
@@ -95,7 +95,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     vf.add_argument("--to", dest="to_version", type=int, default=None, metavar="V")
     vf.add_argument("--deep", action="store_true", help="also decode and validate every segment")
     vf.add_argument("-v", "--verbose", action="store_true")
-    vf.add_argument("--storage-option", action="append", metavar="KEY=VALUE")
+    add_storage_option(vf, help=None)
     vf.set_defaults(func=store_cmds.cmd_verify)
 
     gc = sub.add_parser("gc", help="remove orphans and versions no retained chain needs (dry run by default)")
@@ -103,7 +103,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     gc.add_argument("--keep-snapshots", type=int, required=True, metavar="N")
     gc.add_argument("--apply", action="store_true", help="really delete (default: only print)")
     gc.add_argument("--min-orphan-age", type=float, default=3600.0, metavar="SECONDS", help="spare younger orphans: they may be a publish in flight (default 3600)")
-    gc.add_argument("--storage-option", action="append", metavar="KEY=VALUE")
+    add_storage_option(gc, help=None)
     gc.set_defaults(func=store_cmds.cmd_gc)
 
     tp = sub.add_parser("trainer", help="run the GRPO Trainer: publishes every step as a delta, schedules Actors")
@@ -132,8 +132,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     tbd.set_defaults(func=run_cmds.cmd_testbed)
 
     stp = sub.add_parser("status", help="a run at a glance: Trainer head, Relays, Actors, open steps")
-    stp.add_argument("--redis", required=True, metavar="URL")
-    stp.add_argument("--run", required=True, metavar="NAME")
+    add_redis_args(stp)
     stp.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS", help="refresh every SECONDS (default 2) until Ctrl-C")
     stp.add_argument("--json", action="store_true", help="one JSON object (one per refresh with --watch)")
     stp.set_defaults(func=run_cmds.cmd_status)

@@ -14,8 +14,8 @@ import sys
 import time
 
 from aurora_store.errors import ConfigError, CoordinationError
+from aurora_store.options import storage_options
 from aurora_tools.cli.console import say
-from workers.args import storage_options
 
 __all__ = [
     "add_trainer_arguments",

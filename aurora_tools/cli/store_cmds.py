@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from aurora_store.options import storage_options
 from aurora_tools.cli.console import say
-from workers.args import storage_options
 
 __all__ = ["cmd_lineage", "cmd_verify", "cmd_gc"]
 

@@ -14,7 +14,7 @@ from typing import Any, cast
 from aurora_store.format.checkpoint import StagedDelta
 from aurora_tools.synthetic.engine import StagedAnnouncement, StagedSnapshot, SyntheticEngine
 from aurora_tools.synthetic.workload import SyntheticSpec, wan_key
-from workers.actor import Actor, ActorConfig
+from workers.actor import Actor, ActorConfig, config_from_args
 from workers.trainer import unshipped_state
 
 __all__ = ["SyntheticActorOptions", "SyntheticActor", "actor_main"]
@@ -150,11 +150,7 @@ def actor_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> 
 
     setup_logging(f"actor[{args.actor_id or ''}]")
     limit_torch_threads()
-    cfg = ActorConfig(
-        **({"actor_id": args.actor_id} if args.actor_id else {}),
-        region=args.region, engine="synthetic", claim=args.claim, slowdown=args.slowdown, seed=args.seed, streams=args.streams,
-        mirror_grace_s=args.mirror_grace_s, relay_wait_s=args.relay_wait_s,
-    )
+    cfg = config_from_args(args, engine="synthetic")
     opts = SyntheticActorOptions(args.transfer, args.hold_weights == "yes", args.digests)
     return run_until_stopped(SyntheticActor(Endpoints(args.store, args.redis, args.run, storage_options), cfg, opts), args.join_at_version)
 

@@ -32,7 +32,6 @@ def add_actor_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("synthetic workload (aurora bench wan)")
     g.add_argument("--workload", choices=("grpo", "synthetic"), default="grpo")
     g.add_argument("--transfer", choices=("delta", "full", "none"), default="delta", help="what the Trainer ships (must match it)")
-    g.add_argument("--streams", type=int, default=8, help="connections per fetched version")
     g.add_argument("--hold-weights", choices=("yes", "no"), default="yes", help="keep real weights and apply every version (no: fetch, verify, decode, drop)")
     g.add_argument("--digests", action="store_true", help="digest the weights after every activation (needs --hold-weights yes)")
 

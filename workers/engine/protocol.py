@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from aurora_store.config import DEFAULT_STREAMS
 from workers.task import Problem, reward
 
 if TYPE_CHECKING:
@@ -162,13 +163,13 @@ class StoreStaging(Protocol):
     """
 
     def bootstrap_from_store(
-        self, store: Store, storage_options: Mapping[str, Any] | None = None, version: int | None = None, streams: int = 8
+        self, store: Store, storage_options: Mapping[str, Any] | None = None, version: int | None = None, streams: int = DEFAULT_STREAMS
     ) -> tuple[int, str]:
         """Reach ``version`` (default: the newest) from the store; returns (version, state)."""
         ...
 
     def stage_from_store(
-        self, store: Store, storage_options: Mapping[str, Any] | None, version: int, expect_base_state: str | None, streams: int = 8
+        self, store: Store, storage_options: Mapping[str, Any] | None, version: int, expect_base_state: str | None, streams: int = DEFAULT_STREAMS
     ) -> tuple[Manifest, RemoteStaged | StagedDelta]:
         """Stage delta ``version`` on top of ``expect_base_state``; ``apply`` takes the handle."""
         ...

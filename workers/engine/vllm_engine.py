@@ -47,7 +47,7 @@ import torch
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.extract import fuse_weights, spec_of
 from aurora_store.codec.fusion import TIED_HEAD, FusionPlan
-from aurora_store.config import from_env
+from aurora_store.config import DEFAULT_STREAMS, from_env
 from aurora_store.errors import (
     AuroraError,
     ChainError,
@@ -274,7 +274,7 @@ class VLLMEngine:
             self._version = version
 
     def bootstrap_from_store(
-        self, store: Store, storage_options: Mapping[str, Any] | None = None, version: int | None = None, streams: int = 8
+        self, store: Store, storage_options: Mapping[str, Any] | None = None, version: int | None = None, streams: int = DEFAULT_STREAMS
     ) -> tuple[int, str]:
         """Reach ``version`` (default: the newest) inside the workers: snapshot, then deltas, in place.
 
@@ -294,7 +294,7 @@ class VLLMEngine:
         storage_options: Mapping[str, Any] | None,
         version: int,
         expect_base_state: str | None,
-        streams: int = 8,
+        streams: int = DEFAULT_STREAMS,
     ) -> tuple[Manifest, RemoteStaged | StagedDelta]:
         """Stage delta ``version`` in the workers (they fetch, verify and decode it themselves).
 
@@ -356,7 +356,7 @@ class VLLMEngine:
             self._need()
             return self._call_all("aurora_probe")
 
-    def reload_seconds(self, store: Store, storage_options: Mapping[str, Any] | None = None, streams: int = 8) -> float:
+    def reload_seconds(self, store: Store, storage_options: Mapping[str, Any] | None = None, streams: int = DEFAULT_STREAMS) -> float:
         """Benchmark baseline: seconds for vLLM's own ``load_weights`` of the held version, whole."""
         with self._lock:
             self._need()

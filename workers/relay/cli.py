@@ -9,7 +9,7 @@ import threading
 from collections.abc import Sequence
 
 from aurora_store.errors import AuroraError
-from workers.args import add_redis_args, add_store_args, storage_options
+from aurora_store.options import add_redis_args, add_store_args, storage_options
 from workers.relay.config import RelayConfig, relay_config_from_env
 from workers.relay.relay import run_relay
 

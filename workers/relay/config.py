@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aurora_store.config import Backoff, from_env
+from aurora_store.config import Backoff, from_env, streams_field
 from aurora_store.coordination.keys import validate_run_name
 from aurora_store.errors import ConfigError
 
@@ -48,7 +48,7 @@ class RelayConfig:
     block_ms: int = 1000
     """Longest blocking stream read; also bounds how long a stop takes to be noticed."""
     # PublishConfig's default too; not imported from there, which would load torch into the Relay.
-    streams: int = field(default=8, metadata={"env": "AURORA_STREAMS"})
+    streams: int = streams_field()
     """Concurrent object copies (connections to each store); env ``AURORA_STREAMS``."""
     resync_s: float = 60.0
     """Period of a full listing of origin even without a gap (0: only on gaps and failures)."""

@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from workers.args import add_common_args
+from aurora_store.options import add_common_args
 from workers.common import Endpoints
 from workers.trainer.config import TrainerConfig
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aurora_store.codec.entries import EncodeOptions
-from aurora_store.config import from_env
+from aurora_store.config import SEGMENT_MIB_ENV, from_env, streams_field
 from aurora_store.coordination.scheduler import SchedulerConfig
 from aurora_store.errors import ConfigError
 from aurora_store.lineage.publish import PublishConfig
@@ -51,9 +51,9 @@ class TrainerConfig:
     """Attention head size of the tiny policy model; vLLM's CPU attention needs >= 32 (``aurora demo --engine vllm``)."""
     seed: int = 0
     """Seeds the model, the problems and the sampling of every batch."""
-    streams: int = field(default=PublishConfig().streams, metadata={"env": "AURORA_STREAMS"})
+    streams: int = streams_field()
     """Concurrent uploads per published version (env ``AURORA_STREAMS``)."""
-    segment_bytes: int | None = field(default=None, metadata={"env": "AURORA_SEGMENT_MIB", "scale": 1 << 20})
+    segment_bytes: int | None = field(default=None, metadata={"env": SEGMENT_MIB_ENV, "scale": 1 << 20})
     """Target segment size of a published delta; None (the default, as for every publisher)
     adapts it to each delta (:func:`aurora_store.lineage.publish.segment_bytes_for`).
     Env ``AURORA_SEGMENT_MIB``, in MiB."""

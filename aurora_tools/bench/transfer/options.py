@@ -6,6 +6,8 @@ import argparse
 import math
 from typing import Any
 
+from aurora_store.config import DEFAULT_STREAMS
+
 __all__ = ["DEFAULT_PARAMS", "TARGET_SPEEDUP", "TARGET_OVER_RAW", "MIB", "add_arguments", "auto_size", "encode_options"]
 
 #: Default model size: Qwen3-0.6B's geometry cut to 6 of its 28 layers (about
@@ -29,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"model size in parameters (default {DEFAULT_PARAMS:.3g}: Qwen3-0.6B geometry, 6 layers)",
     )
     parser.add_argument(
-        "--streams", type=int, default=8, help="connections of the parallel runs (S)"
+        "--streams", type=int, default=DEFAULT_STREAMS, help="connections of the parallel runs (S)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -1,4 +1,9 @@
-"""The command-line options every worker takes, in one block.
+"""The command-line options every Aurora process takes, in one block.
+
+The library ships it (argparse only, no heavy import) so that the workers,
+the ``aurora`` CLI and a user's own processes declare these flags the same
+way, and so that light commands (``aurora lineage``, ``verify``, ``gc``,
+``status``) need nothing from the workers.
 
 ``--store``, ``--redis``, ``--run`` and ``--storage-option`` mean the same
 thing for the Trainer, Actor, Relay, demo and benchmarks; they are declared
@@ -15,7 +20,7 @@ from typing import Any
 
 from aurora_store.errors import ConfigError
 
-__all__ = ["add_store_args", "add_redis_args", "add_common_args", "storage_options"]
+__all__ = ["add_store_args", "add_storage_option", "add_redis_args", "add_common_args", "storage_options"]
 
 STORE_HELP = "run root: s3://bucket/prefix/run, file:///path, or a path"
 STORAGE_OPTION_HELP = "fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000"
@@ -51,7 +56,13 @@ def add_store_args(
 ) -> None:
     """``--store URL`` and repeatable ``--storage-option KEY=VALUE``."""
     p.add_argument("--store", required=required, metavar="URL", help=store_help)
-    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help=option_help)
+    add_storage_option(p, option_help)
+
+
+def add_storage_option(p: argparse.ArgumentParser, help: str | None = STORAGE_OPTION_HELP) -> None:
+    """Repeatable ``--storage-option KEY=VALUE`` alone, for commands that take the
+    run root as a positional URL (``aurora lineage URL``)."""
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help=help)
 
 
 def add_redis_args(
