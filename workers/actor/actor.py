@@ -21,125 +21,29 @@ wait) is timed on the Actor's ``clock``, so tests step through them with a
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import threading
 import time
-import uuid
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from aurora_store.clock import SYSTEM_CLOCK, Clock
-from aurora_store.config import Backoff, from_env, streams_field
 from aurora_store.coordination.bus import COMMIT, SEGMENT, Bus, BusGap
 from aurora_store.coordination.ledger import Lease, Ledger
 from aurora_store.coordination.redisconn import connect
-from aurora_store.errors import AuroraError, ConfigError, VersionNotFound
+from aurora_store.errors import AuroraError, VersionNotFound
 from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.lineage.fetch import fetch_delta, materialize
 from aurora_store.lineage.plan import scan_versions
-from aurora_store.options import add_common_args
 from aurora_store.storage import Store, open_store
+from workers.actor.config import ActorConfig, ActorStats
 from workers.common import Endpoints, RunKeys, read_model_description, record_digest
 from workers.engine import RemoteStaged, StoreStaging, make_engine
 
-__all__ = ["ENV_PREFIX", "ActorConfig", "ActorStats", "Actor", "add_arguments", "main", "run_until_stopped"]
-
-ENV_PREFIX = "AURORA_ACTOR_"
-"""Prefix of the Actor's environment variables (``AURORA_ACTOR_REGION`` …); ``streams`` is
-``AURORA_STREAMS``, shared with the Trainer and the Relay, and ``actor_id`` is ``AURORA_ACTOR_ID``."""
+__all__ = ["Actor"]
 
 log = logging.getLogger("aurora.actor")
-
-
-def _random_id() -> str:
-    return f"actor-{uuid.uuid4().hex[:8]}"
-
-
-@dataclass(frozen=True, slots=True)
-class ActorConfig:
-    """How an Actor works, where it reads versions from, and how it waits."""
-
-    actor_id: str = field(default_factory=_random_id, metadata={"env": "AURORA_ACTOR_ID"})
-    """Name in the ledger (default: ``actor-`` and 8 random hex digits)."""
-    region: str = "default"
-    """Region: the Actor stages from its Relay's mirror while that Relay heartbeats."""
-    engine: str = "torch"
-    """Inference engine (``torch``, ``vllm``; see :func:`workers.engine.make_engine`)."""
-    claim: int = 8
-    """Prompts leased per claim (one generation batch)."""
-    max_new_tokens: int = 14
-    """Longest completion sampled."""
-    temperature: float = 1.0
-    """Sampling temperature (0: greedy)."""
-    seed: int = 0
-    """Mixed with each lease's token into the sampling seed."""
-    heartbeat_s: float = 1.0
-    """Period of the ledger heartbeat (active and staged versions)."""
-    idle: Backoff = field(
-        default_factory=lambda: Backoff(initial_s=0.05, max_s=0.25, factor=1.5, jitter=0.0), metadata={"env": False}
-    )
-    """Pauses between looks for work while there is none: idle Actors polling Redis steal CPU
-    from whoever shares the machine."""
-    slowdown: float = 1.0
-    """>1 makes this Actor that many times slower (heterogeneity experiments)."""
-    streams: int = streams_field()
-    """Parallel segment fetches per staged version (env ``AURORA_STREAMS``)."""
-    mirror_grace_s: float = 2.0
-    """While the region's Relay is alive, a version its mirror lacks is read from origin only
-    once it has been missing this long: otherwise every Actor races the Relay's cut-through
-    copy and the region pays for the version once per Actor. Each segment of the version the
-    Relay announces restarts the wait: a Relay that is copying it is worth waiting for."""
-    relay_wait_s: float = 0.0
-    """At start, wait up to this long for the region's Relay to heartbeat before staging from
-    origin (for regions deployed with a Relay: Actors started with it would otherwise all
-    read the first versions across the region boundary)."""
-    join_poll_s: float = 0.1
-    """How often the Actor looks for the run's head (``--join-at-version``) and, during
-    ``relay_wait_s``, for the region's Relay."""
-    stage_block_ms: int = 500
-    """Longest blocking read of the announcement stream by the stager."""
-    stager_retry: Backoff = field(
-        default_factory=lambda: Backoff(initial_s=0.5, max_s=0.5, factor=1.0, jitter=0.0), metadata={"env": False}
-    )
-    """Pauses of the stager after a store or Redis error, before it looks again."""
-
-    def __post_init__(self) -> None:
-        if not self.actor_id:
-            raise ConfigError("actor_id must not be empty")
-        if self.claim < 1 or self.max_new_tokens < 1:
-            raise ConfigError(f"claim and max_new_tokens must be >= 1 (got {self.claim}, {self.max_new_tokens})")
-        if not 1 <= self.streams <= 256:
-            raise ConfigError(f"streams must be 1..256, got {self.streams}")
-        if self.heartbeat_s <= 0 or self.join_poll_s <= 0 or self.stage_block_ms < 1:
-            raise ConfigError(
-                f"heartbeat_s and join_poll_s must be > 0 and stage_block_ms >= 1 "
-                f"(got {self.heartbeat_s}, {self.join_poll_s}, {self.stage_block_ms})"
-            )
-        if self.temperature < 0 or self.slowdown <= 0 or self.mirror_grace_s < 0 or self.relay_wait_s < 0:
-            raise ConfigError(
-                "temperature, mirror_grace_s and relay_wait_s must be >= 0 and slowdown > 0 "
-                f"(got {self.temperature}, {self.mirror_grace_s}, {self.relay_wait_s}, {self.slowdown})"
-            )
-
-    @classmethod
-    def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> ActorConfig:
-        """Defaults, then ``AURORA_ACTOR_*`` (and ``AURORA_STREAMS``, ``AURORA_ACTOR_ID``), then ``overrides``."""
-        return from_env(cls, prefix, **overrides)
-
-
-@dataclass(slots=True)
-class ActorStats:
-    """What an Actor has done (its own view; the ledger holds the run's)."""
-
-    activations: list[tuple[int, float, float]] = field(default_factory=list)
-    """(version, stage seconds, activation seconds)"""
-    settled: int = 0
-    rejected: dict[str, int] = field(default_factory=dict)
-    tokens: int = 0
 
 
 class Actor:
@@ -460,64 +364,6 @@ class Actor:
         return self.stats
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments of ``aurora actor`` (the GRPO Actor)."""
-    d = ActorConfig.__dataclass_fields__
-    add_common_args(p, store_help="run root at origin")
-    p.add_argument("--region", default=d["region"].default, help="region name; the Actor uses its Relay's mirror while it is alive")
-    p.add_argument("--id", dest="actor_id", default=None, help="Actor id (default: random)")
-    p.add_argument("--engine", default=d["engine"].default, choices=("torch", "vllm"), help="vllm: pip install 'aurora-store[vllm]' (docs/WORKERS.md)")
-    p.add_argument("--claim", type=int, default=d["claim"].default, help="prompts per generation batch")
-    p.add_argument(
-        "--mirror-grace-s", type=float, default=d["mirror_grace_s"].default, metavar="S",
-        help="with the region's Relay alive, wait this long for its mirror to have a version before reading origin (default %(default)s)",
-    )
-    p.add_argument(
-        "--relay-wait-s", type=float, default=d["relay_wait_s"].default, metavar="S",
-        help="at start, wait up to S seconds for the region's Relay before staging from origin (default %(default)s: do not wait)",
-    )
-    p.add_argument(
-        "--streams", type=int, default=None, metavar="S",
-        help=f"parallel connections per fetched version (default: $AURORA_STREAMS, else {d['streams'].default})",
-    )
-    p.add_argument("--slowdown", type=float, default=d["slowdown"].default, help="run N times slower (experiments)")
-    p.add_argument("--seed", type=int, default=d["seed"].default)
-    p.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")
-
-
-def config_from_args(args: argparse.Namespace, engine: str | None = None) -> ActorConfig:
-    """The flags over ``AURORA_ACTOR_*`` (and ``AURORA_STREAMS``) over the defaults;
-    ``engine`` overrides ``--engine`` (the synthetic workload's own engine)."""
-    return ActorConfig.from_env(
-        actor_id=args.actor_id or None, region=args.region, engine=engine or args.engine, claim=args.claim,
-        slowdown=args.slowdown, seed=args.seed, mirror_grace_s=args.mirror_grace_s, relay_wait_s=args.relay_wait_s,
-        streams=args.streams,
-    )
-
-
-def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
-    """``aurora actor``: run until SIGTERM or SIGINT (a graceful leave)."""
-    from workers.common import limit_torch_threads, setup_logging
-
-    setup_logging(f"actor[{args.actor_id or ''}]")
-    limit_torch_threads()
-    cfg = config_from_args(args)
-    return run_until_stopped(Actor(Endpoints(args.store, args.redis, args.run, storage_options), cfg), args.join_at_version)
-
-
-def run_until_stopped(actor: Actor, join_at_version: int | None = None) -> int:
-    """Run an Actor in this process until SIGTERM/SIGINT, joining once the run reaches ``join_at_version``."""
-    from workers.common import install_stop_handlers
-
-    install_stop_handlers(actor.stop)
-    if join_at_version is not None:
-        actor.prepare()
-        actor.wait_for_version(join_at_version)
-        if actor.stop.is_set():
-            return 0
-    actor.run()
-    return 0
-
-
 def _int_or_none(x: Any) -> int | None:
     return None if x is None else int(x)
+

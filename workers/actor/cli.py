@@ -1,0 +1,75 @@
+"""``aurora actor``: the options, the configuration they give, and the run loop."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any
+
+from aurora_store.options import add_common_args
+from workers.actor.actor import Actor
+from workers.actor.config import ActorConfig
+from workers.common import Endpoints
+
+__all__ = ["add_arguments", "config_from_args", "main", "run_until_stopped"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``aurora actor`` (the GRPO Actor)."""
+    d = ActorConfig.__dataclass_fields__
+    add_common_args(p, store_help="run root at origin")
+    p.add_argument("--region", default=d["region"].default, help="region name; the Actor uses its Relay's mirror while it is alive")
+    p.add_argument("--id", dest="actor_id", default=None, help="Actor id (default: random)")
+    p.add_argument("--engine", default=d["engine"].default, choices=("torch", "vllm"), help="vllm: pip install 'aurora-store[vllm]' (docs/WORKERS.md)")
+    p.add_argument("--claim", type=int, default=d["claim"].default, help="prompts per generation batch")
+    p.add_argument(
+        "--mirror-grace-s", type=float, default=d["mirror_grace_s"].default, metavar="S",
+        help="with the region's Relay alive, wait this long for its mirror to have a version before reading origin (default %(default)s)",
+    )
+    p.add_argument(
+        "--relay-wait-s", type=float, default=d["relay_wait_s"].default, metavar="S",
+        help="at start, wait up to S seconds for the region's Relay before staging from origin (default %(default)s: do not wait)",
+    )
+    p.add_argument(
+        "--streams", type=int, default=None, metavar="S",
+        help=f"parallel connections per fetched version (default: $AURORA_STREAMS, else {d['streams'].default})",
+    )
+    p.add_argument("--slowdown", type=float, default=d["slowdown"].default, help="run N times slower (experiments)")
+    p.add_argument("--seed", type=int, default=d["seed"].default)
+    p.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")
+
+
+def config_from_args(args: argparse.Namespace, engine: str | None = None) -> ActorConfig:
+    """The flags over ``AURORA_ACTOR_*`` (and ``AURORA_STREAMS``) over the defaults;
+    ``engine`` overrides ``--engine`` (the synthetic workload's own engine)."""
+    return ActorConfig.from_env(
+        actor_id=args.actor_id or None, region=args.region, engine=engine or args.engine, claim=args.claim,
+        slowdown=args.slowdown, seed=args.seed, mirror_grace_s=args.mirror_grace_s, relay_wait_s=args.relay_wait_s,
+        streams=args.streams,
+    )
+
+
+def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
+    """``aurora actor``: run until SIGTERM or SIGINT (a graceful leave)."""
+    from workers.common import limit_torch_threads, setup_logging
+
+    setup_logging(f"actor[{args.actor_id or ''}]")
+    limit_torch_threads()
+    cfg = config_from_args(args)
+    return run_until_stopped(Actor(Endpoints(args.store, args.redis, args.run, storage_options), cfg), args.join_at_version)
+
+
+def run_until_stopped(actor: Actor, join_at_version: int | None = None) -> int:
+    """Run an Actor in this process until SIGTERM/SIGINT, joining once the run reaches ``join_at_version``."""
+    from workers.common import install_stop_handlers
+
+    install_stop_handlers(actor.stop)
+    if join_at_version is not None:
+        actor.prepare()
+        actor.wait_for_version(join_at_version)
+        if actor.stop.is_set():
+            return 0
+    actor.run()
+    return 0
+
+

@@ -1,0 +1,106 @@
+"""The Actor's configuration and counters."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aurora_store.config import Backoff, from_env, streams_field
+from aurora_store.errors import ConfigError
+
+__all__ = ["ENV_PREFIX", "ActorConfig", "ActorStats"]
+
+ENV_PREFIX = "AURORA_ACTOR_"
+"""Prefix of the Actor's environment variables (``AURORA_ACTOR_REGION`` …); ``streams`` is
+``AURORA_STREAMS``, shared with the Trainer and the Relay, and ``actor_id`` is ``AURORA_ACTOR_ID``."""
+
+
+
+def _random_id() -> str:
+    return f"actor-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True, slots=True)
+class ActorConfig:
+    """How an Actor works, where it reads versions from, and how it waits."""
+
+    actor_id: str = field(default_factory=_random_id, metadata={"env": "AURORA_ACTOR_ID"})
+    """Name in the ledger (default: ``actor-`` and 8 random hex digits)."""
+    region: str = "default"
+    """Region: the Actor stages from its Relay's mirror while that Relay heartbeats."""
+    engine: str = "torch"
+    """Inference engine (``torch``, ``vllm``; see :func:`workers.engine.make_engine`)."""
+    claim: int = 8
+    """Prompts leased per claim (one generation batch)."""
+    max_new_tokens: int = 14
+    """Longest completion sampled."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
+    seed: int = 0
+    """Mixed with each lease's token into the sampling seed."""
+    heartbeat_s: float = 1.0
+    """Period of the ledger heartbeat (active and staged versions)."""
+    idle: Backoff = field(
+        default_factory=lambda: Backoff(initial_s=0.05, max_s=0.25, factor=1.5, jitter=0.0), metadata={"env": False}
+    )
+    """Pauses between looks for work while there is none: idle Actors polling Redis steal CPU
+    from whoever shares the machine."""
+    slowdown: float = 1.0
+    """>1 makes this Actor that many times slower (heterogeneity experiments)."""
+    streams: int = streams_field()
+    """Parallel segment fetches per staged version (env ``AURORA_STREAMS``)."""
+    mirror_grace_s: float = 2.0
+    """While the region's Relay is alive, a version its mirror lacks is read from origin only
+    once it has been missing this long: otherwise every Actor races the Relay's cut-through
+    copy and the region pays for the version once per Actor. Each segment of the version the
+    Relay announces restarts the wait: a Relay that is copying it is worth waiting for."""
+    relay_wait_s: float = 0.0
+    """At start, wait up to this long for the region's Relay to heartbeat before staging from
+    origin (for regions deployed with a Relay: Actors started with it would otherwise all
+    read the first versions across the region boundary)."""
+    join_poll_s: float = 0.1
+    """How often the Actor looks for the run's head (``--join-at-version``) and, during
+    ``relay_wait_s``, for the region's Relay."""
+    stage_block_ms: int = 500
+    """Longest blocking read of the announcement stream by the stager."""
+    stager_retry: Backoff = field(
+        default_factory=lambda: Backoff(initial_s=0.5, max_s=0.5, factor=1.0, jitter=0.0), metadata={"env": False}
+    )
+    """Pauses of the stager after a store or Redis error, before it looks again."""
+
+    def __post_init__(self) -> None:
+        if not self.actor_id:
+            raise ConfigError("actor_id must not be empty")
+        if self.claim < 1 or self.max_new_tokens < 1:
+            raise ConfigError(f"claim and max_new_tokens must be >= 1 (got {self.claim}, {self.max_new_tokens})")
+        if not 1 <= self.streams <= 256:
+            raise ConfigError(f"streams must be 1..256, got {self.streams}")
+        if self.heartbeat_s <= 0 or self.join_poll_s <= 0 or self.stage_block_ms < 1:
+            raise ConfigError(
+                f"heartbeat_s and join_poll_s must be > 0 and stage_block_ms >= 1 "
+                f"(got {self.heartbeat_s}, {self.join_poll_s}, {self.stage_block_ms})"
+            )
+        if self.temperature < 0 or self.slowdown <= 0 or self.mirror_grace_s < 0 or self.relay_wait_s < 0:
+            raise ConfigError(
+                "temperature, mirror_grace_s and relay_wait_s must be >= 0 and slowdown > 0 "
+                f"(got {self.temperature}, {self.mirror_grace_s}, {self.relay_wait_s}, {self.slowdown})"
+            )
+
+    @classmethod
+    def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> ActorConfig:
+        """Defaults, then ``AURORA_ACTOR_*`` (and ``AURORA_STREAMS``, ``AURORA_ACTOR_ID``), then ``overrides``."""
+        return from_env(cls, prefix, **overrides)
+
+
+@dataclass(slots=True)
+class ActorStats:
+    """What an Actor has done (its own view; the ledger holds the run's)."""
+
+    activations: list[tuple[int, float, float]] = field(default_factory=list)
+    """(version, stage seconds, activation seconds)"""
+    settled: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+
+
