@@ -39,7 +39,7 @@ def add_encode_args(p: argparse.ArgumentParser) -> None:
         "--segment-mib",
         type=float,
         default=None,
-        help="target segment size in MiB (default 16, env AURORA_SEGMENT_MIB)",
+        help="target segment size in MiB (default: adaptive to the delta, 64 KiB..16 MiB; env AURORA_SEGMENT_MIB)",
     )
     p.add_argument(
         "--streams", type=int, default=None, help="parallel uploads (default 8, env AURORA_STREAMS)"
