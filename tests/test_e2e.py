@@ -29,7 +29,7 @@ def _log_tail(workdir, name: str, lines: int = 40) -> str:  # type: ignore[no-un
 def test_system_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with RedisServer() as rs:
         cfg = DemoConfig(
-            steps=12, batch=16, group=4, actors_relay=2, actors_origin=1, kill_at=2, stop_relay_at=2, join_at=4,
+            steps=20, batch=16, group=4, actors_relay=2, actors_origin=1, kill_at=2, stop_relay_at=2, join_at=4,
             snapshot_every=3, redis=rs.url, run="e2e", workdir=str(tmp_path), display=False,
             # A run this small can finish a few seconds after the Relay dies: a short
             # grace lets its Actor turn to origin well within that.
@@ -37,7 +37,7 @@ def test_system_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
         )
         res = run_system_demo(cfg, say=lambda *a, **k: None)
 
-        assert len(res.logs) == 12
+        assert len(res.logs) == 20
         # Bit-identical at every activation, and activations were really compared.
         assert res.bit_identical, res.mismatches
         actors_seen = {a for a, _ in res.activations}
