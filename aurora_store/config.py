@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import socket
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -31,6 +32,8 @@ from typing import Any, TypeVar
 from aurora_store.errors import ConfigError
 
 __all__ = [
+    "free_port",
+    "port_is_free",
     "from_env",
     "env_name",
     "parse_value",
@@ -178,3 +181,28 @@ class Backoff:
         while True:
             yield self.delay(attempt, rng)
             attempt += 1
+
+
+_LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A port the kernel just handed out on 127.0.0.1 (closed again at once).
+
+    For servers that cannot be asked to bind port 0 themselves (redis-server,
+    minio, torch.distributed's rendezvous); anything that can should.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((_LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_free(port: int) -> bool:
+    """Whether nothing listens on 127.0.0.1:``port`` (a port asked for by a user, checked before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((_LOOPBACK, port))
+        except OSError:
+            return False
+    return True

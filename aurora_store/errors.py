@@ -28,6 +28,7 @@ __all__ = [
     "ChainError",
     "VersionConflict",
     "StoreError",
+    "StoreUnavailable",
     "ObjectNotFound",
     "ConfigError",
     "VarintError",
@@ -35,6 +36,8 @@ __all__ = [
     "CoordinationError",
     "RedisUnavailable",
     "BusGap",
+    "OutageTooLong",
+    "FencedOut",
     "StepExists",
     "LedgerLost",
     "TokenizerError",
@@ -121,6 +124,11 @@ class StoreError(AuroraError, OSError):
     """The object store failed in a way retries did not fix."""
 
 
+class StoreUnavailable(StoreError):
+    """The object store did not answer (refused, timed out, 5xx, throttled) through
+    every retry of one operation: a transient failure a worker may ride out."""
+
+
 class ObjectNotFound(StoreError, FileNotFoundError):
     """An object the caller needs is not in the store."""
 
@@ -178,6 +186,24 @@ class RedisUnavailable(CoordinationError):
         self.op = op
         self.reason = reason
         super().__init__(f"redis unavailable during {op}: {reason}")
+
+
+class OutageTooLong(AuroraError, RuntimeError):
+    """A dependency (Redis, the store) stayed away longer than the outage budget.
+
+    ``dependency`` names it, ``seconds`` is how long it has been away.
+    """
+
+    def __init__(self, dependency: str, seconds: float, budget_s: float, last: str) -> None:
+        self.dependency = dependency
+        self.seconds = seconds
+        self.budget_s = budget_s
+        self.last = last
+        super().__init__(f"{dependency} unreachable for {seconds:.0f}s (outage budget {budget_s:.0f}s); last error: {last}")
+
+
+class FencedOut(AuroraError, RuntimeError):
+    """A Trainer of an older epoch tried to change the run after a newer one took over."""
 
 
 class BusGap(AuroraError, LookupError):

@@ -29,6 +29,7 @@ from workers.trainer.fsdp import (
     gather_bf16,
     grpo_epochs,
     init_from_env,
+    leave,
     local_rows,
 )
 
@@ -86,7 +87,7 @@ def _rank(rank: int, world: int, port: int, rows: int, out: str) -> None:
     bf16 = gather_bf16(params, ctx)
     if ctx.leader:
         torch.save({"full": full, "bf16": bf16, "tied": bf16["lm_head.weight"] is bf16["model.embed_tokens.weight"]}, out)
-    torch.distributed.destroy_process_group()
+    leave(ctx)
 
 
 def test_local_rows_cover_the_batch_once() -> None:

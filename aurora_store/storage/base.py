@@ -41,6 +41,7 @@ from aurora_store.errors import (
     ConfigError,
     ObjectNotFound,
     StoreError,
+    StoreUnavailable,
     VersionConflict,
 )
 
@@ -185,7 +186,7 @@ class Store(abc.ABC):
                 if not transient(e):
                     raise
                 if attempt == self.config.retries:
-                    raise StoreError(f"{what}: failed after {attempt + 1} attempts: {type(e).__name__}: {e}") from e
+                    raise StoreUnavailable(f"{what}: failed after {attempt + 1} attempts: {type(e).__name__}: {e}") from e
                 log.warning("%s: %s: %s (retry %d/%d)", what, type(e).__name__, e, attempt + 1, self.config.retries)
                 self.clock.wait(self._never, next(delays))
         raise AssertionError("unreachable")

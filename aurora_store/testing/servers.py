@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -24,32 +23,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aurora_store.config import free_port, port_is_free
+
 __all__ = ["S3Server", "RedisServer", "redis_server_binary", "free_port", "port_is_free"]
 
 _HOST = "127.0.0.1"
 _CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def free_port() -> int:
-    """A port the kernel just handed out on 127.0.0.1 (closed again at once).
-
-    For servers that cannot be asked to bind port 0 themselves (redis-server,
-    minio, torch.distributed's rendezvous); anything that can should.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((_HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def port_is_free(port: int) -> bool:
-    """Whether nothing listens on 127.0.0.1:``port`` (a port asked for by a user, checked before use)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((_HOST, port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass

@@ -6,11 +6,14 @@ import argparse
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aurora_store.options import add_common_args
 from workers.common import Endpoints
 from workers.trainer.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from workers.trainer.fsdp import DistContext
 
 __all__ = ["add_arguments", "config_from_args", "main"]
 
@@ -53,26 +56,32 @@ def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace, st
 
 def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
     """``aurora trainer``: train until done, SIGTERM or SIGINT (130)."""
-    from workers.common import install_stop_handlers, limit_torch_threads, setup_logging
-    from workers.trainer.fsdp import init_from_env
-    from workers.trainer.trainer import Trainer, follow
+    from workers.trainer.fsdp import init_from_env, leave
 
     nproc = getattr(args, "nproc", 1)
     if nproc < 1:
         raise SystemExit(f"--nproc must be >= 1, got {nproc}")
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        import socket
-
         import torch.multiprocessing as mp
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from aurora_store.config import free_port
+
+        port = free_port()  # torch.distributed's rendezvous cannot bind port 0 and report it
         # The parsed arguments travel to the new processes: only plain values pickle.
         plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
         mp.spawn(_spawned_rank, args=(nproc, port, plain, dict(storage_options)), nprocs=nproc)
         return 0
     ctx = init_from_env()
+    try:
+        return _run(args, storage_options, ctx)
+    finally:
+        leave(ctx)
+
+
+def _run(args: argparse.Namespace, storage_options: Mapping[str, Any], ctx: DistContext) -> int:
+    from workers.common import install_stop_handlers, limit_torch_threads, setup_logging
+    from workers.trainer.trainer import Trainer, follow
+
     setup_logging("trainer" if ctx.leader else f"trainer-rank{ctx.rank}")
     limit_torch_threads()
     if not ctx.leader:

@@ -37,6 +37,7 @@ __all__ = [
     "broadcast_module",
     "exchange",
     "gather_bf16",
+    "leave",
     "init_from_env",
     "local_rows",
     "shard_model",
@@ -87,6 +88,21 @@ def init_from_env(env: Mapping[str, str] | None = None) -> DistContext:
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}", rank=rank, world_size=world)
     return DistContext(rank, world, device)
+
+
+def leave(ctx: DistContext) -> None:
+    """Leave the process group together: a barrier, then destroy it.
+
+    A rank that tears gloo down while a peer still talks to it can abort in
+    C++ ("terminate called without an active exception"); the barrier makes
+    every rank finish its last collective before any rank destroys the group.
+    """
+    if not ctx.sharded or not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def broadcast_module(model: torch.nn.Module, src: int = 0) -> None:
