@@ -35,7 +35,13 @@ from typing import TypeVar
 import tenacity
 
 from aurora_store.clock import SYSTEM_CLOCK, Clock
-from aurora_store.errors import AuroraError, ConfigError, OutageTooLong, RedisUnavailable, StoreUnavailable
+from aurora_store.errors import (
+    AuroraError,
+    ConfigError,
+    OutageTooLong,
+    RedisUnavailable,
+    StoreUnavailable,
+)
 
 __all__ = [
     "DEFAULT_OUTAGE_BUDGET_S",
@@ -175,7 +181,7 @@ class Dependency:
         the last transient error is raised (the caller is shutting down).
         """
         stop = stop if stop is not None else threading.Event()
-        wait = tenacity.wait_exponential_jitter(self.initial_s, max=self.max_s, jitter=self.initial_s)
+        wait = tenacity.wait_exponential_jitter(multiplier=self.initial_s, max=self.max_s, jitter=self.initial_s)
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_transient),
             stop=lambda rs: stop.is_set(),

@@ -8,8 +8,21 @@ import threading
 
 import pytest
 
-from aurora_store.errors import ConfigError, OutageTooLong, RedisUnavailable, StoreError, StoreUnavailable, VersionConflict
-from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV, Dependency, is_transient, outage_budget_s
+from aurora_store.errors import (
+    ConfigError,
+    OutageTooLong,
+    RedisUnavailable,
+    StoreError,
+    StoreUnavailable,
+    VersionConflict,
+)
+from aurora_store.outage import (
+    DEFAULT_OUTAGE_BUDGET_S,
+    OUTAGE_BUDGET_ENV,
+    Dependency,
+    is_transient,
+    outage_budget_s,
+)
 
 
 class InstantClock:

@@ -40,7 +40,6 @@ from aurora_store.errors import (
     AuroraError,
     ConfigError,
     ObjectNotFound,
-    StoreError,
     StoreUnavailable,
     VersionConflict,
 )
