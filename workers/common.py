@@ -93,6 +93,11 @@ def record_digest(redis: Any, keys: RunKeys, who: str, version: int, digest: str
         redis.hset(keys.actor_digests, f"{who}|{version}", digest)
 
 
+def record_activation(redis: Any, keys: RunKeys, who: str, version: int, stage_s: float, activate_s: float) -> None:
+    """How long Actor ``who`` took to stage and to activate ``version`` (read by the demo and ``bench e2e``)."""
+    redis.hset(keys.activations, f"{who}|{version}", json.dumps({"stage_s": stage_s, "activate_s": activate_s}))
+
+
 def read_digests(redis: Any, keys: RunKeys) -> tuple[dict[int, str], dict[tuple[str, int], str]]:
     """(trainer digests by version, actor digests by (actor, version))."""
     t = {int(k): v.decode() for k, v in redis.hgetall(keys.trainer_digests).items()}

@@ -38,7 +38,13 @@ from aurora_store.lineage.fetch import fetch_delta, materialize
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.storage import Store, open_store
 from workers.actor.config import ActorConfig, ActorStats
-from workers.common import Endpoints, RunKeys, read_model_description, record_digest
+from workers.common import (
+    Endpoints,
+    RunKeys,
+    read_model_description,
+    record_activation,
+    record_digest,
+)
 from workers.engine import RemoteStaged, StoreStaging, make_engine
 
 __all__ = ["Actor"]
@@ -298,7 +304,7 @@ class Actor:
             act_s = time.perf_counter() - t0
             self.stats.activations.append((self.active, stage_s, act_s))
             record_digest(self.redis, self.keys, self.cfg.actor_id, self.active, self.engine.digest())
-            self.redis.hset(self.keys.activations, f"{self.cfg.actor_id}|{self.active}", json.dumps({"stage_s": stage_s, "activate_s": act_s}))
+            record_activation(self.redis, self.keys, self.cfg.actor_id, self.active, stage_s, act_s)
             self._heartbeat()
             log.info("%s activated v%d (staged in %.3fs, applied in %.4fs)", self.cfg.actor_id, self.active, stage_s, act_s)
 
