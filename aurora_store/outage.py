@@ -48,6 +48,7 @@ __all__ = [
     "OUTAGE_BUDGET_ENV",
     "Dependency",
     "is_transient",
+    "riding",
     "outage_budget_s",
 ]
 
@@ -186,7 +187,7 @@ class Dependency:
             retry=tenacity.retry_if_exception(is_transient),
             stop=lambda rs: stop.is_set(),
             wait=wait,
-            sleep=lambda s: self.clock.wait(stop, s),
+            sleep=lambda s: None if self.clock.wait(stop, s) else None,
             before_sleep=lambda rs: self.failed(rs.outcome.exception(), what),  # type: ignore[union-attr,arg-type]
             reraise=True,
         )
@@ -224,3 +225,46 @@ class _Guard:
         self.failed = True
         self.dep.failed(e, self.what)
         return True
+
+
+class _Riding:
+    """A proxy whose method calls go through :meth:`Dependency.call` (see :func:`riding`)."""
+
+    __slots__ = ("_target", "_dep", "_stop")
+    _target: object
+    _dep: Dependency
+    _stop: threading.Event | None
+
+    def __init__(self, target: object, dep: Dependency, stop: threading.Event | None) -> None:
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_dep", dep)
+        object.__setattr__(self, "_stop", stop)
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._target, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+        dep, stop, what = self._dep, self._stop, f"{type(self._target).__name__}.{name}"
+
+        def call(*args: object, **kwargs: object) -> object:
+            return dep.call(lambda: attr(*args, **kwargs), what, stop)
+
+        return call
+
+    def __setattr__(self, name: str, value: object) -> None:
+        setattr(self._target, name, value)
+
+    def __repr__(self) -> str:
+        return f"riding({self._target!r}, {self._dep.name})"
+
+
+def riding(target: T, dep: Dependency, stop: threading.Event | None = None) -> T:
+    """``target`` (a store, a ledger, a Redis client) whose public method calls ride out ``dep``'s outages.
+
+    Each call is retried whole while it fails transiently, so it must be safe
+    to repeat: true of Aurora's create-only store writes (a repeat reads back
+    equal bytes), the ledger's scripts (idempotent by design) and plain Redis
+    reads and sets. Attributes that are not methods pass through; so do
+    private methods.
+    """
+    return _Riding(target, dep, stop)  # type: ignore[return-value]

@@ -133,9 +133,11 @@ def test_create_step_validation(ledger: Ledger) -> None:
         ledger.create_step(V, H, jobs(2), {"a": 3}, group=1, lease_ms=LEASE)
     with pytest.raises(ConfigError):
         ledger.register("bad|id")
-    ledger.create_step(V, H, jobs(2), {}, group=1, lease_ms=LEASE)
+    assert ledger.create_step(V, H, jobs(2), {}, group=1, lease_ms=LEASE) == "created"
+    # a repeat (a retry after a lost answer) is a no-op; other jobs under the same id are refused
+    assert ledger.create_step(V, H, jobs(2), {}, group=1, lease_ms=LEASE) == "exists"
     with pytest.raises(StepExists):
-        ledger.create_step(V, H, jobs(2), {}, group=1, lease_ms=LEASE)
+        ledger.create_step(V, H, jobs(3), {}, group=1, lease_ms=LEASE)
     assert ledger.open_steps() == [V]
     ledger.close_step(V)
     assert ledger.open_steps() == []
@@ -250,7 +252,7 @@ def test_duplicate_settle_is_counted_once(ledger: Ledger, clock: ManualClock) ->
     assert rec is not None and rec.settled == 1
 
 
-def test_collect_resumes_from_a_position(ledger: Ledger) -> None:
+def test_collect_skips_what_the_trainer_has(ledger: Ledger) -> None:
     join(ledger, "a")
     ledger.create_step(V, H, jobs(5), {}, group=1, lease_ms=LEASE)
     _, leases = ledger.claim("a", V, 5)
@@ -259,18 +261,19 @@ def test_collect_resumes_from_a_position(ledger: Ledger) -> None:
     first = ledger.collect(V)
     for x in leases[2:]:
         ledger.settle("a", x, V, H, x.prompt.encode())
-    rest = ledger.collect(V, start=len(first))
+    rest = ledger.collect(V, have={r.prompt for r in first})
     assert [r.prompt for r in first + rest] == [x.prompt for x in leases]
     assert all(r.payload == r.prompt.encode() for r in first + rest)
 
 
-def test_settle_on_a_closed_step_answers_no_step(ledger: Ledger) -> None:
+def test_settle_on_a_closed_step_answers_closed(ledger: Ledger) -> None:
     join(ledger, "a")
     ledger.create_step(V, H, jobs(1), {}, group=1, lease_ms=LEASE)
     _, (lease,) = ledger.claim("a", V, 1)
     ledger.close_step(V)
-    assert ledger.settle("a", lease, V, H, b"r").reason == "no_step"
-    assert set(SETTLE_REASONS) >= {"accepted", "no_step"}
+    assert ledger.settle("a", lease, V, H, b"r").reason == "closed"  # the tombstone answers
+    assert ledger.settle("a", Lease("x", 1, V, H, 1, 0, b"", step=V + 1), V, H, b"r").reason == "no_step"
+    assert set(SETTLE_REASONS) >= {"accepted", "closed", "no_step"}
 
 
 # ---------------------------------------------------------------------------

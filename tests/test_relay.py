@@ -121,6 +121,14 @@ class Trainer:
         return self.manifests[(kind, v)].total_bytes + len(self.store.get(manifest_key(kind, v)))
 
 
+MODEL_CONFIG = b'{"model_type": "qwen3"}'
+
+
+def describe_model(origin: Store) -> None:
+    """Write the run's model description, as a Trainer does before its first version."""
+    origin.put("model/config.json", MODEL_CONFIG)
+
+
 @pytest.fixture
 def redis(redis_server: RedisServer) -> Iterator[Any]:
     client = connect(redis_server.url)
@@ -175,6 +183,7 @@ def test_cut_through_mirror_and_region_announcements(s3_server: S3Server, redis_
     """S3 origin -> file mirror: every version arrives, segments before the manifest exists at origin."""
     origin = open_store(f"s3://{s3_server.new_bucket()}/runs/{run_name}", s3_server.storage_options())
     mirror = open_store(f"file://{tmp_path}/mirror")
+    describe_model(origin)  # the Relay starts before the Trainer's first version
     relay = make_relay(origin, mirror, redis_server.url, run_name)
     seen: dict[int, tuple[bool, bool, bool]] = {}
 
@@ -205,7 +214,7 @@ def test_cut_through_mirror_and_region_announcements(s3_server: S3Server, redis_
         stats = relay.stats()
         for kind, v in (("snapshot", 0), ("delta", 1), ("delta", 2)):
             assert stats.bytes_by_version[(kind, v)] == trainer.version_bytes(kind, v)
-        assert stats.bytes_fetched == stats.bytes_copied == sum(stats.bytes_by_version.values())
+        assert stats.bytes_fetched == stats.bytes_copied == sum(stats.bytes_by_version.values()) + len(MODEL_CONFIG)
         bus.announce(COMMIT, 2)
         wait_until(lambda: any(e.type == COMMIT for e in region_events(redis, run_name)), "commit re-announced")
 
@@ -275,6 +284,7 @@ def test_late_relay_catches_up_and_restarts_without_copying_again(s3_server: S3S
 def test_duplicate_announcements_copy_each_object_once(redis_server: RedisServer, redis: Any, run_name: str, tmp_path: Path) -> None:
     origin = open_store(f"file://{tmp_path}/origin")
     mirror = open_store(f"file://{tmp_path}/mirror")
+    describe_model(origin)  # the Relay starts before the Trainer's first version
     relay = make_relay(origin, mirror, redis_server.url, run_name)
     with running(relay):
         wait_until(relay.caught_up.is_set, "the first listing")
@@ -299,6 +309,7 @@ def test_untrusted_bytes_are_never_mirrored(redis_server: RedisServer, redis: An
     caplog.set_level(logging.INFO, logger="aurora.relay")
     origin = open_store(f"file://{tmp_path}/origin")
     mirror = open_store(f"file://{tmp_path}/mirror")
+    describe_model(origin)  # the Relay starts before the Trainer's first version
     relay = make_relay(origin, mirror, redis_server.url, run_name)
     bus = Bus(redis, run_name)
     with running(relay):
@@ -453,51 +464,6 @@ def test_config_and_arguments() -> None:
     for bad in ({"region": "e{u}"}, {"ttl_s": 1.0, "heartbeat_s": 2.0}, {"block_ms": 0}, {"streams": 0}, {"mirror": "file:///o/"}, {"run": "a b"}):
         with pytest.raises(ConfigError):
             RelayConfig(**{**base, **bad})  # type: ignore[arg-type]
-
-
-def test_retry_while_redis_away_backs_off_on_the_clock_and_lets_other_errors_through() -> None:
-    """The one retry loop: Redis errors (redis-py's or the coordination layer's) wait a back-off delay."""
-    import redis as redis_lib
-
-    from aurora_store.config import Backoff
-    from aurora_store.errors import RedisUnavailable
-    from aurora_store.testing.clock import ManualClock
-    from workers.relay.retry import is_redis_error, redis_may_fail, retry_while_redis_away
-
-    clock = ManualClock()
-    stop = threading.Event()
-    failures: list[BaseException] = [redis_lib.exceptions.ConnectionError("refused"), RedisUnavailable("xread", "timed out")]
-    seen: list[BaseException] = []
-
-    def attempt() -> str:
-        if failures:
-            raise failures.pop(0)
-        return "1-0"
-
-    out: list[str | None] = []
-    t = threading.Thread(
-        target=lambda: out.append(retry_while_redis_away(attempt, stop, clock, Backoff(1.0, 4.0, jitter=0.0), seen.append))
-    )
-    t.start()
-    assert clock.wait_for_waiters(1)  # first failure: waiting 1 s
-    clock.advance(1.0)
-    assert clock.wait_for_waiters(2)  # second failure: waiting 2 s
-    clock.advance(2.0)
-    t.join(10)
-    assert out == ["1-0"] and [type(e).__name__ for e in seen] == ["ConnectionError", "RedisUnavailable"]
-
-    def bug() -> None:
-        raise KeyError("not an outage")
-
-    with pytest.raises(KeyError):
-        retry_while_redis_away(bug, stop, clock, Backoff(), seen.append)
-    stop.set()
-    assert retry_while_redis_away(attempt, stop, clock, Backoff(), seen.append) is None
-    assert is_redis_error(RedisUnavailable("get", "gone")) and not is_redis_error(ValueError())
-    with redis_may_fail(seen.append):
-        raise RedisUnavailable("set", "loading")
-    with pytest.raises(ValueError), redis_may_fail(seen.append):
-        raise ValueError("a bug, not an outage")
 
 
 def test_listing_schedule_on_a_manual_clock() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from aurora_store.coordination.keys import RunKeys
+from aurora_store.coordination.versioned import record_versioned
 from aurora_store.errors import ConfigError, ObjectNotFound
 from aurora_store.storage import Store
 
@@ -27,7 +28,9 @@ __all__ = [
     "RunKeys",
     "write_model_description",
     "read_model_description",
+    "DIGEST_LOG_ENV",
     "record_digest",
+    "record_activation",
     "read_digests",
     "install_stop_handlers",
     "limit_torch_threads",
@@ -85,21 +88,57 @@ def read_model_description(store: Store) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
-def record_digest(redis: Any, keys: RunKeys, who: str, version: int, digest: str) -> None:
-    """``who`` is ``trainer`` or an Actor id."""
+DIGEST_LOG_ENV = "AURORA_DIGEST_LOG"
+"""A file each worker appends one JSON line ``{"who", "version", "digest"}`` to per digest it
+records, when set: the chaos benchmark compares digests kept outside Redis, which its faults erase."""
+
+_digest_log_failed = False
+
+
+def _append_digest_log(who: str, version: int, digest: str) -> None:
+    """One ``write`` of one line with ``O_APPEND``: lines of concurrent workers never interleave."""
+    global _digest_log_failed
+    path = os.environ.get(DIGEST_LOG_ENV)
+    if not path:
+        return
+    line = (json.dumps({"who": who, "version": int(version), "digest": digest}) + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if not _digest_log_failed:  # a diagnostic aid: say so once, never stop the worker
+            _digest_log_failed = True
+            log.warning("%s=%s: cannot append digests: %s", DIGEST_LOG_ENV, path, e)
+
+
+def record_digest(redis: Any, keys: RunKeys, who: str, version: int, digest: str, keep_versions: int | None = None) -> None:
+    """``who`` is ``trainer`` or an Actor id.
+
+    The hashes keep the newest ``keep_versions`` versions (default
+    ``AURORA_LEDGER_KEEP_VERSIONS``, 1000); with ``AURORA_DIGEST_LOG`` set
+    the digest is also appended to that file (first, so a Redis outage does
+    not lose it there).
+    """
+    _append_digest_log(who, version, digest)
     if who == "trainer":
-        redis.hset(keys.trainer_digests, str(version), digest)
+        record_versioned(redis, keys, keys.trainer_digests, str(version), digest, version, keep_versions)
     else:
-        redis.hset(keys.actor_digests, f"{who}|{version}", digest)
+        record_versioned(redis, keys, keys.actor_digests, f"{who}|{version}", digest, version, keep_versions)
 
 
-def record_activation(redis: Any, keys: RunKeys, who: str, version: int, stage_s: float, activate_s: float) -> None:
+def record_activation(
+    redis: Any, keys: RunKeys, who: str, version: int, stage_s: float, activate_s: float, keep_versions: int | None = None
+) -> None:
     """How long Actor ``who`` took to stage and to activate ``version`` (read by the demo and ``bench e2e``)."""
-    redis.hset(keys.activations, f"{who}|{version}", json.dumps({"stage_s": stage_s, "activate_s": activate_s}))
+    body = json.dumps({"stage_s": stage_s, "activate_s": activate_s})
+    record_versioned(redis, keys, keys.activations, f"{who}|{version}", body, version, keep_versions)
 
 
 def read_digests(redis: Any, keys: RunKeys) -> tuple[dict[int, str], dict[tuple[str, int], str]]:
-    """(trainer digests by version, actor digests by (actor, version))."""
+    """(trainer digests by version, actor digests by (actor, version)): the newest versions kept."""
     t = {int(k): v.decode() for k, v in redis.hgetall(keys.trainer_digests).items()}
     a: dict[tuple[str, int], str] = {}
     for k, v in redis.hgetall(keys.actor_digests).items():

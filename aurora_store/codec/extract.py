@@ -25,7 +25,7 @@ import torch
 from aurora_store.codec import kernels
 from aurora_store.codec.encodings import DTYPES
 from aurora_store.codec.entries import ParamSpec
-from aurora_store.codec.fusion import FusionPlan
+from aurora_store.codec.fusion import EMBED, TIED_HEAD, FusionPlan
 from aurora_store.errors import ModelMismatchError
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "fuse_weights",
     "plan_of",
     "spec_of",
+    "unfuse_weights",
 ]
 
 #: Elements compared per step; bounds the temporary masks (~1/4 byte per element).
@@ -242,3 +243,26 @@ def fuse_weights(weights: Mapping[str, torch.Tensor], plan: FusionPlan) -> dict[
         else weights[p.blocks[0].source].detach().contiguous().clone()
         for p in plan
     }
+
+
+def unfuse_weights(fused: Mapping[str, torch.Tensor], plan: FusionPlan) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`fuse_weights`: tensors under their Hugging Face names.
+
+    Each source tensor is a view into the fused one (no copy); a tied
+    ``lm_head.weight`` the plan dropped is the embedding, under both names.
+    A fused tensor of the wrong shape or a missing one raises
+    :class:`~aurora_store.errors.ModelMismatchError`.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for p in plan:
+        t = fused.get(p.name)
+        if t is None or tuple(t.shape) != tuple(p.spec.shape):
+            got = "missing" if t is None else f"{list(t.shape)}"
+            raise ModelMismatchError(f"{p.name}: expected {list(p.spec.shape)}, got {got}")
+        flat = t.reshape(-1)
+        for b in p.blocks:
+            out[b.source] = flat[b.offset : b.offset + b.numel].view(b.spec.shape)
+    for name in plan.dropped:
+        if name == TIED_HEAD and EMBED in out:
+            out[name] = out[EMBED]
+    return out

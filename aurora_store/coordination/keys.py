@@ -55,11 +55,11 @@ class RunKeys:
     # -- ledger (docs/PROTOCOL.md) ---------------------------------------------
     @property
     def actors(self) -> str:
-        """set: Actor ids ever registered."""
+        """set: Actor ids registered; an id whose record expired is trimmed by the Trainer's reap."""
         return f"{self.prefix}actors"
 
     def actor(self, actor: str) -> str:
-        """hash: one Actor's registry record."""
+        """hash: one Actor's registry record (with a TTL, refreshed by register and heartbeat)."""
         return f"{self.prefix}actor:{actor}"
 
     @property
@@ -68,13 +68,18 @@ class RunKeys:
         return f"{self.prefix}fence"
 
     @property
+    def epoch(self) -> str:
+        """string: the epoch of the Trainer that owns the run (fences out older Trainers)."""
+        return f"{self.prefix}epoch"
+
+    @property
     def steps(self) -> str:
         """zset: open step ids."""
         return f"{self.prefix}steps"
 
     def step(self, v: int, part: str = "") -> str:
         """The step hash, or one of its parts (``prompts``, ``pool``, ``lease``, ``exp``, ``done``,
-        ``results``, ``results:payload``)."""
+        ``results``, ``results:payload``, ``assignees``)."""
         return f"{self.prefix}step:{v}" + (f":{part}" if part else "")
 
     def assigned(self, v: int, actor: str) -> str:
@@ -107,6 +112,13 @@ class RunKeys:
         """hash ``actor|version`` -> JSON {stage_s, activate_s, source}: how each activation went."""
         return f"{self.prefix}activations"
 
+    def index(self, key: str) -> str:
+        """zset beside a per-version hash of this run (the digests, the activations): field ->
+        version, so the hash is trimmed to its newest versions."""
+        if not key.startswith(self.prefix):
+            raise ConfigError(f"{key!r} is not a key of run {self.run!r}")
+        return f"{key}:index"
+
     def relay(self, region: str) -> str:
         """string with a TTL: the region's mirror URL, while its Relay heartbeats."""
         return f"{self.prefix}relay:{region}"
@@ -119,6 +131,16 @@ class RunKeys:
     def relay_region(self, key: str) -> str:
         """The region of a ``relay:{region}`` key of this run."""
         return key[len(self.relay("")):]
+
+    def relay_held(self, region: str) -> str:
+        """string with a TTL: JSON ``{"versions": [...]}``, the versions the region's Relay is
+        mirroring (origin retention keeps what they need); refreshed with its heartbeat."""
+        return f"{self.prefix}relay-held:{region}"
+
+    @property
+    def relay_held_pattern(self) -> str:
+        """SCAN pattern of the run's ``relay-held:{region}`` keys (not matched by :attr:`relay_pattern`)."""
+        return glob_escape(self.prefix) + "relay-held:*"
 
     # -- benchmarks and synthetic workloads ----------------------------------------
     def wan(self, what: str) -> str:

@@ -2,7 +2,9 @@
 
 :func:`collect_status` reads (never writes) the keys of docs/PROTOCOL.md and
 docs/WORKERS.md into one JSON-able dict; :func:`render` turns it into a few
-aligned tables. ``aurora status`` is the command-line glue.
+aligned tables. ``aurora status`` is the command-line glue. Actors are those with a record
+(live, or departed within the ledger's ``departed_ttl_s``), never every id
+that ever joined.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def collect_status(redis: Any, run: str, now_ms: int | None = None) -> dict[str,
             "step": as_int(th.get("step"), lenient=True),
             "status": as_str(th["status"], "replace") if "status" in th else None,
         }
+        # Present once a Trainer with the recovery features wrote them.
+        if "unreturned" in th:
+            trainer["unreturned"] = as_int(th.get("unreturned"), lenient=True)
+        epoch = as_int(redis.get(keys.epoch), lenient=True)
+        if epoch is not None:
+            trainer["epoch"] = epoch
 
     # Relays
     relays = []
@@ -133,8 +141,9 @@ def render(status: dict[str, Any]) -> str:
         if t.get("published_ms") is not None:
             when = time.strftime("%H:%M:%S", time.localtime(t["published_ms"] / 1000))
             pub = f"{when}, {_age(t['published_age_s'])} ago"
+        extra = "".join(f", {k} {t[k]}" for k in ("epoch", "unreturned") if t.get(k) is not None)
         lines.append(
-            f"Trainer: head v{_v(t['head'])}{state} published {pub}; status {_v(t['status'])}, step {_v(t['step'])}"
+            f"Trainer: head v{_v(t['head'])}{state} published {pub}; status {_v(t['status'])}, step {_v(t['step'])}{extra}"
         )
 
     relays = status.get("relays", [])

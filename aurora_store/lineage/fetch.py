@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 __all__ = [
+    "ManifestReader",
     "read_manifest",
     "fetch_objects",
     "fetch_delta",
@@ -60,6 +61,36 @@ def read_manifest(store: Store, kind: str, version: int) -> Manifest:
             store.where(key), f"describes {m.kind} {m.version}, expected {kind} {version}"
         )
     return m
+
+
+class ManifestReader:
+    """Manifests of one store, each read at most once: the :data:`~aurora_store.lineage.plan.Cost`
+    a planner compares paths by, and the manifests the fetch that follows reuses.
+
+    Why: planning a catch-up reads the manifests of the versions it weighs
+    (small objects, but each a round trip on a far link); the deltas it then
+    fetches need the same manifests again. Committed manifests never change,
+    so one read serves both. A manifest that is absent or unreadable costs
+    None (the planner routes around it); the fetch of that version, if it
+    comes to one, reads it again and raises the error that names it.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._seen: dict[tuple[str, int], Manifest | None] = {}
+
+    def get(self, kind: str, version: int) -> Manifest | None:
+        key = (kind, version)
+        if key not in self._seen:
+            try:
+                self._seen[key] = read_manifest(self.store, kind, version)
+            except (VersionNotFound, ManifestError):
+                self._seen[key] = None
+        return self._seen[key]
+
+    def cost(self, kind: str, version: int) -> int | None:
+        m = self.get(kind, version)
+        return None if m is None else m.total_bytes
 
 
 def fetch_objects(store: Store, m: Manifest, streams: int = DEFAULT_STREAMS, then: Callable[[str, bytes], T] | None = None) -> list[tuple[str, T]]:
@@ -101,11 +132,18 @@ def fetch_delta(
     model: Mapping[str, ParamSpec] | None,
     streams: int = DEFAULT_STREAMS,
     expect_base_state: str | None = None,
+    manifest: Manifest | None = None,
 ) -> tuple[Manifest, StagedDelta]:
-    """Fetch, verify, decode and validate delta ``version``. Applies nothing."""
+    """Fetch, verify, decode and validate delta ``version``. Applies nothing.
+
+    ``manifest``: the version's manifest when the caller already read it
+    (a :class:`ManifestReader`); read from the store otherwise.
+    """
     from aurora_store.format.checkpoint import assemble_staged
 
-    m = read_manifest(store, "delta", version)
+    if manifest is not None and (manifest.kind, manifest.version) != ("delta", version):
+        raise ValueError(f"fetch_delta({version}) was handed the manifest of {manifest.kind} {manifest.version}")
+    m = manifest if manifest is not None else read_manifest(store, "delta", version)
     if expect_base_state is not None and m.base_state != expect_base_state:
         raise ChainError(
             f"{store.where(manifest_key('delta', version))}: base_state {m.base_state} does not match "
@@ -128,15 +166,20 @@ def fetch_delta(
 
 
 def fetch_snapshot(
-    store: Store, version: int, streams: int = DEFAULT_STREAMS
+    store: Store, version: int, streams: int = DEFAULT_STREAMS, manifest: Manifest | None = None
 ) -> tuple[Manifest, dict[str, torch.Tensor]]:
-    """Fetch and verify a snapshot; returns its fused tensors (on the CPU)."""
+    """Fetch and verify a snapshot; returns its fused tensors (on the CPU).
+
+    ``manifest`` as for :func:`fetch_delta`.
+    """
     from safetensors import SafetensorError
     from safetensors.torch import load
 
     from aurora_store.codec.extract import spec_of
 
-    m = read_manifest(store, "snapshot", version)
+    if manifest is not None and (manifest.kind, manifest.version) != ("snapshot", version):
+        raise ValueError(f"fetch_snapshot({version}) was handed the manifest of {manifest.kind} {manifest.version}")
+    m = manifest if manifest is not None else read_manifest(store, "snapshot", version)
     tensors: dict[str, torch.Tensor] = {}
     objects: list[tuple[str, bytes]] = fetch_objects(store, m, streams)
     for where, data in objects:

@@ -1,23 +1,36 @@
-"""``aurora gc``: remove orphans and versions that no retained chain needs.
+"""Retention: remove versions no retained chain needs, orphans, and dead temporary files.
 
-Retention keeps the newest N snapshots and every delta after the oldest of
-them, so any version from that snapshot on stays reachable (snapshot plus
-deltas). Orphans (objects of publish attempts that never committed) are
-removed only once older than ``min_orphan_age_s``: a publish in flight
-looks exactly like an orphan until its manifest lands.
+The rule (``aurora gc``, the Trainer every N steps, each Relay on its mirror)
+keeps the newest K snapshots and every version after the oldest of them, so
+any version from that snapshot on stays reachable (snapshot plus deltas).
 
 The store alone cannot tell which versions live Actors still hold or are
-staging; a caller that knows (the coordination layer) passes a
-:class:`~aurora_store.lineage.interfaces.HeldVersions`, and each held
-version keeps its own manifest, the chain that reaches it (snapshot plus
-deltas, as :func:`~aurora_store.lineage.plan.plan_chain` would pick) and
-the deltas after it, so its holder still catches up delta by delta.
+staging, nor which a Relay is still copying; a caller that knows (the
+coordination layer, :mod:`aurora_store.coordination.retention`) passes a
+:class:`~aurora_store.lineage.interfaces.HeldVersions`. Each held version
+keeps its own manifest, the chain that reaches it (snapshot plus deltas, as
+:func:`~aurora_store.lineage.plan.plan_chain` would pick) and the deltas after
+it, so its holder still catches up delta by delta. Only ``force`` deletes
+them anyway (an operator who knows those holders are gone).
+
+Garbage that no manifest names goes once older than a *grace*: an orphan (an
+object of a publish attempt that never committed) looks exactly like an
+object of a publish in flight until its manifest lands, and a temporary
+file (:data:`~aurora_store.storage.base.TEMP_PREFIX`, written by the
+local-file backend) exactly like one being written. A grace far longer than
+any write (an hour by default) tells the dead from the busy.
+
+Held versions are read *before* anything is deleted, and an error reading
+them (Redis away) propagates: retention never deletes blind. Deletion goes
+manifest first, so a version disappears before its objects; a collection
+cut short leaves orphans, which the next one removes.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from aurora_store.errors import AuroraError, ConfigError
@@ -26,25 +39,71 @@ from aurora_store.lineage.interfaces import HeldVersions
 from aurora_store.lineage.plan import VersionIndex, plan_chain
 from aurora_store.lineage.report import Lineage, read_lineage
 from aurora_store.storage import Store
+from aurora_store.storage.base import TEMP_PREFIX
 
-__all__ = ["GcPlan", "plan_gc", "run_gc", "DEFAULT_MIN_ORPHAN_AGE_S"]
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "DEFAULT_MIN_ORPHAN_AGE_S",
+    "GcPlan",
+    "plan_gc",
+    "retain",
+    "retained",
+    "retention_floor",
+    "run_gc",
+]
 
-#: An uncommitted attempt younger than this may still be publishing.
-DEFAULT_MIN_ORPHAN_AGE_S = 3600.0
+#: An uncommitted attempt (or a temporary file) younger than this may still be being written.
+DEFAULT_GRACE_S = 3600.0
+#: The older name of :data:`DEFAULT_GRACE_S` (``aurora gc --min-orphan-age``).
+DEFAULT_MIN_ORPHAN_AGE_S = DEFAULT_GRACE_S
+
+VersionId = tuple[str, int]
+
+
+def retention_floor(snapshots: Iterable[int], keep_snapshots: int) -> int | None:
+    """The oldest snapshot the rule keeps, or None while fewer than ``keep_snapshots`` exist (all kept)."""
+    if keep_snapshots < 1:
+        raise ConfigError(f"--keep-snapshots must be >= 1, got {keep_snapshots}")
+    snaps = sorted(set(snapshots), reverse=True)
+    return snaps[keep_snapshots - 1] if len(snaps) >= keep_snapshots else None
+
+
+def retained(kind: str, version: int, floor: int | None) -> bool:
+    """Whether the rule alone keeps ``kind`` ``version``: the floor snapshot and everything after it.
+
+    The delta *at* the floor goes: the snapshot there replaces it as the start of every chain.
+    """
+    if floor is None:
+        return True
+    return version > floor or (kind == "snapshot" and version == floor)
 
 
 @dataclass(slots=True)
 class GcPlan:
-    """What a collection would remove."""
+    """What a collection removes (or, in a dry run, would remove), and what it spared and why."""
 
-    versions: list[tuple[str, int]] = field(default_factory=list)
+    versions: list[VersionId] = field(default_factory=list)
     """(kind, version) whose manifest and objects go."""
     orphans: list[str] = field(default_factory=list)
+    """Objects no manifest references, older than the grace."""
     kept_snapshots: list[int] = field(default_factory=list)
+    """The newest snapshots, kept by the rule."""
     young_orphans: int = 0
     """Orphans spared because they may belong to a publish in flight."""
-    kept_for_held: list[tuple[str, int]] = field(default_factory=list)
-    """(kind, version) retention alone would remove, kept for versions live Actors hold."""
+    kept_for_held: list[VersionId] = field(default_factory=list)
+    """(kind, version) the rule alone would remove, kept because live holders need them."""
+    forced: list[VersionId] = field(default_factory=list)
+    """(kind, version) live holders need, removed anyway (``force``)."""
+    held: frozenset[int] | None = None
+    """The versions live holders reported; None when nobody was asked (no Redis)."""
+    temp_files: list[str] = field(default_factory=list)
+    """Temporary files (``.tmp-*``) older than the grace: writers that died."""
+    young_temp_files: int = 0
+    """Temporary files spared: they may be being written."""
+    dry_run: bool = True
+    """Whether nothing was deleted."""
+    removed: int = 0
+    """Objects deleted (0 in a dry run)."""
 
     def keys(self, lin: Lineage) -> list[str]:
         """Every key to delete, manifests first (a version disappears before its objects)."""
@@ -52,17 +111,28 @@ class GcPlan:
         for k, v in self.versions:
             m = lin.manifests[(k, v)]
             out.extend(f"{version_dir(k, v)}/{s.key}" for s in m.segments)
-        return out + self.orphans
+        return out + self.orphans + self.temp_files
+
+    def summary(self) -> str:
+        """One line: what went (or would go) and what was kept."""
+        what = f"{len(self.versions)} version(s), {len(self.orphans)} orphan(s), {len(self.temp_files)} temporary file(s)"
+        line = f"would remove {what}" if self.dry_run else f"removed {self.removed} object(s): {what}"
+        line += f"; kept snapshots {self.kept_snapshots}"
+        if self.kept_for_held:
+            line += f"; kept {len(self.kept_for_held)} version(s) for live holders"
+        if self.forced:
+            line += f"; removed {len(self.forced)} held version(s) by force"
+        return line
 
 
-def _needed_by(lin: Lineage, held: frozenset[int]) -> set[tuple[str, int]]:
+def _needed_by(lin: Lineage, held: frozenset[int]) -> set[VersionId]:
     """(kind, version) a holder of each version in ``held`` needs: that version, the
     chain that reaches it, and every delta after it."""
     index = VersionIndex(
         frozenset(v for k, v in lin.manifests if k == "delta"),
         frozenset(v for k, v in lin.manifests if k == "snapshot"),
     )
-    need: set[tuple[str, int]] = set()
+    need: set[VersionId] = set()
     for h in held:
         try:
             chain = plan_chain(index, h)
@@ -78,32 +148,41 @@ def _needed_by(lin: Lineage, held: frozenset[int]) -> set[tuple[str, int]]:
     return need
 
 
+def _held_set(held: HeldVersions | frozenset[int] | None) -> frozenset[int] | None:
+    if held is None or isinstance(held, frozenset):
+        return held
+    return frozenset(held.held_versions())
+
+
 def plan_gc(
     lin: Lineage,
     keep_snapshots: int,
     orphan_age: Callable[[str], float | None],
     min_orphan_age_s: float,
-    held: HeldVersions | None = None,
+    held: HeldVersions | frozenset[int] | None = None,
+    force: bool = False,
 ) -> GcPlan:
     """Pure planning over a lineage; ``orphan_age(key)`` gives an object's age in seconds.
 
-    ``held`` (optional) names versions live Actors hold or stage; whatever
-    they need is kept even when the retention rule alone would remove it.
+    ``held`` (optional) names versions live Actors hold or stage and live
+    Relays copy; whatever they need is kept even when the retention rule
+    alone would remove it, unless ``force``.
     """
-    if keep_snapshots < 1:
-        raise ConfigError(f"--keep-snapshots must be >= 1, got {keep_snapshots}")
-    plan = GcPlan()
+    floor = retention_floor((v for k, v in lin.manifests if k == "snapshot"), keep_snapshots)
+    held_now = _held_set(held)
+    plan = GcPlan(held=held_now)
     snaps = sorted((v for k, v in lin.manifests if k == "snapshot"), reverse=True)
     plan.kept_snapshots = snaps[:keep_snapshots]
-    if len(snaps) >= keep_snapshots:
-        oldest = plan.kept_snapshots[-1]
-        need = _needed_by(lin, held.held_versions()) if held is not None else set()
+    if floor is not None:
+        need = _needed_by(lin, held_now) if held_now else set()
         for kind, v in sorted(lin.manifests):
-            if (kind == "delta" and v <= oldest) or (kind == "snapshot" and v < oldest):
-                if (kind, v) in need:
-                    plan.kept_for_held.append((kind, v))
-                else:
-                    plan.versions.append((kind, v))
+            if retained(kind, v, floor):
+                continue
+            if (kind, v) in need:
+                (plan.forced if force else plan.kept_for_held).append((kind, v))
+                if not force:
+                    continue
+            plan.versions.append((kind, v))
     for key in lin.orphans:
         age = orphan_age(key)
         if age is not None and age >= min_orphan_age_s:
@@ -113,15 +192,60 @@ def plan_gc(
     return plan
 
 
-def run_gc(
+def _temp_files(store: Store) -> list[str]:
+    """Keys of every temporary file under the run root (hidden from :meth:`Store.list`).
+
+    Only the local-file backend writes them (S3 and memory create in one
+    request), so other backends are not listed a second time.
+    """
+    if store.protocol != "file":
+        return []
+    try:
+        found = store.fs.find(store.root)
+    except FileNotFoundError:
+        return []
+    root = store.root + "/"
+    return sorted(
+        p[len(root):] for p in found if p.startswith(root) and os.path.basename(p).startswith(TEMP_PREFIX)
+    )
+
+
+def _prune_empty_folders(store: Store, keys: Iterable[str]) -> None:
+    """Remove folders the deletion emptied (local files only; object stores have no folders)."""
+    if store.protocol != "file":
+        return
+    folders = {os.path.dirname(k) for k in keys}
+    for folder in sorted(folders, key=lambda f: -f.count("/")):
+        while folder and folder not in ("deltas", "snapshots"):
+            try:
+                os.rmdir(f"{store.root}/{folder}")
+            except OSError:
+                break  # not empty (or gone): stop climbing
+            folder = os.path.dirname(folder)
+
+
+def retain(
     store: Store,
     keep_snapshots: int,
-    apply: bool = False,
-    min_orphan_age_s: float = DEFAULT_MIN_ORPHAN_AGE_S,
-    say: Callable[[str], None] = print,
-    held: HeldVersions | None = None,
+    held: HeldVersions | frozenset[int] | None = None,
+    grace_s: float = DEFAULT_GRACE_S,
+    force: bool = False,
+    dry_run: bool = False,
+    say: Callable[[str], None] | None = None,
 ) -> GcPlan:
-    """Plan, print, and (with ``apply``) delete; ``held`` as in :func:`plan_gc`."""
+    """Apply retention to ``store``: the call the Trainer makes every N steps and each Relay on its mirror.
+
+    Keeps the newest ``keep_snapshots`` snapshots and every version after the
+    oldest of them; keeps whatever ``held`` says live Actors and Relays need
+    (unless ``force``; a frozenset is taken as already read); removes orphans
+    and temporary files older than ``grace_s``. ``held`` is read first: if that fails (Redis away) the error
+    propagates and nothing is deleted. ``dry_run`` only plans. ``say``
+    receives one line per decision (None: silent). Returns the plan, with
+    ``removed`` set.
+    """
+    if grace_s < 0:
+        raise ConfigError(f"the grace must be >= 0 seconds, got {grace_s}")
+    held_now = _held_set(held)  # before anything else: never delete blind
     lin = read_lineage(store)
     now = time.time()
 
@@ -129,19 +253,55 @@ def run_gc(
         t = store.modified(key)
         return None if t is None else now - t
 
-    plan = plan_gc(lin, keep_snapshots, age, min_orphan_age_s, held)
+    plan = plan_gc(lin, keep_snapshots, age, grace_s, held_now, force)
+    for key in _temp_files(store):
+        a = age(key)
+        if a is not None and a >= grace_s:
+            plan.temp_files.append(key)
+        else:
+            plan.young_temp_files += 1
+    plan.dry_run = dry_run
     keys = plan.keys(lin)
-    verb = "deleting" if apply else "would delete"
-    for kind, v in plan.versions:
-        say(f"{verb} {kind} {v}")
-    if plan.orphans:
-        say(f"{verb} {len(plan.orphans)} orphan object(s)")
-    if plan.kept_for_held:
-        say(f"keeping {len(plan.kept_for_held)} version(s) that live Actors still need: {plan.kept_for_held}")
-    if plan.young_orphans:
-        say(f"keeping {plan.young_orphans} orphan object(s) younger than {min_orphan_age_s:.0f}s (maybe a publish in flight)")
-    if apply:
+    if say is not None:
+        _report(plan, grace_s, say)
+    if not dry_run:
         for k in keys:
             store.delete(k)
-    say(f"{'removed' if apply else 'dry run: would remove'} {len(keys)} object(s); kept snapshots {plan.kept_snapshots}")
+            plan.removed += 1
+        _prune_empty_folders(store, keys)
+    if say is not None:
+        say(f"{'dry run: would remove' if dry_run else 'removed'} {len(keys)} object(s); kept snapshots {plan.kept_snapshots}")
     return plan
+
+
+def _report(plan: GcPlan, grace_s: float, say: Callable[[str], None]) -> None:
+    verb = "would delete" if plan.dry_run else "deleting"
+    for kind, v in plan.versions:
+        say(f"{verb} {kind} {v}" + (" (held by a live Actor or Relay: --force)" if (kind, v) in plan.forced else ""))
+    if plan.orphans:
+        say(f"{verb} {len(plan.orphans)} orphan object(s)")
+    if plan.temp_files:
+        say(f"{verb} {len(plan.temp_files)} temporary file(s) older than {grace_s:.0f}s")
+    if plan.kept_for_held:
+        say(
+            f"keeping {len(plan.kept_for_held)} version(s) that live Actors still need (or live Relays mirror): "
+            f"{plan.kept_for_held} (--force deletes them)"
+        )
+    if plan.young_orphans:
+        say(f"keeping {plan.young_orphans} orphan object(s) younger than {grace_s:.0f}s (maybe a publish in flight)")
+    if plan.young_temp_files:
+        say(f"keeping {plan.young_temp_files} temporary file(s) younger than {grace_s:.0f}s (maybe a write in flight)")
+
+
+def run_gc(
+    store: Store,
+    keep_snapshots: int,
+    apply: bool = False,
+    min_orphan_age_s: float = DEFAULT_MIN_ORPHAN_AGE_S,
+    say: Callable[[str], None] = print,
+    held: HeldVersions | None = None,
+    force: bool = False,
+) -> GcPlan:
+    """Plan, print, and (with ``apply``) delete: :func:`retain` with the CLI's defaults (a dry run, printing)."""
+    return retain(store, keep_snapshots, held, min_orphan_age_s, force=force, dry_run=not apply, say=say)
+

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import torch
@@ -55,6 +57,13 @@ __all__ = [
     "segment_bytes_for",
     "estimate_delta_bytes",
 ]
+
+log = logging.getLogger("aurora.publish")
+
+
+def _utc_now() -> str:
+    """A manifest's ``created_at`` (FORMAT.md §4): UTC, to the second."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 _MIB = 1 << 20
 
@@ -170,10 +179,13 @@ class _Uploader:
         def run() -> None:
             try:
                 self.store.put(key, data, mode="create")
-                if done is not None:
-                    done()
             finally:
                 self.slots.release()
+            if done is not None:
+                try:
+                    done()
+                except Exception as e:  # noqa: BLE001 - an announcement is a hint: the manifest is the commit
+                    log.warning("segment %s is durable but its announcement failed (%s: %s); readers find it by the manifest", key, type(e).__name__, e)
 
         self.futures.append(self.pool.submit(run))
 
@@ -194,8 +206,16 @@ def publish_delta(
     config: PublishConfig | None = None,
     on_segment: Callable[[SegmentEvent], None] | None = None,
     producer: Mapping[str, Any] | None = None,
+    attempt: str | None = None,
+    created_at: str | None = None,
 ) -> Manifest:
     """Encode, upload and commit delta ``version`` on top of a base with ``base_state``.
+
+    ``attempt`` and ``created_at`` (default: new ones) make a retry of a
+    publish whose answer was lost write the very same segment and manifest
+    bytes, so each create-only write reads back equal bytes instead of a
+    conflict. ``on_segment`` is called once a segment is durable; an error
+    it raises is logged, not fatal (announcements are hints).
 
     With an adaptive segment size (``config.segment_bytes`` None) the size
     depends on the whole delta, so ``deltas`` is gathered first (only the
@@ -210,7 +230,7 @@ def publish_delta(
         segment_bytes = cfg.segment_bytes_for(estimate_delta_bytes(deltas))
     else:
         segment_bytes = cfg.segment_bytes
-    attempt = new_attempt_id()
+    attempt = attempt or new_attempt_id()
     vdir = version_dir("delta", version)
     params: dict[str, dict[str, object]] = {}
     refs: list[SegmentRef] = []
@@ -239,6 +259,7 @@ def publish_delta(
         base_version=version - 1,
         base_state=base_state,
         producer={"name": PRODUCER_NAME, "version": __version__, **(producer or {})},
+        created_at=created_at or _utc_now(),
     )
     store.put(manifest_key("delta", version), m.to_bytes(), mode="create")
     return m
@@ -252,8 +273,12 @@ def publish_snapshot(
     state: str | None,
     config: PublishConfig | None = None,
     producer: Mapping[str, Any] | None = None,
+    attempt: str | None = None,
+    created_at: str | None = None,
 ) -> Manifest:
     """Write full weights (fused names) as shards, then the manifest.
+
+    ``attempt`` and ``created_at``: as for :func:`publish_delta` (a retry writes equal bytes).
 
     ``state`` is the state of the version captured; ``None`` for the first
     snapshot of a run, whose state is its own content digest.
@@ -261,7 +286,7 @@ def publish_snapshot(
     from safetensors.torch import save
 
     cfg = config or PublishConfig()
-    attempt = new_attempt_id()
+    attempt = attempt or new_attempt_id()
     vdir = version_dir("snapshot", version)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -305,6 +330,7 @@ def publish_snapshot(
         params=params,
         state=state if state is not None else content_digest(segments),
         producer={"name": PRODUCER_NAME, "version": __version__, **(producer or {})},
+        created_at=created_at or _utc_now(),
     )
     store.put(manifest_key("snapshot", version), m.to_bytes(), mode="create")
     return m

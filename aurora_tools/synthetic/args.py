@@ -24,7 +24,8 @@ def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shard-bytes", type=int, default=64 << 20)
     g.add_argument("--heartbeat-timeout", type=float, default=8.0)
     g.add_argument("--min-lease-s", type=float, default=2.0, help="floor of a lease: longer than one claim's simulated generation")
-    g.add_argument("--keep-snapshots", type=int, default=6, help="full transfer: versions kept in the store (memory of an in-memory S3 server)")
+    # --keep-snapshots is the Trainer's own flag; with --transfer full it bounds the versions
+    # kept in the store (the memory of an in-memory S3 server), 6 unless given.
     g.add_argument("--digests", action="store_true", help="record the weights digest of every version")
 
 

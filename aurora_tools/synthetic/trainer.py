@@ -175,7 +175,7 @@ def trainer_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -
     spec = SyntheticSpec(shape, args.seed, args.density, per_prompt, args.tokens)
     train_s = args.train_s if args.train_s is not None else 0.3 * PAPER_GEN_WINDOW_S * shape.params / PAPER_PARAMS
     cfg = TrainerConfig(
-        steps=args.steps, batch=args.batch, group=args.group, snapshot_every=0, streams=args.streams, seed=args.seed,
+        steps=args.steps, batch=args.batch, group=args.group, snapshot_every=0, checkpoint_every=0, streams=args.streams, seed=args.seed,
         segment_bytes=args.segment_bytes, heartbeat_timeout_s=args.heartbeat_timeout, transfer=args.transfer, max_lag=args.max_lag,
         scheduler=SchedulerConfig(split=args.split, min_lease_ms=int(1000 * args.min_lease_s)),
     )
@@ -185,7 +185,7 @@ def trainer_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -
     def on_step(lg: Any) -> None:
         r.rpush(wan_key(args.run, "steps"), json.dumps({**dataclasses.asdict(lg), "t_ms": time.time() * 1000}))
 
-    tr = SyntheticTrainer(ep, cfg, spec, SyntheticTrainerOptions(train_s=train_s, digests=args.digests, shard_bytes=args.shard_bytes, keep_snapshots=args.keep_snapshots), on_step)
+    tr = SyntheticTrainer(ep, cfg, spec, SyntheticTrainerOptions(train_s=train_s, digests=args.digests, shard_bytes=args.shard_bytes, keep_snapshots=args.keep_snapshots or 6), on_step)
     install_stop_handlers(tr.stop)
     try:
         tr.run()

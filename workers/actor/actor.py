@@ -7,12 +7,26 @@ Three threads (docs/WORKERS.md):
   version; generate; settle with (active version, its state digest);
 - stager: follow announcements (the region's Relay mirror while its
   heartbeat key exists, else origin), fetch + verify + decode the next delta
-  on top of the newest staged state, keep it staged;
-- heartbeat: report active and staged versions every ``heartbeat_s``.
+  on top of the newest staged state, keep it staged; when far behind, or
+  when the chain is broken, stage a whole version (snapshot + deltas)
+  instead, whichever fetches fewer bytes;
+- heartbeat: report active and staged versions (and quarantined ones) every
+  ``heartbeat_s``.
 
 A delta is accepted only on top of the base it declares
 (``expect_base_state``); a version that fails validation is never staged,
-so it can never be applied. SIGTERM is a graceful leave.
+so it can never be applied: it is quarantined with back-off instead. SIGTERM
+is a graceful leave.
+
+Faults are normal (docs/FAILURES.md). The Actor and the Trainer start in any
+order: an Actor that finds no run yet waits for it. Redis and the store may
+be away for a while: every thread rides out an outage through one
+:class:`~aurora_store.outage.Dependency` per dependency (one log line when
+it starts, one when it ends, one budget, ``outage_budget_s``); the Actor
+keeps generating on the version it holds while only the store is away. A
+Redis that comes back without its data finds the Actor registering again.
+Past the budget, or on a permanent error (bad credentials, a missing
+bucket), :meth:`Actor.run` raises and the CLI prints one line.
 
 Every wait of these loops (polls, back-off, the mirror's grace, the Relay
 wait) is timed on the Actor's ``clock``, so tests step through them with a
@@ -26,19 +40,35 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any, TypeVar
 
 from aurora_store.clock import SYSTEM_CLOCK, Clock
+from aurora_store.config import Backoff
 from aurora_store.coordination.bus import COMMIT, SEGMENT, Bus, BusGap
 from aurora_store.coordination.ledger import Lease, Ledger
 from aurora_store.coordination.redisconn import connect
-from aurora_store.errors import AuroraError, VersionNotFound
+from aurora_store.errors import (
+    AuroraError,
+    ChainError,
+    FormatError,
+    IntegrityError,
+    ModelMismatchError,
+    ObjectNotFound,
+    StoreUnavailable,
+    VersionNotFound,
+)
 from aurora_store.format.checkpoint import StagedDelta
-from aurora_store.lineage.fetch import fetch_delta, materialize
-from aurora_store.lineage.plan import scan_versions
+from aurora_store.lineage.fetch import ManifestReader, fetch_delta, fetch_snapshot
+from aurora_store.lineage.plan import ChainPlan, VersionIndex, plan_chain, scan_versions
+from aurora_store.outage import Dependency, is_transient, riding
 from aurora_store.storage import Store, open_store
 from workers.actor.config import ActorConfig, ActorStats
+from workers.actor.quarantine import Quarantine, StagedFull, staged_nbytes
 from workers.common import (
+    MODEL_CONFIG_KEY,
+    TOKENIZER_KEY,
     Endpoints,
     RunKeys,
     read_model_description,
@@ -47,9 +77,38 @@ from workers.common import (
 )
 from workers.engine import RemoteStaged, StoreStaging, make_engine
 
-__all__ = ["Actor"]
+__all__ = ["Actor", "StagedFull"]
 
 log = logging.getLogger("aurora.actor")
+
+T = TypeVar("T")
+
+#: Errors that say "these bytes are not a valid version" (as opposed to "the store is away"
+#: or "not committed"): the version is quarantined.
+INVALID = (FormatError, IntegrityError, ChainError, ObjectNotFound)
+
+# KEYS[1] actor hash; ARGV field, value. Writes only into a record that exists: a report
+# must never create a record the ledger does not know (it would have no status and no TTL).
+_REPORT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
+class _Refused(Exception):
+    """A version on a catch-up path failed validation (which one, and why)."""
+
+    def __init__(self, kind: str, version: int, error: BaseException) -> None:
+        super().__init__(f"{kind} {version}: {error}")
+        self.kind, self.version, self.error = kind, version, error
+
+
+def _attributed(kind: str, version: int, fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except INVALID as e:
+        raise _Refused(kind, version, e) from e
 
 
 class Actor:
@@ -68,12 +127,35 @@ class Actor:
         self.keys = RunKeys(ep.run)
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.staged: deque[tuple[StagedDelta | RemoteStaged, str, float]] = deque()
-        """(delta, its state, seconds it took to stage) in version order."""
+        self.staged: deque[tuple[StagedDelta | RemoteStaged | StagedFull, str, float]] = deque()
+        """(delta or whole version, its state, seconds it took to stage) in version order."""
         self.staged_version = -1
         self.staged_state = ""
         self.commit_seen = -1
         self.stats = ActorStats()
+        # One outage per dependency, however many threads hit it (and one budget).
+        ob = cfg.outage_backoff
+        self.redis_dep = Dependency("Redis", log, cfg.outage_budget_s, clock, ob.initial_s, ob.max_s)
+        self.store_dep = Dependency("the store", log, cfg.outage_budget_s, clock, ob.initial_s, ob.max_s)
+        self.quarantine = Quarantine(cfg.quarantine, clock, log)
+        self._report = self.redis.register_script(_REPORT)
+        self._reported: str | None = None
+        """The ``quarantined`` field as last written into the actor record."""
+        self._fatal: BaseException | None = None
+        """What ended a background thread (an outage past the budget, a permanent error)."""
+        self._want = -1
+        """The version the main loop last wanted: the stager's catch-up target when behind it."""
+        self._full_bytes: int | None = None
+        """Bytes of a whole version (the last snapshot staged from): what replay is weighed against."""
+        self._delta_bytes: deque[int] = deque(maxlen=8)
+        """Bytes of the last deltas staged."""
+        self._replay_until = -1
+        """A catch-up plan chose replay up to here: no new plan before it is reached."""
+        self._manifests: ManifestReader | None = None
+        """Manifests read by the last plan, reused by the replay that follows it."""
+        self._replan_at = 0.0
+        self._replan_failures = 0
+        self._full_said = False
         self._mirror: tuple[str, Store] | None = None
         self._missing_since: dict[int, float] = {}
         """version -> when the stager first found it missing from the region's mirror."""
@@ -81,54 +163,214 @@ class Actor:
         """version -> when the region's Relay last announced a segment of it."""
         self._mirror_behind = False
 
-    # -- bootstrap ----------------------------------------------------------------
+    # -- riding out outages ---------------------------------------------------------
+    def _redis(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()`` (a Redis call), retried through a Redis outage until the budget is spent."""
+        return self.redis_dep.call(fn, what, self.stop)
+
+    def _store(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()`` (a store call), retried through a store outage until the budget is spent."""
+        return self.store_dep.call(fn, what, self.stop)
+
+    def _pauses(self) -> Iterator[float]:
+        ob = self.cfg.outage_backoff
+        return Backoff(initial_s=ob.initial_s, max_s=ob.max_s, factor=ob.factor, jitter=ob.jitter).delays()
+
+    def _trouble(self, e: BaseException, what: str) -> bool:
+        """A background loop's error: True if it is to be waited out (recorded on its dependency).
+
+        Raises :class:`~aurora_store.errors.OutageTooLong` past the budget. False
+        for a permanent error (the caller re-raises it: the Actor ends).
+        """
+        if is_transient(e):
+            (self.store_dep if isinstance(e, StoreUnavailable) else self.redis_dep).failed(e, what)
+            return True
+        if isinstance(e, AuroraError):
+            return False
+        # Not ours, not an outage (a bug, an untranslated library error): keep the
+        # Actor generating on what it holds, and say so.
+        log.warning("%s: %s: %s", what, type(e).__name__, e, exc_info=e)
+        return True
+
+    def _background(self, fn: Callable[[], None], name: str) -> threading.Thread:
+        def go() -> None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+                if not (self.stop.is_set() and is_transient(e)):
+                    self._fatal = self._fatal or e
+                self.stop.set()
+
+        return threading.Thread(target=go, daemon=True, name=name)
+
+    # -- waiting for the run ----------------------------------------------------------
+    def _wait_for_run(self, what: str, probe: Callable[[], T | None]) -> T | None:
+        """``probe()`` (a store read) until it finds something; one log line while it does not.
+
+        None if stopped first. The Trainer may start after the Actors: that is a wait, not an error.
+        """
+        said = False
+        while not self.stop.is_set():
+            got = self._store(probe, f"look for {what}")
+            if got is not None:
+                if said:
+                    log.info("%s: the run is here (%s found)", self.cfg.actor_id, what)
+                return got
+            if not said:
+                log.info("%s: waiting for the run to appear at %s (no %s yet)", self.cfg.actor_id, self.origin.url, what)
+                said = True
+            self.clock.wait(self.stop, self.cfg.run_poll_s)
+        return None
+
     def wait_for_version(self, version: int) -> None:
         """Join only once the run's head reaches ``version`` (a node that becomes available later)."""
         while not self.stop.is_set():
-            head = self.redis.hget(self.keys.trainer, "head")
+            try:
+                head = self._redis(lambda: self.redis.hget(self.keys.trainer, "head"), "read the run's head")
+            except Exception as e:
+                if self.stop.is_set() and is_transient(e):
+                    return  # stopped during an outage
+                raise
             if head is not None and int(head) >= version:
                 return
             self.clock.wait(self.stop, self.cfg.join_poll_s)
 
+    # -- bootstrap ----------------------------------------------------------------
     def prepare(self) -> None:
-        """Build the engine from the run's model description (no weights yet)."""
-        model, self.tokenizer = read_model_description(self.origin)
+        """Build the engine from the run's model description (no weights yet); waits for the run."""
+
+        def described() -> bool | None:
+            return True if self.origin.exists(MODEL_CONFIG_KEY) and self.origin.exists(TOKENIZER_KEY) else None
+
+        if self._wait_for_run("model description", described) is None:
+            return
+        model, self.tokenizer = self._store(lambda: read_model_description(self.origin), "read the model description")
         self.engine = make_engine(self.cfg.engine, self.tokenizer)
         self.engine.load(model)
 
     def bootstrap(self) -> None:
+        """Load the newest version the store holds (waiting for one), register, heartbeat."""
         if not hasattr(self, "engine"):
             self.prepare()
-        index = scan_versions(self.origin)
-        if index.latest is None:
-            raise AuroraError(f"{self.origin.url}: no version to bootstrap from")
+        if self.stop.is_set():
+            return
         t0 = time.perf_counter()
-        if isinstance(self.engine, StoreStaging):  # its workers read the store themselves
-            _, state = self.engine.bootstrap_from_store(self.origin, self.ep.storage_options, index.latest, self.cfg.streams)
-        else:
-            tensors, state = materialize(self.origin, index.latest, self.cfg.streams)
-            self.engine.load_weights(tensors, version=index.latest)
-        self.active, self.active_state = index.latest, state
-        self.staged_version, self.staged_state = index.latest, state
-        record_digest(self.redis, self.keys, self.cfg.actor_id, self.active, self.engine.digest())
+        got = self._reach_newest()
+        if got is None:
+            return
+        version, state = got
+        self.active, self.active_state = version, state
+        self.staged_version, self.staged_state = version, state
+        self._redis(lambda: record_digest(self.redis, self.keys, self.cfg.actor_id, self.active, self.engine.digest()), "record a digest")
         log.info("%s bootstrapped at v%d in %.2fs", self.cfg.actor_id, self.active, time.perf_counter() - t0)
+        self._redis(self._register, "register")
+        self._redis(self._heartbeat, "heartbeat")
+
+    def _reach_newest(self) -> tuple[int, str] | None:
+        """Weights of the newest usable version into the engine: (version, state), or None if stopped.
+
+        A version that fails validation is quarantined and the next plan
+        routes around it (an older version, another snapshot); with no
+        usable version yet, this waits like a run that has not appeared.
+        """
+        said = False
+        while not self.stop.is_set():
+            index = self._wait_for_run("version", lambda: _nonempty(scan_versions(self.origin)))
+            if index is None:
+                return None
+            usable = index.without(self.quarantine.blocked())
+            reader = ManifestReader(self.origin)
+            plan = self._store(partial(_newest_plan, usable, reader), "plan the bootstrap")
+            if plan is None:
+                if not said:
+                    log.warning("%s: no usable version at %s yet; waiting", self.cfg.actor_id, self.origin.url)
+                    said = True
+                self.clock.wait(self.stop, self.cfg.run_poll_s)
+                continue
+            try:
+                full = self._store(partial(self._stage_full, self.origin, plan, reader), "bootstrap")
+            except _Refused as r:
+                self.quarantine.failed(r.kind, r.version, r.error)
+                continue
+            except VersionNotFound:
+                continue  # removed while we read it (retention): plan again
+            self._load_full(full)
+            self.quarantine.forget_below(full.version)
+            return full.version, full.state
+        return None
+
+    def _stage_full(self, store: Store, plan: ChainPlan, reader: ManifestReader | None = None) -> StagedFull:
+        """Fetch a whole version: ``plan``'s snapshot, then its deltas, each checked against the state it lands on.
+
+        Raises :class:`_Refused` naming the version that failed validation.
+        An engine that reads the store itself (vLLM) fetches nothing here:
+        it reaches the version when the result is activated.
+        """
+        from aurora_store.apply.sink import FusedWeights, apply_delta
+        from aurora_store.codec.extract import spec_of
+
+        assert plan.snapshot is not None
+        reader = reader or ManifestReader(store)
+        self._full_bytes = reader.cost("snapshot", plan.snapshot) or self._full_bytes
+        if isinstance(self.engine, StoreStaging):
+            kind = "delta" if plan.deltas else "snapshot"
+            m = _attributed(kind, plan.target, lambda: _manifest(store, reader, kind, plan.target))
+            return StagedFull(plan.target, m.state, None, plan.snapshot, plan.bytes or 0)
+        s = plan.snapshot
+        sm, tensors = _attributed("snapshot", s, lambda: fetch_snapshot(store, s, self.cfg.streams, reader.get("snapshot", s)))
+        specs = self.engine.param_specs()
+
+        def fits() -> None:
+            if set(tensors) != set(specs):
+                raise ModelMismatchError(f"snapshot {s} names {sorted(set(tensors) ^ set(specs))[:3]} that the model lacks or misses")
+            for name, t in tensors.items():
+                if spec_of(t, name) != specs[name]:
+                    raise ModelMismatchError(f"snapshot {s}: {name} does not fit the model")
+
+        _attributed("snapshot", s, fits)
+        sink, state = FusedWeights(tensors), sm.state
+        for v in plan.deltas:
+            m, staged = _attributed(
+                "delta", v, lambda v=v, st=state: fetch_delta(store, v, specs, self.cfg.streams, expect_base_state=st, manifest=reader.get("delta", v))  # type: ignore[misc]
+            )
+            apply_delta(staged, sink)
+            state = m.state
+        return StagedFull(plan.target, state, tensors, s, plan.bytes or 0)
+
+    def _load_full(self, full: StagedFull) -> None:
+        """Swap a whole version into the engine (bootstrap, or a safe point)."""
+        if full.tensors is None:
+            engine = self.engine
+            assert isinstance(engine, StoreStaging)
+            v, state = self._store(
+                partial(engine.bootstrap_from_store, self.origin, self.ep.storage_options, full.version, self.cfg.streams), f"reach v{full.version}"
+            )
+            if (v, state) != (full.version, full.state):
+                raise ChainError(f"the engine reached v{v} ({state}), expected v{full.version} ({full.state})")
+        else:
+            self.engine.load_weights(full.tensors, version=full.version)
+
+    # -- the ledger record ----------------------------------------------------------
+    def _register(self) -> None:
         self.ledger.register(self.cfg.actor_id, self.cfg.region, self.cfg.engine)
-        self._heartbeat()
+        self._reported = None  # a new record: report everything again
 
     def _heartbeat(self) -> None:
         ok = self.ledger.heartbeat(self.cfg.actor_id, active=self.active, staged=self.staged_version, active_state=self.active_state)
         if not ok and not self.stop.is_set():
-            # Reaped (we were silent too long) or Redis lost its state: join again.
-            log.warning("%s: heartbeat refused; registering again", self.cfg.actor_id)
-            self.ledger.register(self.cfg.actor_id, self.cfg.region, self.cfg.engine)
+            # Reaped (we were silent too long), or Redis lost its state: join again.
+            log.warning("%s: heartbeat refused (the ledger lost or reaped this Actor); registering again", self.cfg.actor_id)
+            self._register()
             self.ledger.heartbeat(self.cfg.actor_id, active=self.active, staged=self.staged_version, active_state=self.active_state)
+            record_digest(self.redis, self.keys, self.cfg.actor_id, self.active, self.engine.digest())
+        q = json.dumps(self.quarantine.versions())
+        if q != self._reported and self._report(keys=[self.keys.actor(self.cfg.actor_id)], args=["quarantined", q]):
+            self._reported = q
 
     def _heartbeat_loop(self) -> None:
         while not self.clock.wait(self.stop, self.cfg.heartbeat_s):
-            try:
+            with self.redis_dep.guard("heartbeat"):
                 self._heartbeat()
-            except Exception as e:  # noqa: BLE001 - keep beating through Redis hiccups
-                log.warning("heartbeat failed: %s", e)
 
     # -- staging --------------------------------------------------------------------
     def _poll(self) -> tuple[str | None, int | None, int | None]:
@@ -137,6 +379,7 @@ class Actor:
         pipe.get(self.keys.relay(self.cfg.region))
         pipe.hmget(self.keys.trainer, "head", "commit")
         url, (head, commit) = pipe.execute()
+        self.redis_dep.ok()
         return (url.decode() if url else None), _int_or_none(head), _int_or_none(commit)
 
     def _source(self, relay_url: str | None) -> tuple[Store, str | None]:
@@ -151,7 +394,23 @@ class Actor:
         if isinstance(self.engine, StoreStaging):
             opts = self.ep.storage_options if store is self.origin else {}
             return self.engine.stage_from_store(store, opts, version, self.staged_state, self.cfg.streams)
-        return fetch_delta(store, version, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state)
+        known = self._manifests.get("delta", version) if self._manifests is not None and self._manifests.store is store else None
+        return fetch_delta(store, version, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state, manifest=known)
+
+    def _staged_bytes(self) -> int:
+        with self.lock:
+            return sum(staged_nbytes(e[0]) for e in self.staged)
+
+    def _room(self) -> bool:
+        """Whether the stager may fetch another version (``max_staged_bytes``; one always fits)."""
+        held = self._staged_bytes()
+        if held < self.cfg.max_staged_bytes:
+            self._full_said = False
+            return True
+        if not self._full_said:
+            log.info("%s: %d MiB staged (the limit); fetching more once activation frees room", self.cfg.actor_id, held >> 20)
+            self._full_said = True
+        return False
 
     def _stage_available(self, polled: tuple[str | None, int | None] | None = None) -> None:
         """Stage every delta after ``staged_version`` that is committed, in order.
@@ -169,18 +428,39 @@ class Actor:
         yet, or one slower than the run) is skipped without waiting until it
         has a version first again: a grace per version would keep this Actor
         one grace behind the run for as long as the key lives.
+
+        Far behind, the stager plans first (:meth:`_catch_up`): replay, or
+        a whole version from a snapshot, by the bytes each fetches. A delta
+        that is gone though the run's head is past it (``aurora gc``) breaks
+        the chain: the Actor re-bootstraps from a snapshot. A delta that
+        fails validation at origin is quarantined, and a snapshot past it
+        is looked for. A store outage at origin propagates
+        (:class:`~aurora_store.errors.StoreUnavailable`): the stager loop
+        waits it out.
         """
         relay_url, head = polled if polled is not None else self._poll()[:2]
         mirror, region = self._source(relay_url)
         v = self.staged_version + 1
         store = mirror
         while not self.stop.is_set() and (head is None or v <= head):
+            if not self._room():
+                return
+            if not self.quarantine.allowed("delta", v):
+                self._catch_up(self.origin, head, broken=True)
+                return
+            if store is mirror and self._behind(head) and self._catch_up(mirror, head):
+                v, store = self.staged_version + 1, mirror
+                continue
             t0 = time.perf_counter()
             try:
                 m, staged = self._fetch_delta(store, v)
             except VersionNotFound:
                 if store is self.origin:
-                    return  # not committed (yet)
+                    if head is not None and v <= head:
+                        # Committed (the head is past it) yet gone: retention removed it, or
+                        # it was never there. Replay cannot go on; a snapshot past it can.
+                        self._catch_up(self.origin, head, broken=True)
+                    return  # else not committed (yet)
                 if not self._mirror_behind:
                     now = self.clock.monotonic()
                     since = max(self._missing_since.setdefault(v, now), self._relay_progress.get(v, 0.0))
@@ -195,21 +475,115 @@ class Actor:
                     log.warning("stage v%d from mirror failed (%s); trying origin", v, e)
                     store = self.origin
                     continue
-                log.error("stage v%d failed: %s", v, e)
-                return
+                if isinstance(e, INVALID):
+                    self.quarantine.failed("delta", v, e)
+                    self._catch_up(self.origin, head, broken=True)
+                    return
+                raise  # the store is away (waited out by the caller), or a permanent error
             from_mirror = store is not self.origin
+            if not from_mirror:
+                self.store_dep.ok()
+            self.quarantine.cleared("delta", v)
             if from_mirror and self._mirror_behind:
                 log.info("mirror of region %s caught up (v%d); reading from it again", region, v)
                 self._mirror_behind = False
             with self.lock:
                 self.staged.append((staged, m.state, time.perf_counter() - t0))
                 self.staged_version, self.staged_state = v, m.state
+            self._delta_bytes.append(m.total_bytes)
+            if v >= self._replay_until:
+                self._manifests = None  # the planned replay is done
             for d in (self._missing_since, self._relay_progress):
                 for old in [k for k in d if k <= v]:
                     del d[old]
             self._on_staged(v, m.total_bytes, time.perf_counter() - t0, from_mirror)
             v += 1
             store = mirror  # the next version: the region's copy first, again
+
+    def _behind(self, head: int | None) -> bool:
+        """Whether replaying to ``head`` might cost about as much as a whole version: then plan.
+
+        Planning lists the store and reads manifests, round trips a delta or
+        two behind never needs: a delta is a small fraction of a snapshot.
+        Without a snapshot's size to compare with (no bootstrap from one),
+        there is nothing to weigh.
+        """
+        if head is None or self._full_bytes is None or self.staged_version < self._replay_until:
+            return False
+        lag = head - self.staged_version
+        if lag < 2:
+            return False
+        per_delta = max(self._delta_bytes) if self._delta_bytes else None
+        return per_delta is None or 2 * lag * per_delta >= self._full_bytes
+
+    def _catch_up(self, store: Store, head: int | None, broken: bool = False) -> bool:
+        """Plan the way from ``staged_version`` to the run by bytes; stage a whole version when that wins.
+
+        Returns True when a whole version was staged. ``broken``: replay
+        cannot go on (a delta gone or quarantined); with no way through
+        either, the plan is tried again after a back-off, logged once.
+        """
+        now = self.clock.monotonic()
+        if head is None or now < self._replan_at:
+            return False
+        index = scan_versions(store).without(self.quarantine.blocked())
+        # The version the run needs next when this Actor is behind it, else the head.
+        goal = self._want if self.staged_version < self._want < head else head
+        reachable = [v for v in index.deltas | index.snapshots if self.staged_version < v <= goal]
+        if not reachable:
+            return self._no_way(broken, f"no version after v{self.staged_version} up to v{goal} at {store.url}")
+        target = max(reachable)
+        reader = ManifestReader(store)
+        try:
+            plan = plan_chain(index, target, held=self.staged_version, cost=reader.cost)
+        except (ChainError, VersionNotFound) as e:
+            return self._no_way(broken, str(e))
+        self._replan_failures = 0
+        if plan.snapshot is None:
+            self._replay_until, self._manifests = target, reader
+            return False
+        if not self._room():
+            return False
+        log.info(
+            "%s: catching up from v%d to v%d through snapshot %d (%d bytes%s)", self.cfg.actor_id, self.staged_version, target,
+            plan.snapshot, plan.bytes or 0, "; the chain is broken" if broken else ", fewer than replaying the deltas",
+        )
+        t0 = time.perf_counter()
+        try:
+            full = self._stage_full(store, plan, reader)
+        except _Refused as r:
+            if store is not self.origin:
+                # The region's copy is bad, not necessarily origin's: replay, which
+                # falls back to origin version by version.
+                log.warning("%s: catch-up from the mirror failed (%s); replaying deltas instead", self.cfg.actor_id, r)
+                self._replay_until = target
+                return False
+            self.quarantine.failed(r.kind, r.version, r.error)
+            return False
+        except VersionNotFound:
+            return False  # removed while we read it: plan again next time
+        if store is self.origin:
+            self.store_dep.ok()
+        with self.lock:
+            # The whole version replaces every staged delta up to it.
+            kept = [e for e in self.staged if e[0].version > full.version]
+            self.staged.clear()
+            self.staged.append((full, full.state, time.perf_counter() - t0))
+            self.staged.extend(kept)
+            self.staged_version, self.staged_state = full.version, full.state
+        self.quarantine.forget_below(full.version + 1)
+        self._on_staged(full.version, full.nbytes, time.perf_counter() - t0, store is not self.origin)
+        return True
+
+    def _no_way(self, broken: bool, why: str) -> bool:
+        if not broken:
+            return False  # replay goes on as before
+        self._replan_failures += 1
+        delay = self.cfg.quarantine.delay(self._replan_failures - 1)
+        self._replan_at = self.clock.monotonic() + delay
+        if self._replan_failures == 1:
+            log.error("%s: stuck at v%d: %s; looking again in %.0fs, then less and less often", self.cfg.actor_id, self.staged_version, why, delay)
+        return False
 
     def _on_staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
         """Called in the stager thread after each version is staged (benchmarks record it)."""
@@ -220,8 +594,9 @@ class Actor:
             return
         deadline = self.clock.monotonic() + self.cfg.relay_wait_s
         while not self.stop.is_set() and self.clock.monotonic() < deadline:
-            if self.redis.exists(self.keys.relay(self.cfg.region)):
-                return
+            with self.redis_dep.guard("look for the region's Relay"):
+                if self.redis.exists(self.keys.relay(self.cfg.region)):
+                    return
             self.clock.wait(self.stop, self.cfg.join_poll_s)
         if not self.stop.is_set():
             log.warning("no Relay for region %s after %.0fs; staging from origin", self.cfg.region, self.cfg.relay_wait_s)
@@ -231,7 +606,7 @@ class Actor:
         last = "$"
         region = None
         polled: tuple[str | None, int | None, int | None] | None = None
-        retry = self.cfg.stager_retry.delays()
+        pauses = self._pauses()
         while not self.stop.is_set():
             try:
                 url, head, commit = polled or self._poll()
@@ -257,12 +632,13 @@ class Actor:
                     self.commit_seen = max(self.commit_seen, commit)
                 if events or (head is not None and head > self.staged_version):
                     self._stage_available((url, head))
-                retry = self.cfg.stager_retry.delays()
+                pauses = self._pauses()
             except BusGap:
                 last = "$"
-            except Exception as e:  # noqa: BLE001 - the stager must survive store/Redis trouble
-                log.warning("stager: %s: %s", type(e).__name__, e)
-                self.clock.wait(self.stop, next(retry))
+            except Exception as e:  # noqa: BLE001 - sorted by _trouble: outages are waited out, the rest ends the Actor
+                if not self._trouble(e, "staging"):
+                    raise
+                self.clock.wait(self.stop, next(pauses))
                 last, polled = "$", None
 
     # -- safe point -------------------------------------------------------------------
@@ -276,46 +652,66 @@ class Actor:
         exactly: finish batch b+1 on v_b, then activate v_b+1 for batch b+2.
         """
         needed: list[int] = []
-        for _, sv, left in self.ledger.open_step_info():
+        for _, sv, left in self._redis(self.ledger.open_step_info, "read open steps"):
             if not left:
                 continue
             if sv == self.active:
+                self._want = self.active
                 return self.active
             if sv > self.active:
                 needed.append(sv)
         # The oldest version an open step still needs comes first: skipping it
         # would strand that step's prompts on a version nobody holds.
-        return min(needed) if needed else max(self.active, self.commit_seen)
+        self._want = min(needed) if needed else max(self.active, self.commit_seen)
+        return self._want
+
+    def _next_staged(self, wanted: int) -> tuple[Any, str, float] | None:
+        """Under the lock: the staged item that moves the active version towards ``wanted``."""
+        while self.staged and self.staged[0][0].version <= self.active:
+            self.staged.popleft()  # behind the active version: of no use any more
+        fulls = [i for i, e in enumerate(self.staged) if isinstance(e[0], StagedFull) and e[0].version <= wanted]
+        if fulls:
+            # A whole version the run needs: jump to it (what it supersedes is dropped).
+            for _ in range(fulls[-1]):
+                self.staged.popleft()
+            return self.staged.popleft()
+        if self.staged and not isinstance(self.staged[0][0], StagedFull) and self.staged[0][0].base_version == self.active:
+            return self.staged.popleft()
+        return None
 
     def _activate(self) -> None:
-        """Between batches: apply staged deltas up to the version the run needs."""
+        """Between batches: apply staged deltas (or swap in a whole version) up to the version the run needs."""
         while self.active < self._wanted_version():
             with self.lock:
-                if not self.staged or self.staged[0][0].base_version != self.active:
-                    # Drop anything that does not continue the active version.
-                    while self.staged and self.staged[0][0].version <= self.active:
-                        self.staged.popleft()
-                    if not self.staged or self.staged[0][0].base_version != self.active:
-                        return
-                staged, state, stage_s = self.staged.popleft()
+                item = self._next_staged(self._want)
+            if item is None:
+                return
+            staged, state, stage_s = item
             t0 = time.perf_counter()
-            self.engine.apply(staged)
+            if isinstance(staged, StagedFull):
+                self._load_full(staged)
+                self.stats.rebootstraps += 1
+                log.info("%s swapped in v%d (snapshot %d and %d delta(s))", self.cfg.actor_id, staged.version, staged.snapshot, staged.version - staged.snapshot)
+            else:
+                self.engine.apply(staged)
             self.active, self.active_state = staged.version, state
             act_s = time.perf_counter() - t0
             self.stats.activations.append((self.active, stage_s, act_s))
-            record_digest(self.redis, self.keys, self.cfg.actor_id, self.active, self.engine.digest())
-            record_activation(self.redis, self.keys, self.cfg.actor_id, self.active, stage_s, act_s)
-            self._heartbeat()
+            me, v = self.cfg.actor_id, self.active
+            self._redis(partial(record_digest, self.redis, self.keys, me, v, self.engine.digest()), "record a digest")
+            self._redis(partial(record_activation, self.redis, self.keys, me, v, stage_s, act_s), "record an activation")
+            self._redis(self._heartbeat, "heartbeat")
             log.info("%s activated v%d (staged in %.3fs, applied in %.4fs)", self.cfg.actor_id, self.active, stage_s, act_s)
 
     # -- work -------------------------------------------------------------------------
     def _work_once(self) -> bool:
-        for s, sv, _ in self.ledger.open_step_info():
+        ledger = riding(self.ledger, self.redis_dep, self.stop)
+        for s, sv, _ in ledger.open_step_info():
             if sv != self.active:
                 continue
-            status, leases = self.ledger.claim(self.cfg.actor_id, s, self.cfg.claim)
+            status, leases = ledger.claim(self.cfg.actor_id, s, self.cfg.claim)
             if status == "not_alive":
-                self._heartbeat()
+                self._redis(self._heartbeat, "heartbeat")
                 return False
             if leases:
                 self._generate_and_settle(leases)
@@ -339,19 +735,25 @@ class Actor:
                 "gen_s": gen_s / len(leases),
             }
             items.append((le, self.active, self.active_state, json.dumps(body).encode()))
-        for st in self.ledger.settle_many(self.cfg.actor_id, items):
-            if st.accepted:
+        # Settling is idempotent per (Actor, lease token): a retry after a lost answer
+        # reads ``duplicate`` for what the first attempt already settled.
+        for st in self._redis(lambda: self.ledger.settle_many(self.cfg.actor_id, items), "settle"):
+            if st.accepted or st.reason == "duplicate":
                 self.stats.settled += 1
             else:
                 self.stats.rejected[st.reason] = self.stats.rejected.get(st.reason, 0) + 1
         self.stats.tokens += gen.new_tokens
 
     def run(self) -> ActorStats:
-        self.bootstrap()
-        threads = [threading.Thread(target=f, daemon=True, name=n) for f, n in ((self._heartbeat_loop, "heartbeat"), (self._stager_loop, "stager"))]
-        for t in threads:
-            t.start()
+        """Bootstrap, then work until ``stop``; raises what ended it otherwise (an outage past
+        the budget, a permanent error), after leaving the ledger as well as it can."""
+        threads: list[threading.Thread] = []
         try:
+            self.bootstrap()
+            if not self.stop.is_set():
+                threads = [self._background(self._heartbeat_loop, "heartbeat"), self._background(self._stager_loop, "stager")]
+                for t in threads:
+                    t.start()
             idle = self.cfg.idle.delays()
             while not self.stop.is_set():
                 self._activate()
@@ -361,15 +763,52 @@ class Actor:
                     # Back off while there is nothing to do: idle Actors polling
                     # Redis steal CPU from whoever shares the machine.
                     self.clock.wait(self.stop, next(idle))
+        except Exception as e:
+            if not (self.stop.is_set() and is_transient(e)):  # a stop during an outage is a stop
+                raise
         finally:
             self.stop.set()
-            if hasattr(self.engine, "close"):  # an engine with processes of its own (vLLM)
+            for t in threads:
+                t.join(timeout=30)
+            if hasattr(self, "engine") and hasattr(self.engine, "close"):  # an engine with processes of its own (vLLM)
                 self.engine.close()
-            released = self.ledger.leave(self.cfg.actor_id)
-            log.info("%s left: %d settled, %d prompt(s) released, rejections %s", self.cfg.actor_id, self.stats.settled, released, self.stats.rejected)
+            self._leave()
+        if self._fatal is not None:
+            raise self._fatal
         return self.stats
+
+    def _leave(self) -> None:
+        """Release every lease at once; with Redis away they expire instead (one attempt, no wait)."""
+        if not hasattr(self, "active"):
+            return  # never bootstrapped, never registered
+        try:
+            released = self.ledger.leave(self.cfg.actor_id)
+        except Exception as e:  # noqa: BLE001 - leaving is best effort: leases expire by themselves
+            log.warning("%s could not leave the ledger (%s); its leases expire instead", self.cfg.actor_id, e)
+            return
+        log.info("%s left: %d settled, %d prompt(s) released, rejections %s", self.cfg.actor_id, self.stats.settled, released, self.stats.rejected)
 
 
 def _int_or_none(x: Any) -> int | None:
     return None if x is None else int(x)
 
+
+def _newest_plan(index: VersionIndex, reader: ManifestReader, tries: int = 16) -> ChainPlan | None:
+    """The plan to the newest version ``index`` can reach (trying the ``tries`` newest), or None."""
+    for target in sorted(index.deltas | index.snapshots, reverse=True)[:tries]:
+        try:
+            return plan_chain(index, target, cost=reader.cost)
+        except ChainError:
+            continue
+    return None
+
+
+def _nonempty(index: VersionIndex) -> VersionIndex | None:
+    return index if index.latest is not None else None
+
+
+def _manifest(store: Store, reader: ManifestReader, kind: str, version: int) -> Any:
+    from aurora_store.lineage.fetch import read_manifest
+
+    m = reader.get(kind, version)
+    return m if m is not None else read_manifest(store, kind, version)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from aurora_store.options import add_common_args
+from aurora_store.outage import OUTAGE_BUDGET_ENV, outage_budget_s
 from workers.actor.actor import Actor
 from workers.actor.config import ActorConfig
 from workers.common import Endpoints
@@ -34,6 +35,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--streams", type=int, default=None, metavar="S",
         help=f"parallel connections per fetched version (default: $AURORA_STREAMS, else {d['streams'].default})",
     )
+    p.add_argument(
+        "--outage-budget-s", type=float, default=None, metavar="S",
+        help=f"give up (exit non-zero) once Redis or the store has been unreachable this long (default ${OUTAGE_BUDGET_ENV}, else {d['outage_budget_s'].default:.0f})",
+    )
+    p.add_argument(
+        "--max-staged-mib", type=float, default=None, metavar="MIB",
+        help=f"most staged data held beside the active weights (default $AURORA_ACTOR_MAX_STAGED_MIB, else {ActorConfig().max_staged_bytes >> 20})",
+    )
     p.add_argument("--slowdown", type=float, default=d["slowdown"].default, help="run N times slower (experiments)")
     p.add_argument("--seed", type=int, default=d["seed"].default)
     p.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")
@@ -42,10 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, engine: str | None = None) -> ActorConfig:
     """The flags over ``AURORA_ACTOR_*`` (and ``AURORA_STREAMS``) over the defaults;
     ``engine`` overrides ``--engine`` (the synthetic workload's own engine)."""
+    staged_mib = getattr(args, "max_staged_mib", None)
     return ActorConfig.from_env(
         actor_id=args.actor_id or None, region=args.region, engine=engine or args.engine, claim=args.claim,
         slowdown=args.slowdown, seed=args.seed, mirror_grace_s=args.mirror_grace_s, relay_wait_s=args.relay_wait_s,
-        streams=args.streams,
+        streams=args.streams, outage_budget_s=outage_budget_s(getattr(args, "outage_budget_s", None)),
+        max_staged_bytes=None if staged_mib is None else max(1, int(staged_mib * (1 << 20))),
     )
 
 
@@ -60,7 +71,13 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
 
 
 def run_until_stopped(actor: Actor, join_at_version: int | None = None) -> int:
-    """Run an Actor in this process until SIGTERM/SIGINT, joining once the run reaches ``join_at_version``."""
+    """Run an Actor in this process until SIGTERM/SIGINT, joining once the run reaches ``join_at_version``.
+
+    0 after a graceful leave. An outage past the budget
+    (:class:`~aurora_store.errors.OutageTooLong`) or a permanent error
+    (bad credentials, a missing bucket) propagates: ``aurora``'s entry
+    point prints it on one line and exits 1.
+    """
     from workers.common import install_stop_handlers
 
     install_stop_handlers(actor.stop)

@@ -8,13 +8,16 @@ from typing import Any
 
 from aurora_store.config import Backoff, from_env, streams_field
 from aurora_store.errors import ConfigError
+from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV
 
 __all__ = ["ENV_PREFIX", "ActorConfig", "ActorStats"]
 
 ENV_PREFIX = "AURORA_ACTOR_"
 """Prefix of the Actor's environment variables (``AURORA_ACTOR_REGION`` …); ``streams`` is
-``AURORA_STREAMS``, shared with the Trainer and the Relay, and ``actor_id`` is ``AURORA_ACTOR_ID``."""
+``AURORA_STREAMS``, shared with the Trainer and the Relay, ``outage_budget_s`` is ``AURORA_OUTAGE_BUDGET_S``,
+shared with every worker, and ``actor_id`` is ``AURORA_ACTOR_ID``."""
 
+_MIB = 1 << 20
 
 
 def _random_id() -> str:
@@ -64,10 +67,27 @@ class ActorConfig:
     ``relay_wait_s``, for the region's Relay."""
     stage_block_ms: int = 500
     """Longest blocking read of the announcement stream by the stager."""
-    stager_retry: Backoff = field(
-        default_factory=lambda: Backoff(initial_s=0.5, max_s=0.5, factor=1.0, jitter=0.0), metadata={"env": False}
+    run_poll_s: float = 1.0
+    """How often an Actor started before the Trainer looks for the run to appear (its model
+    description, its first version): Actors and the Trainer start in any order."""
+    outage_budget_s: float = field(default=DEFAULT_OUTAGE_BUDGET_S, metadata={"env": OUTAGE_BUDGET_ENV})
+    """How long Redis or the store may stay unreachable before the Actor gives up (exits
+    non-zero); ``--outage-budget-s``, env ``AURORA_OUTAGE_BUDGET_S``, shared with every worker."""
+    outage_backoff: Backoff = field(
+        default_factory=lambda: Backoff(initial_s=0.2, max_s=10.0, factor=2.0, jitter=0.5), metadata={"env": False}
     )
-    """Pauses of the stager after a store or Redis error, before it looks again."""
+    """Pauses between attempts to reach Redis or the store while one is away (exponential with
+    jitter: many Actors do not come back in step and knock together)."""
+    max_staged_bytes: int = field(default=1 << 30, metadata={"env": "AURORA_ACTOR_MAX_STAGED_MIB", "scale": _MIB})
+    """Most staged data (decoded deltas, or a whole version for a catch-up) the Actor holds
+    beside its active weights; the stager fetches no further until activation frees room
+    (one version always fits). Env ``AURORA_ACTOR_MAX_STAGED_MIB``, in MiB."""
+    quarantine: Backoff = field(
+        default_factory=lambda: Backoff(initial_s=5.0, max_s=300.0, factor=2.0, jitter=0.2), metadata={"env": False}
+    )
+    """Back-off of a version that failed validation (and of a chain with no way through):
+    fetching it on every stager loop is an egress storm that fixes nothing; a repair at
+    origin is picked up at the next attempt."""
 
     def __post_init__(self) -> None:
         if not self.actor_id:
@@ -81,6 +101,12 @@ class ActorConfig:
                 f"heartbeat_s and join_poll_s must be > 0 and stage_block_ms >= 1 "
                 f"(got {self.heartbeat_s}, {self.join_poll_s}, {self.stage_block_ms})"
             )
+        if self.outage_backoff.initial_s <= 0:
+            raise ConfigError(f"outage_backoff.initial_s must be > 0, got {self.outage_backoff.initial_s}")
+        if self.outage_budget_s <= 0 or self.run_poll_s <= 0:
+            raise ConfigError(f"outage_budget_s and run_poll_s must be > 0 (got {self.outage_budget_s}, {self.run_poll_s})")
+        if self.max_staged_bytes < 1:
+            raise ConfigError(f"max_staged_bytes must be >= 1, got {self.max_staged_bytes}")
         if self.temperature < 0 or self.slowdown <= 0 or self.mirror_grace_s < 0 or self.relay_wait_s < 0:
             raise ConfigError(
                 "temperature, mirror_grace_s and relay_wait_s must be >= 0 and slowdown > 0 "
@@ -100,7 +126,11 @@ class ActorStats:
     activations: list[tuple[int, float, float]] = field(default_factory=list)
     """(version, stage seconds, activation seconds)"""
     settled: int = 0
+    """Results the ledger accepted (``duplicate`` answers to a retried settle included: the
+    first attempt was accepted, its answer lost)."""
     rejected: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
+    rebootstraps: int = 0
+    """Whole versions swapped in after bootstrap (a catch-up through a snapshot, a broken chain)."""
 
 

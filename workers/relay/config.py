@@ -10,6 +10,8 @@ from typing import Any
 from aurora_store.config import Backoff, from_env, streams_field
 from aurora_store.coordination.keys import validate_run_name
 from aurora_store.errors import ConfigError
+from aurora_store.lineage.gc import DEFAULT_GRACE_S
+from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S
 
 __all__ = ["ENV_PREFIX", "RelayConfig", "RelayStats", "VersionId", "relay_config_from_env"]
 
@@ -55,7 +57,21 @@ class RelayConfig:
     retry_s: float = 5.0
     """Delay before listing again after a version could not be mirrored."""
     backoff: Backoff = field(default_factory=Backoff, metadata={"env": False})
-    """Delays between attempts to reach Redis while it is away (stream reads, the stream's tail)."""
+    """First and longest delay between attempts to reach Redis or a store while it is away."""
+    outage_budget_s: float = DEFAULT_OUTAGE_BUDGET_S
+    """How long Redis, origin or the mirror may stay unreachable before the Relay gives up
+    (``--outage-budget-s``; the CLI also reads ``AURORA_OUTAGE_BUDGET_S``)."""
+    quarantine_max_s: float = 600.0
+    """Longest wait between attempts at a version that failed verification (the first is ``retry_s``, then doubling)."""
+    keep_snapshots: int = 2
+    """Mirror retention: keep the newest N snapshots and every version after the oldest of them,
+    plus what the region's live Actors hold; older versions are not copied. 0: keep and copy every version."""
+    gc_every_s: float = 300.0
+    """Period of the mirror's retention (0: never clean it)."""
+    grace_s: float = DEFAULT_GRACE_S
+    """Orphans and temporary files in the mirror younger than this are spared (a copy in flight)."""
+    actor_timeout_s: float = 60.0
+    """A region Actor silent for longer than this holds nothing the mirror must keep."""
 
     def __post_init__(self) -> None:
         validate_run_name(self.run)
@@ -75,6 +91,16 @@ class RelayConfig:
             raise ConfigError(f"streams must be 1..256, got {self.streams}")
         if self.resync_s < 0 or self.retry_s <= 0:
             raise ConfigError(f"resync_s must be >= 0 and retry_s > 0 ({self.resync_s}, {self.retry_s})")
+        if self.outage_budget_s <= 0 or self.quarantine_max_s < self.retry_s:
+            raise ConfigError(
+                f"need outage_budget_s > 0 and quarantine_max_s >= retry_s "
+                f"(got {self.outage_budget_s}, {self.quarantine_max_s}, {self.retry_s})"
+            )
+        if self.keep_snapshots < 0 or self.gc_every_s < 0 or self.grace_s < 0 or self.actor_timeout_s <= 0:
+            raise ConfigError(
+                f"need keep_snapshots, gc_every_s, grace_s >= 0 and actor_timeout_s > 0 "
+                f"(got {self.keep_snapshots}, {self.gc_every_s}, {self.grace_s}, {self.actor_timeout_s})"
+            )
 
 
 def relay_config_from_env(**overrides: Any) -> RelayConfig:
@@ -102,3 +128,9 @@ class RelayStats:
     """Versions known to be complete in the mirror, in order."""
     bytes_by_version: Mapping[VersionId, int]
     """Bytes fetched from origin per version (objects and manifest)."""
+    quarantined: Mapping[VersionId, int] = field(default_factory=dict)
+    """Versions that failed verification and wait for their next attempt: failed attempts so far."""
+    listings: int = 0
+    """Listings of origin completed (each compares origin with the mirror)."""
+    removed: int = 0
+    """Objects the mirror's retention deleted."""

@@ -2,8 +2,15 @@
 
 Every byte from origin is untrusted: an object is written to the mirror only
 if its size and sha256 match what it was announced (or listed in its
-manifest) with. One that fails is not written and an error names it; the
-version it belongs to is retried from its manifest, then by later listings.
+manifest) with. One that fails is not written and an error names it (once
+per object); the version it belongs to is retried from its manifest, then
+quarantined (:mod:`~workers.relay.quarantine`) if it still fails.
+
+Each copy ends in an *outcome* (:data:`COPIED`, :data:`REJECTED`,
+:data:`MISSING`, :data:`FAILED`), so the version mirror can tell damage at
+origin (quarantine it) from a store error. Outages are not outcomes: the
+stores the Relay hands in ride them out (:func:`aurora_store.outage.riding`),
+and one longer than the budget ends the Relay (:class:`~workers.relay.halt.Halt`).
 """
 
 from __future__ import annotations
@@ -12,17 +19,27 @@ import hashlib
 import logging
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from aurora_store.clock import Clock
 from aurora_store.coordination.bus import Event
-from aurora_store.errors import AuroraError, ObjectNotFound
+from aurora_store.errors import AuroraError, ObjectNotFound, OutageTooLong
 from aurora_store.storage import Store
 from workers.relay.config import VersionId
+from workers.relay.halt import Halt
 
-__all__ = ["Copier", "Traffic", "object_version"]
+__all__ = ["COPIED", "FAILED", "MISSING", "REJECTED", "Copier", "Traffic", "object_version"]
+
+COPIED = "copied"
+"""The object is in the mirror, verified (copied now, or found there)."""
+REJECTED = "rejected"
+"""Its bytes at origin do not match (size or sha256): damage, or a forged announcement."""
+MISSING = "missing"
+"""Origin does not have it."""
+FAILED = "failed"
+"""A store error that is not an outage (or the Relay is stopping)."""
 
 log = logging.getLogger("aurora.relay")
 
@@ -75,24 +92,48 @@ class Copier:
         traffic: Traffic,
         clock: Clock,
         on_copied: OnCopied,
+        halt: Halt | None = None,
     ) -> None:
         self.origin = origin
         self.mirror = mirror
         self.region = region
         self.clock = clock
+        self.halt = halt or Halt()
         self._lock = lock
         self._traffic = traffic
         self._on_copied = on_copied
         self._pool = ThreadPoolExecutor(streams, thread_name_prefix=f"relay-{region}-copy")
         self._have: dict[str, str] = {}  # mirror key -> sha256 verified in it
-        self._inflight: dict[str, Future[None]] = {}
+        self._inflight: dict[str, Future[str]] = {}
         self._announced: set[str] = set()
+        self._logged: set[str] = set()  # keys whose rejection was logged at ERROR already
 
     # -- what the mirror holds ---------------------------------------------------
     def missing(self, refs: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
         """The ``(key, bytes, sha256)`` of ``refs`` not verified in the mirror."""
         with self._lock:
             return [(k, b, s) for k, b, s in refs if self._have.get(k) != s]
+
+    def has(self, key: str) -> bool:
+        """Whether ``key`` is known to be in the mirror."""
+        with self._lock:
+            return key in self._have
+
+    def forget(self, keys: Iterable[str] = (), versions: Iterable[VersionId] = ()) -> None:
+        """``keys``, and every object of ``versions``, were deleted from the mirror (its retention):
+        they are no longer taken for present, and are copied again if asked."""
+        gone = set(versions)
+        with self._lock:
+            for k in keys:
+                self._have.pop(k, None)
+            for k in [k for k in self._have if object_version(k) in gone]:
+                del self._have[k]
+
+    def inflight_versions(self) -> set[int]:
+        """Versions with an object being copied right now (cut-through copies included)."""
+        with self._lock:
+            keys = list(self._inflight)
+        return {vid[1] for vid in map(object_version, keys) if vid is not None}
 
     def copy_plain(self, key: str) -> None:
         """Copy ``key`` as it is if origin has it and the mirror does not (no digest to check it against)."""
@@ -112,16 +153,16 @@ class Copier:
             self._have[key] = ""
 
     # -- copies ------------------------------------------------------------------
-    def copy_async(self, key: str, size: int, sha: str, announce: Event | None = None) -> Future[None]:
+    def copy_async(self, key: str, size: int, sha: str, announce: Event | None = None) -> Future[str]:
         """Copy one object unless it is in the mirror or on its way (each object crosses once).
 
-        With ``announce`` (the segment event it came from), ``on_copied`` is
-        called the first time the object lands.
+        The future's result is the outcome. With ``announce`` (the segment
+        event it came from), ``on_copied`` is called the first time the object lands.
         """
         with self._lock:
             if self._have.get(key) == sha:
-                done: Future[None] = Future()
-                done.set_result(None)
+                done: Future[str] = Future()
+                done.set_result(COPIED)
                 return done
             f = self._inflight.get(key)
             if f is None:
@@ -130,15 +171,19 @@ class Copier:
                 self._inflight[key] = f
             return f
 
-    def _copy(self, key: str, size: int, sha: str, announce: Event | None) -> None:
+    def _copy(self, key: str, size: int, sha: str, announce: Event | None) -> str:
         vid = object_version(key)
         assert vid is not None
-        ok = False
+        outcome = FAILED
         try:
-            ok = self._copy_impl(key, size, sha, vid)
+            outcome = self._copy_impl(key, size, sha, vid)
+        except OutageTooLong as e:
+            self.halt.fail(e)
         except (AuroraError, OSError) as e:
-            log.error("relay %s: copying %s failed: %s", self.region, self.origin.where(key), e)
+            if not self.halt.is_set():  # else: a stop cut an outage wait short
+                log.error("relay %s: copying %s failed: %s", self.region, self.origin.where(key), e)
         finally:
+            ok = outcome == COPIED
             with self._lock:
                 self._inflight.pop(key, None)
                 if ok:
@@ -148,42 +193,60 @@ class Copier:
                     self._announced.add(key)
         if first and announce is not None:
             self._on_copied(vid, announce, key, size, sha)
+        return outcome
 
-    def _copy_impl(self, key: str, size: int, sha: str, vid: VersionId) -> bool:
+    def _rejected(self, key: str, msg: str, *args: object, fetched: bool = True) -> str:
+        """Log a rejection: at ERROR the first time for ``key``, then quietly (the version's quarantine speaks).
+
+        ``fetched``: the bytes came from origin (counted in ``segments_rejected``)."""
+        with self._lock:
+            first = key not in self._logged
+            self._logged.add(key)
+            self._traffic.segments_rejected += int(fetched)
+        log.log(logging.ERROR if first else logging.DEBUG, msg, *args)
+        return REJECTED
+
+    def _copy_impl(self, key: str, size: int, sha: str, vid: VersionId) -> str:
         if self.mirror.exists(key):
             # Written by an earlier run of this Relay: check it here, in the region,
             # rather than bring it across again.
             have = self.mirror.get(key)
             if len(have) == size and hashlib.sha256(have).hexdigest() == sha:
-                return True
-            log.error(
+                return COPIED
+            # Never replaced: a mirror manifest may already name it, and a forged
+            # announcement must not be able to make us delete a good object.
+            return self._rejected(
+                key,
                 "relay %s: mirror object %s is %d bytes with another sha256 than expected; not replacing it",
-                self.region, self.mirror.where(key), len(have),
+                self.region, self.mirror.where(key), len(have), fetched=False,
             )
-            return False
         with self._lock:
             self._traffic.started.setdefault(vid, self.clock.monotonic())
         try:
             data = self.origin.get(key)
         except ObjectNotFound:
-            log.error("relay %s: %s was announced but is not in the origin store", self.region, self.origin.where(key))
-            return False
+            with self._lock:
+                first = key not in self._logged
+                self._logged.add(key)
+            log.log(
+                logging.ERROR if first else logging.DEBUG,
+                "relay %s: %s was announced but is not in the origin store", self.region, self.origin.where(key),
+            )
+            return MISSING
         with self._lock:
             self._traffic.fetched(vid, len(data))
         if len(data) != size or hashlib.sha256(data).hexdigest() != sha:
-            with self._lock:
-                self._traffic.segments_rejected += 1
-            log.error(
+            return self._rejected(
+                key,
                 "relay %s: %s %d: %s is %d bytes with sha256 %s…, expected %d bytes with %s…; not mirrored",
                 self.region, vid[0], vid[1], self.origin.where(key), len(data),
                 hashlib.sha256(data).hexdigest()[:12], size, sha[:12],
             )
-            return False
         self.mirror.put(key, data, mode="create")
         with self._lock:
             self._traffic.bytes_copied += len(data)
             self._traffic.segments_copied += 1
-        return True
+        return COPIED
 
     def shutdown(self) -> None:
         """Cancel queued copies and wait for running ones."""

@@ -12,7 +12,16 @@ could not be mirrored and the periodic ``resync_s`` all lead to a listing.
 Threads: the caller's thread reads the stream; version and commit handling
 (and listings) run in stream order on one more thread, so a region sees
 ``segment`` events of a version before its ``version`` event and a
-``commit`` after the versions before it.
+``commit`` after the versions before it. The mirror's retention runs on that
+thread too, every ``clean_every_s``, so it never races a listing.
+
+Redis away is ridden out (:class:`~aurora_store.outage.Dependency`: one log
+line when it goes, one when it is back; an outage longer than the budget
+ends the Relay with :class:`~aurora_store.errors.OutageTooLong`). So is a
+store away: the stores a Relay uses retry through it
+(:func:`~aurora_store.outage.riding`). An error that ends the Relay on
+another thread reaches :meth:`Follower.run` through the Relay's
+:class:`~workers.relay.halt.Halt`.
 """
 
 from __future__ import annotations
@@ -26,11 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aurora_store.clock import Clock
-from aurora_store.config import Backoff
 from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus, BusGap, Event
+from aurora_store.errors import AuroraError, OutageTooLong
+from aurora_store.outage import Dependency, is_transient
 from workers.relay.copier import Copier, object_version
+from workers.relay.halt import Halt
 from workers.relay.mirror import Announce, VersionMirror
-from workers.relay.retry import retry_while_redis_away
 
 __all__ = ["Follower", "ListingSchedule", "segment_ref"]
 
@@ -63,10 +73,14 @@ class ListingSchedule:
         self._next = math.inf
         self._queued = False
 
-    def want_resync(self) -> None:
-        """A version could not be mirrored: list again within ``retry_s``."""
+    def want_resync(self, delay_s: float | None = None) -> None:
+        """A version could not be mirrored: list again within ``delay_s`` (default ``retry_s``)."""
+        self.due_by(self.clock.monotonic() + (self.retry_s if delay_s is None else delay_s))
+
+    def due_by(self, t: float) -> None:
+        """List again no later than ``t`` (``clock.monotonic()`` time)."""
         with self._lock:
-            self._next = min(self._next, self.clock.monotonic() + self.retry_s)
+            self._next = min(self._next, t)
 
     def take_due(self) -> bool:
         """Whether a listing is due now (and, if so, no longer scheduled)."""
@@ -85,12 +99,13 @@ class ListingSchedule:
             return True
 
     def listed(self, ok: bool) -> None:
-        """A listing ended: the next one in ``resync_s`` (0: never) if it was complete, else in ``retry_s``."""
+        """A listing ended: the next one in ``resync_s`` (0: never) if it was complete, else in
+        ``retry_s``; sooner if something asked for one meanwhile."""
         now = self.clock.monotonic()
         with self._lock:
             self._queued = False
             if ok:
-                self._next = now + self.resync_s if self.resync_s > 0 else math.inf
+                self._next = min(self._next, now + self.resync_s if self.resync_s > 0 else math.inf)
             else:
                 self._next = min(self._next, now + self.retry_s)
 
@@ -109,10 +124,13 @@ class Follower:
         origin_url: str,
         mirror_url: str,
         block_ms: int,
-        backoff: Backoff,
+        redis: Dependency,
+        halt: Halt,
         clock: Clock,
         announce: Announce,
         on_caught_up: Callable[[], None],
+        clean: Callable[[], object] | None = None,
+        clean_every_s: float = 0.0,
     ) -> None:
         self.bus = bus
         self._read_bus = read_bus
@@ -123,11 +141,15 @@ class Follower:
         self.origin_url = origin_url
         self.mirror_url = mirror_url
         self.block_ms = block_ms
-        self.backoff = backoff
+        self.redis = redis
+        self.halt = halt
         self.clock = clock
         self._announce = announce
         self._on_caught_up = on_caught_up
-        # Version, commit and listing work, one at a time in stream order.
+        self._clean = clean if clean_every_s > 0 else None
+        self.clean_every_s = clean_every_s
+        self._next_clean = math.inf
+        # Version, commit, listing and retention work, one at a time in stream order.
         self._serial = ThreadPoolExecutor(1, thread_name_prefix=f"relay-{region}-version")
         self._lock = threading.Lock()
         self.last_id = "0"
@@ -135,45 +157,53 @@ class Follower:
 
     # -- the loop ----------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        """Catch up by listing, then follow the origin stream until ``stop`` is set."""
-        self._set_last(self._tail_id_until(stop))
+        """Catch up by listing, then follow the origin stream until ``stop`` is set.
+
+        ``stop`` is the Relay's halt event: an error that ends the Relay on
+        another thread sets it, and is raised here.
+        """
+        try:
+            self._run(stop)
+        except Exception as e:  # noqa: BLE001 - a stop cuts an outage wait short with its last error
+            if not (stop.is_set() and is_transient(e)):
+                raise
+        self.halt.raise_if_failed()
+
+    def _run(self, stop: threading.Event) -> None:
+        self._set_last(self._tail_id(stop))
         if stop.is_set():
             return
         # The stream's end was taken *before* this listing: whatever is
         # announced from now on is read after it, so nothing falls in between.
+        self.schedule.queue()
         self._sync_now()
         while not stop.is_set():
             try:
-                events = retry_while_redis_away(self._read, stop, self.clock, self.backoff, self._read_failed)
+                events = self.redis.call(self._read, "reading the origin stream", stop)
             except BusGap as e:
                 log.warning("relay %s: %s; listing origin", self.region, e)
-                self._set_last(self._tail_id_until(stop))
+                self._set_last(self._tail_id(stop))
                 self._queue_sync()
                 continue
-            for ev in events or ():
+            for ev in events:
                 self._dispatch(ev)
                 self._set_last(ev.id)
 
     def _read(self) -> list[Event]:
         if self.schedule.take_due():
             self._queue_sync()
+        if self._clean is not None and self.clock.monotonic() >= self._next_clean:
+            self._next_clean = self.clock.monotonic() + self.clean_every_s
+            self._serial.submit(self._guard, self._clean)
         return self._read_bus.read(self.last_id, block_ms=self.block_ms)
-
-    def _read_failed(self, e: BaseException) -> None:
-        log.warning("relay %s: reading %s failed: %s", self.region, self.bus.stream(), e)
 
     def _set_last(self, event_id: str) -> None:
         with self._lock:
             self.last_id = event_id
 
-    def _tail_id_until(self, stop: threading.Event) -> str:
-        """Id of the newest entry ever added to the origin stream (``$``), or ``0``; retried while Redis is away."""
-
-        def failed(e: BaseException) -> None:
-            log.warning("relay %s: Redis unreachable (%s); retrying", self.region, e)
-
-        tail = retry_while_redis_away(lambda: str(self.bus.tail_id()), stop, self.clock, self.backoff, failed)
-        return self.last_id if tail is None else tail
+    def _tail_id(self, stop: threading.Event) -> str:
+        """Id of the newest entry ever added to the origin stream (``$``), or ``0``; waits while Redis is away."""
+        return str(self.redis.call(self.bus.tail_id, "reading the origin stream's end", stop))
 
     # -- events ------------------------------------------------------------------
     def _dispatch(self, ev: Event) -> None:
@@ -195,9 +225,17 @@ class Follower:
             self._serial.submit(self._guard, self._reannounce_commit, ev)
 
     def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Serial work: one bad version must not stop the Relay; an outage past its budget does."""
         try:
             fn(*args)
-        except Exception:  # noqa: BLE001 - one bad version must not stop the Relay
+        except OutageTooLong as e:
+            self.halt.fail(e)
+        except (AuroraError, OSError) as e:
+            if self.halt.is_set():
+                return  # a stop cut an outage wait short
+            log.error("relay %s: %s failed: %s", self.region, getattr(fn, "__name__", fn), e)
+            self.schedule.want_resync()
+        except Exception:  # noqa: BLE001 - a bug: say where, keep mirroring
             log.exception("relay %s: %s failed", self.region, getattr(fn, "__name__", fn))
             self.schedule.want_resync()
 
@@ -207,17 +245,30 @@ class Follower:
 
     # -- listings ----------------------------------------------------------------
     def _sync_now(self) -> None:
+        ok = False
         try:
             ok = self.mirror.sync()
-        except Exception as e:  # noqa: BLE001 - origin unreachable: list again later
-            log.error("relay %s: listing %s failed: %s", self.region, self.origin_url, e)
-            ok = False
+        except OutageTooLong as e:
+            self.halt.fail(e)
+        except (AuroraError, OSError) as e:
+            if not self.halt.is_set():
+                if not self.synced.is_set() and not is_transient(e):
+                    # The first listing is refused (credentials, a bad URL): nothing will change that.
+                    self.halt.fail(e)
+                else:
+                    log.error("relay %s: listing %s failed: %s", self.region, self.origin_url, e)
+        except Exception:  # noqa: BLE001 - a bug: say where, list again later
+            log.exception("relay %s: listing %s failed", self.region, self.origin_url)
         self.schedule.listed(ok)
+        # A quarantined version gets its attempt at its time, whatever the resync period.
+        self.schedule.due_by(self.mirror.quarantine.next_at())
         if ok and not self.synced.is_set():
             log.info("relay %s: mirror %s caught up with %s", self.region, self.mirror_url, self.origin_url)
             # Only now may the region's Actors turn to the mirror.
             self._on_caught_up()
             self.synced.set()
+            if self._clean is not None:
+                self._next_clean = self.clock.monotonic() + self.clean_every_s
 
     def _queue_sync(self) -> None:
         if self.schedule.queue():

@@ -2,8 +2,15 @@
 
 Every object of a version is checked against its manifest before the
 manifest is written (create-only), so a mirror never holds a manifest whose
-objects were not verified against it. A version that cannot be completed
-is left without its manifest and listed again later.
+objects were not verified against it. A version that cannot be completed is
+left without its manifest: listed again later if origin does not have it
+yet, quarantined with back-off (:mod:`~workers.relay.quarantine`) if what
+origin has fails verification.
+
+The mirror keeps what its region needs (:meth:`VersionMirror.clean`): the
+newest ``keep_snapshots`` snapshots and every version after the oldest of
+them, plus whatever the region's live Actors hold; a listing copies nothing
+older, so retention and catch-up agree.
 """
 
 from __future__ import annotations
@@ -11,16 +18,19 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 
 from aurora_store.clock import Clock
 from aurora_store.coordination.bus import VERSION, Event
 from aurora_store.errors import AuroraError, ObjectNotFound
 from aurora_store.format.manifest import Manifest, manifest_key, version_dir
+from aurora_store.lineage.gc import GcPlan, retain, retained, retention_floor
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.storage import Store
 from workers.relay.config import VersionId
-from workers.relay.copier import Copier, Traffic
+from workers.relay.copier import COPIED, FAILED, Copier, Traffic
+from workers.relay.quarantine import Quarantine
 
 __all__ = ["MODEL_KEYS", "VersionMirror"]
 
@@ -31,6 +41,11 @@ MODEL_KEYS = ("model/config.json", "model/tokenizer.json")
 
 Announce = Callable[..., None]
 """``announce(type, version, **fields)`` on the region's stream."""
+
+WantListing = Callable[..., None]
+"""``want_resync(delay_s=None)``: list origin again within ``delay_s`` (default ``retry_s``)."""
+
+_NOT_YET = "not yet"
 
 
 class VersionMirror:
@@ -47,7 +62,9 @@ class VersionMirror:
         traffic: Traffic,
         clock: Clock,
         announce: Announce,
-        want_resync: Callable[[], None],
+        want_resync: WantListing,
+        quarantine: Quarantine | None = None,
+        keep_snapshots: int = 0,
     ) -> None:
         self.origin = origin
         self.mirror = mirror
@@ -55,22 +72,39 @@ class VersionMirror:
         self.region = region
         self.retry_s = retry_s
         self.clock = clock
+        self.quarantine = quarantine or Quarantine(retry_s, max(retry_s, 600.0), clock)
+        self.keep_snapshots = keep_snapshots
         self._lock = lock
         self._traffic = traffic
         self._announce = announce
         self._want_resync = want_resync
         self._complete: set[VersionId] = set()
         self._announced: set[VersionId] = set()
+        self._inflight: set[int] = set()
+        self._waiting = False
+        self.listings = 0
+        """Listings of origin completed."""
+        self.removed = 0
+        """Objects the mirror's retention deleted."""
 
     def mirrored(self) -> tuple[VersionId, ...]:
         """Versions known to be complete in the mirror, in order; the caller holds the Relay's lock."""
         return tuple(sorted(self._complete, key=lambda k: (k[1], k[0])))
 
+    def held_versions(self) -> frozenset[int]:
+        """What this Relay needs origin to keep: its mirror's newest version and those being copied."""
+        with self._lock:
+            out = set(self._inflight)
+            if self._complete:
+                out.add(max(v for _, v in self._complete))
+        return frozenset(out | self.copier.inflight_versions())
+
     # -- one version -------------------------------------------------------------
     def mirror_version(self, kind: str, version: int, ev: Event | None = None) -> bool:
         """Make ``kind`` ``version`` complete in the mirror; announce it to the region.
 
-        Runs on the Relay's serial thread. Returns whether the version is in the mirror.
+        Runs on the Relay's serial thread. Returns whether the version is in
+        the mirror. A quarantined version is not fetched before its time.
         """
         vid: VersionId = (kind, version)
         mk = manifest_key(kind, version)
@@ -85,6 +119,35 @@ class VersionMirror:
                 m = Manifest.from_bytes(self.mirror.get(mk), self.mirror.where(mk))
                 self.announce_version(m)
             return True
+        if not self.quarantine.allowed(vid):
+            return False
+        with self._lock:
+            self._inflight.add(version)
+        try:
+            problem = self._mirror(kind, version, ev)
+        finally:
+            with self._lock:
+                self._inflight.discard(version)
+        if problem is None:
+            failures = self.quarantine.cleared(vid)
+            if failures:
+                log.warning("relay %s: %s %d mirrored after %d failed attempt(s); out of quarantine", self.region, kind, version, failures)
+            return True
+        if problem is _NOT_YET:
+            return False
+        failures, delay = self.quarantine.failed(vid, problem)
+        log.log(
+            logging.ERROR if failures == 1 else logging.DEBUG,
+            "relay %s: %s %d not mirrored: %s; quarantined: next attempt in %.1f s, then twice as long each time (up to %.0f s)",
+            self.region, kind, version, problem, delay, self.quarantine.max_s,
+        )
+        self._want_resync(delay)
+        return False
+
+    def _mirror(self, kind: str, version: int, ev: Event | None) -> str | None:
+        """Mirror one version: None when done, :data:`_NOT_YET`, or why it failed verification."""
+        vid: VersionId = (kind, version)
+        mk = manifest_key(kind, version)
         with self._lock:
             t0 = self._traffic.started.setdefault(vid, self.clock.monotonic())
         try:
@@ -92,13 +155,15 @@ class VersionMirror:
         except ObjectNotFound:
             log.warning("relay %s: %s %d was announced but %s does not exist", self.region, kind, version, self.origin.where(mk))
             self._want_resync()
-            return False
+            return _NOT_YET
         with self._lock:
             self._traffic.fetched(vid, len(data))
-        m = Manifest.from_bytes(data, self.origin.where(mk))
+        try:
+            m = Manifest.from_bytes(data, self.origin.where(mk))
+        except AuroraError as e:
+            return f"its manifest is not valid: {e}"
         if m.kind != kind or m.version != version:
-            log.error("relay %s: %s describes %s %d; not mirrored", self.region, self.origin.where(mk), m.kind, m.version)
-            return False
+            return f"{self.origin.where(mk)} describes {m.kind} {m.version}"
         if ev is not None and ev.get("state") and ev.get("state") != m.state:
             log.warning(
                 "relay %s: %s %d announced with state %s…, its manifest says %s…; the store wins",
@@ -107,21 +172,24 @@ class VersionMirror:
         vdir = version_dir(kind, version)
         refs = [(f"{vdir}/{r.key}", r.bytes, r.sha256) for r in m.segments]
         missing = refs
+        outcomes: list[str] = []
         # Two rounds: the first may only wait for a cut-through copy that was
         # checked against its announcement; the second checks against the manifest.
         for _ in range(2):
-            futures = [self.copier.copy_async(k, b, s) for k, b, s in missing]
+            futures: list[Future[str]] = [self.copier.copy_async(k, b, s) for k, b, s in missing]
             wait_all(futures)
+            outcomes = [f.result() if not f.cancelled() and f.exception() is None else FAILED for f in futures]
             missing = self.copier.missing(refs)
             if not missing:
                 break
         if missing:
-            log.error(
-                "relay %s: %s %d not mirrored: %d of %d object(s) missing or failed verification (first: %s); listing again in %.0f s",
-                self.region, kind, version, len(missing), len(refs), self.origin.where(missing[0][0]), self.retry_s,
+            if self.copier.halt.is_set():
+                return _NOT_YET  # stopping: a copy was cut short, nothing is known to be wrong
+            bad = sum(o != COPIED for o in outcomes)
+            return (
+                f"{max(bad, len(missing))} of {len(refs)} object(s) missing or failed verification "
+                f"(first: {self.origin.where(missing[0][0])})"
             )
-            self._want_resync()
-            return False
         self.mirror.put(mk, data, mode="create")
         with self._lock:
             self._traffic.bytes_copied += len(data)
@@ -133,7 +201,7 @@ class VersionMirror:
             self.region, kind, version, fetched, self.clock.monotonic() - t0, len(refs),
         )
         self.announce_version(m)
-        return True
+        return None
 
     def announce_version(self, m: Manifest) -> None:
         """Tell the region about a complete version, once."""
@@ -149,11 +217,13 @@ class VersionMirror:
 
     # -- every version -----------------------------------------------------------
     def sync(self) -> bool:
-        """List origin and mirror every committed version the mirror lacks.
+        """List origin and mirror every committed version the mirror lacks (and retention keeps).
 
         Only objects named by committed manifests are copied: orphans of
-        attempts that never committed stay behind. Returns whether every
-        version is now in the mirror.
+        attempts that never committed stay behind. A run that has nothing at
+        origin yet (no model description, no version) is waited for, said
+        once. Returns whether the mirror now holds every version it should,
+        quarantined versions aside (their own attempts are scheduled).
         """
         # model/ (docs/WORKERS.md), so the mirror is a run root an Actor can join from.
         # These objects have no digest to check against; they are created once,
@@ -161,15 +231,59 @@ class VersionMirror:
         for key in MODEL_KEYS:
             self.copier.copy_plain(key)
         index = scan_versions(self.origin)
+        if index.latest is None and not any(self.copier.has(k) for k in MODEL_KEYS):
+            if not self._waiting:
+                self._waiting = True
+                log.info(
+                    "relay %s: nothing at %s yet (no model description, no version): waiting for the run to appear",
+                    self.region, self.origin.url,
+                )
+            return False
+        if self._waiting:
+            self._waiting = False
+            log.info("relay %s: the run appeared at %s", self.region, self.origin.url)
+        floor = retention_floor(index.snapshots, self.keep_snapshots) if self.keep_snapshots else None
+        at_origin = [(kind, v) for v in sorted(index.deltas | index.snapshots)
+                     for kind, have in (("delta", index.deltas), ("snapshot", index.snapshots)) if v in have]
+        self.quarantine.keep_only(at_origin)
         ok = True
-        for v in sorted(index.deltas | index.snapshots):
-            for kind, have in (("delta", index.deltas), ("snapshot", index.snapshots)):
-                if v not in have:
-                    continue
-                try:
-                    ok = self.mirror_version(kind, v) and ok
-                except (AuroraError, OSError) as e:
-                    # One damaged version must not hold back the ones after it.
-                    log.error("relay %s: %s %d not mirrored: %s", self.region, kind, v, e)
-                    ok = False
+        for kind, v in at_origin:
+            if not retained(kind, v, floor) or not self.quarantine.allowed((kind, v)):
+                continue
+            try:
+                done = self.mirror_version(kind, v)
+            except (AuroraError, OSError) as e:
+                if self.copier.halt.is_set():
+                    return False
+                # One damaged version must not hold back the ones after it.
+                log.error("relay %s: %s %d not mirrored: %s", self.region, kind, v, e)
+                ok = False
+                continue
+            if not done and (kind, v) not in self.quarantine.failures():
+                ok = False
+        with self._lock:
+            self.listings += 1
         return ok
+
+    # -- retention ---------------------------------------------------------------
+    def clean(self, held: frozenset[int], grace_s: float) -> GcPlan | None:
+        """Apply retention to the mirror: ``held`` are the versions the region's live Actors hold.
+
+        Runs on the serial thread (never beside a listing or a version being
+        completed); the bookkeeping forgets what went, so it is not taken for
+        present. Returns the plan, or None when retention is off.
+        """
+        if not self.keep_snapshots:
+            return None
+        plan = retain(self.mirror, self.keep_snapshots, held, grace_s)
+        gone = set(plan.versions)
+        with self._lock:
+            self._complete -= gone
+        # Orphans too: the verified objects of a quarantined version are orphans in the
+        # mirror, and a later attempt must copy them again, not trust they are there.
+        self.copier.forget(plan.orphans, gone)
+        with self._lock:
+            self.removed += plan.removed
+        if plan.removed:
+            log.info("relay %s: mirror retention: %s", self.region, plan.summary())
+        return plan

@@ -33,6 +33,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=d.streams)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
+        "--resume", action="store_true",
+        help="continue the run in --store from its newest checkpoint (a fresh run if it holds no version yet); "
+        "the resumed Trainer takes a new epoch and fences out any older one",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help=f"save a Trainer checkpoint every N steps, 0 never (default {d.checkpoint_every})")
+    p.add_argument("--keep-checkpoints", type=int, default=None, metavar="N", help=f"checkpoints kept (default {d.keep_checkpoints})")
+    p.add_argument(
+        "--keep-snapshots", type=int, default=None, metavar="K",
+        help=f"retention: keep the newest K snapshots and what follows them, 0 keeps everything (default {d.keep_snapshots})",
+    )
+    p.add_argument(
+        "--outage-budget-s", type=float, default=None, metavar="S",
+        help=f"give up after Redis or the store is unreachable this long (default {d.outage_budget_s:.0f}, env AURORA_OUTAGE_BUDGET_S)",
+    )
+    p.add_argument(
+        "--min-batch-fraction", type=float, default=None, metavar="F",
+        help="close a batch with this fraction of its prompts in once --batch-deadline-s passed (default 1.0: every prompt)",
+    )
+    p.add_argument("--batch-deadline-s", type=float, default=None, metavar="S", help="seconds after which a batch may close short (default: none)")
+    p.add_argument(
         "--nproc", type=int, default=1, metavar="N",
         help="train with N processes sharding the weights with FSDP2 (one per GPU; gloo on CPU). "
         "Under torchrun (WORLD_SIZE set) this is ignored: torchrun made the processes",
@@ -44,6 +64,10 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     return TrainerConfig.from_env(
         steps=args.steps, batch=args.batch, group=args.group, lr=args.lr, kl_coef=args.kl_coef,
         snapshot_every=args.snapshot_every, streams=args.streams, seed=args.seed,
+        resume=getattr(args, "resume", False) or None, checkpoint_every=getattr(args, "checkpoint_every", None),
+        keep_checkpoints=getattr(args, "keep_checkpoints", None), keep_snapshots=getattr(args, "keep_snapshots", None),
+        outage_budget_s=getattr(args, "outage_budget_s", None), min_batch_fraction=getattr(args, "min_batch_fraction", None),
+        batch_deadline_s=getattr(args, "batch_deadline_s", None),
     )
 
 

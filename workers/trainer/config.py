@@ -10,6 +10,7 @@ from aurora_store.config import SEGMENT_MIB_ENV, from_env, streams_field
 from aurora_store.coordination.scheduler import SchedulerConfig
 from aurora_store.errors import ConfigError
 from aurora_store.lineage.publish import PublishConfig
+from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV
 
 __all__ = ["ENV_PREFIX", "TRANSFERS", "TrainerConfig"]
 
@@ -73,6 +74,26 @@ class TrainerConfig:
     max_lag: int = 1
     """Lag bound K: batch b is generated on version max(0, b - K). 1 is one-step asynchrony;
     2 and 4 are the full-broadcast baselines that hide transfer behind K batches."""
+    resume: bool = False
+    """Continue the run in the store from its newest checkpoint (a fresh run if it holds
+    no version yet): ``aurora trainer --resume``, safe to pass on every start."""
+    checkpoint_every: int = 5
+    """Save a Trainer checkpoint (master weights, optimizer, RNG, scheduler estimates) to the
+    run root every N steps, and before step 0; 0 never (a run that cannot be resumed)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept; older ones are deleted after each new one."""
+    keep_snapshots: int = 3
+    """Retention run by the Trainer after each snapshot: keep the newest K snapshots and every
+    version after the oldest of them (and whatever live Actors and Relays hold); 0 keeps all."""
+    outage_budget_s: float = field(default=DEFAULT_OUTAGE_BUDGET_S, metadata={"env": OUTAGE_BUDGET_ENV})
+    """How long Redis or the store may be unreachable before the Trainer gives up (env
+    ``AURORA_OUTAGE_BUDGET_S``, shared by every worker)."""
+    min_batch_fraction: float = 1.0
+    """A batch may close once this fraction of its prompts is in and ``batch_deadline_s`` has
+    passed; 1.0 (the default) waits for every prompt (expired leases go back to the pool)."""
+    batch_deadline_s: float | None = None
+    """Seconds after a batch's creation from which it may close with ``min_batch_fraction``
+    of its prompts in; None: no deadline. Late results are refused (reason ``closed``)."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata={"env": False})
     """How batches are split over Actors and how long leases last."""
     options: EncodeOptions = field(default_factory=EncodeOptions, metadata={"env": False})
@@ -88,6 +109,18 @@ class TrainerConfig:
                 f"poll_s, wait_timeout_s and heartbeat_timeout_s must be > 0 "
                 f"(got {self.poll_s}, {self.wait_timeout_s}, {self.heartbeat_timeout_s})"
             )
+        self._check_recovery_knobs()
+
+    def _check_recovery_knobs(self) -> None:
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.keep_snapshots < 0:
+            raise ConfigError(
+                f"checkpoint_every and keep_snapshots must be >= 0 and keep_checkpoints >= 1 "
+                f"(got {self.checkpoint_every}, {self.keep_snapshots}, {self.keep_checkpoints})"
+            )
+        if not 0 < self.min_batch_fraction <= 1 or (self.batch_deadline_s is not None and self.batch_deadline_s <= 0):
+            raise ConfigError(f"min_batch_fraction must be in (0, 1] and batch_deadline_s > 0 (got {self.min_batch_fraction}, {self.batch_deadline_s})")
+        if self.outage_budget_s <= 0:
+            raise ConfigError(f"outage_budget_s must be > 0, got {self.outage_budget_s}")
 
     def publish_config(self, **overrides: Any) -> PublishConfig:
         """How this run's versions are cut and sent."""

@@ -11,8 +11,9 @@ announcement).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,13 +72,14 @@ def publish_version(
     config: PublishConfig,
     bus: Bus,
     snapshot_tensors: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    producer: Mapping[str, Any] | None = None,
 ) -> Published:
     """Ship version ``v`` (made by ``step``) from ``old`` -> ``new`` as ``transfer`` says.
 
     ``snapshot_tensors`` turns bf16 weights into the fused tensors a snapshot
     holds. The version is not announced here (the caller records its head first).
     """
-    producer = {"step": step}
+    producer = {"step": step, **(producer or {})}
     if transfer == "delta":
         m = publish_delta(
             store, run, v, extract(plan, old, new), base_state, config, on_segment=announce_segments(bus), producer=producer

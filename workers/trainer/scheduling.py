@@ -7,8 +7,10 @@ estimates, what each holds) and turns its plan into ledger calls.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -24,14 +26,17 @@ from aurora_store.coordination.scheduler import (
     lease_ms,
     plan_step,
 )
+from aurora_store.errors import ConfigError
 from workers.task import Problem, make_problems
 from workers.tokenizer import CharTokenizer
 
 __all__ = [
+    "BatchClose",
     "Collected",
     "actor_views",
     "batch_prompts",
     "collect_batch",
+    "min_results",
     "plan_batch",
     "step_lease_ms",
     "updated_tau",
@@ -94,12 +99,48 @@ def step_lease_ms(completion_ms: list[float], config: SchedulerConfig) -> int:
 
 @dataclass(slots=True)
 class Collected:
-    """What collecting a batch found beyond its results."""
+    """What collecting batches found beyond their results (cumulative over the Trainer's batches)."""
 
     accepted_twice: int = 0
     """Results for a prompt already collected (the ledger accepts once: this must stay 0)."""
     accepted_wrong_version: int = 0
     """Results generated on another version than the batch's (must stay 0 too)."""
+    unreturned: int = 0
+    """Prompts whose batch closed without their result (``min_batch_fraction`` < 1 and a deadline)."""
+    remarked: int = 0
+    """Prompts the ledger had lost the settlement of (a partial Redis loss) and was told again."""
+    last: BatchClose | None = None
+    """How the latest batch closed."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchClose:
+    """How one batch closed."""
+
+    step: int
+    need: int
+    """Prompts of the batch."""
+    collected: int
+    """Results the Trainer holds for it."""
+    unreturned: int
+    """Prompts closed without a result: ``need - collected``."""
+    reason: str
+    """``complete`` (every prompt in) or ``deadline`` (``batch_deadline_s`` passed with enough in)."""
+    waited_s: float
+
+    def as_json(self) -> str:
+        return json.dumps({"step": self.step, "need": self.need, "collected": self.collected, "unreturned": self.unreturned, "reason": self.reason})
+
+
+def min_results(need: int, batch_deadline_s: float | None, min_batch_fraction: float) -> int:
+    """Results a batch of ``need`` prompts must hold to close at its deadline (all of them without one)."""
+    if not 0 < min_batch_fraction <= 1:
+        raise ConfigError(f"min_batch_fraction must be in (0, 1], got {min_batch_fraction}")
+    if batch_deadline_s is not None and batch_deadline_s <= 0:
+        raise ConfigError(f"batch_deadline_s must be > 0 or None, got {batch_deadline_s}")
+    if batch_deadline_s is None or need <= 0:
+        return need
+    return min(need, max(1, math.ceil(min_batch_fraction * need - 1e-9)))
 
 
 def collect_batch(
@@ -111,41 +152,118 @@ def collect_batch(
     completion_ms: list[float],
     counts: Collected,
     reap_ms: int,
-    timeout_s: float,
+    progress_s: float,
     poll_s: float,
     stop: threading.Event,
     clock: Clock,
     recreate: Callable[[], None],
-) -> None:
-    """Read batch ``b``'s results into ``collected`` until ``need`` prompts are in.
+    *,
+    batch_deadline_s: float | None = None,
+    min_batch_fraction: float = 1.0,
+    epoch: int | None = None,
+) -> BatchClose:
+    """Read batch ``b``'s results into ``collected`` until it may close, then close it.
 
-    The ledger accepts once and only on the job's version; each result is
-    checked again here. Silent Actors are reaped on the way. A ledger that
-    lost the step (Redis restarted empty) is re-created by ``recreate``.
-    Raises :class:`KeyboardInterrupt` once ``stop`` is set, and
-    :class:`TimeoutError` after ``timeout_s`` without the batch complete.
+    The batch closes when all ``need`` prompts are in, or once
+    ``batch_deadline_s`` (None: never) has passed since the step was created
+    (server clock) with at least ``min_batch_fraction`` of them in. Closing
+    seals the step first (a late settle is refused with ``closed``), reads
+    what arrived up to the seal, then drops the step's keys; the prompts
+    still out are counted in ``counts.unreturned`` and the answer.
+
+    Results are read by prompt id, so nothing Redis reorders or loses hides
+    one; a settlement the ledger lost but the Trainer holds is marked again
+    (never re-done). The ledger accepts once and only on the job's version;
+    each result is checked again here. Silent Actors are reaped and open
+    steps' TTLs refreshed on the way. A ledger that lost the step (Redis
+    restarted empty) is re-created by ``recreate``. There is no time limit:
+    a wait longer than ``progress_s`` logs progress every ``progress_s``.
+    Raises :class:`KeyboardInterrupt` once ``stop`` is set and
+    :class:`~aurora_store.errors.FencedOut` if a newer Trainer holds the run
+    (``epoch``: this Trainer's, passed to every write).
     """
-    deadline = clock.monotonic() + timeout_s
-    pos = 0
-    while len(collected) < need:
+    t0 = clock.monotonic()
+    floor = min_results(need, batch_deadline_s, min_batch_fraction)
+    reap_every = max(poll_s, min(1.0, reap_ms / 4000.0))
+    touch_every = max(poll_s, min(60.0, ledger.config.step_ttl_s / 10.0)) if ledger.config.step_ttl_s > 0 else None
+    next_reap = next_touch = t0
+    next_progress = t0 + progress_s
+    created_ms: int | None = None
+    told: set[str] = set()  # prompts already passed to mark_settled (once is enough)
+    said_floor = False
+
+    def absorb(results: list[AcceptedResult]) -> None:
+        for r in results:
+            if r.prompt in collected:
+                counts.accepted_twice += 1
+            elif r.version != gen_version:
+                counts.accepted_wrong_version += 1
+            else:
+                collected[r.prompt] = r
+                completion_ms.append(max(1, r.settled_ms - r.leased_ms))
+
+    while True:
         if stop.is_set():
             raise KeyboardInterrupt
         try:
-            for r in ledger.collect(b, pos):
-                pos += 1
-                if r.prompt in collected:
-                    counts.accepted_twice += 1
-                elif r.version != gen_version:
-                    counts.accepted_wrong_version += 1
-                else:
-                    collected[r.prompt] = r
-                    completion_ms.append(max(1, r.settled_ms - r.leased_ms))
-            ledger.reap(reap_ms)
+            poll = ledger.poll(b, collected)
         except LedgerLost:
             recreate()
-            pos = 0
             continue
-        if len(collected) < need:
-            if clock.monotonic() > deadline:
-                raise TimeoutError(f"batch {b}: {len(collected)}/{need} prompts after {timeout_s}s; are Actors running?")
-            clock.wait(stop, poll_s)
+        if created_ms is None:
+            created_ms = poll.created_ms  # the first creation: a re-created step keeps its deadline
+        absorb(poll.results)
+        lost = [p for p in collected if p not in poll.accepted and p not in told]
+        if lost:
+            told.update(lost)
+            n = ledger.mark_settled(b, lost, epoch=epoch)
+            if n:
+                counts.remarked += n
+                log.warning("step %d: the ledger had lost %d settlement(s) the Trainer holds; marked settled again", b, n)
+        now = clock.monotonic()
+        if now >= next_reap:
+            ledger.reap(reap_ms)
+            next_reap = now + reap_every
+        if touch_every is not None and now >= next_touch:
+            ledger.touch_steps()
+            next_touch = now + touch_every
+        late = batch_deadline_s is not None and poll.now_ms - created_ms >= batch_deadline_s * 1000
+        if len(collected) >= need or (late and len(collected) >= floor):
+            return _close(ledger, b, need, collected, counts, absorb, "complete" if len(collected) >= need else "deadline", now - t0, epoch)
+        if late and not said_floor:
+            said_floor = True
+            log.info("step %d: deadline of %.0fs passed with %d/%d results; closing at %d", b, batch_deadline_s, len(collected), need, floor)
+        if now >= next_progress:
+            log.info(
+                "step %d: %d/%d results after %.0fs (ledger: %d/%d settled); waiting for Actors",
+                b, len(collected), need, now - t0, poll.settled, poll.total,
+            )
+            next_progress = now + progress_s
+        clock.wait(stop, poll_s)
+
+
+def _close(
+    ledger: Ledger,
+    b: int,
+    need: int,
+    collected: dict[str, AcceptedResult],
+    counts: Collected,
+    absorb: Callable[[list[AcceptedResult]], None],
+    reason: str,
+    waited_s: float,
+    epoch: int | None,
+) -> BatchClose:
+    """Seal, read what came in up to the seal, drop: each phase a call of its own, safe to repeat."""
+    if ledger.seal_step(b, epoch=epoch) is not None:
+        # LedgerLost: Redis lost the step after the seal; what it held is gone, and counted below.
+        with contextlib.suppress(LedgerLost):
+            absorb(ledger.poll(b, collected).results)
+    unreturned = max(0, need - len(collected))
+    ledger.drop_step(b, epoch=epoch, unreturned=unreturned)
+    counts.unreturned += unreturned
+    done = BatchClose(b, need, len(collected), unreturned, reason, waited_s)
+    counts.last = done
+    if unreturned:
+        log.info("step %d: closed with %d/%d results (%s); %d prompt(s) unreturned", b, len(collected), need, reason, unreturned)
+    ledger.fenced_hset(ledger.keys.trainer, {"unreturned": counts.unreturned, "last_batch": done.as_json()}, epoch=epoch)
+    return done

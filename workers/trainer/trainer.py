@@ -37,17 +37,28 @@ import torch
 
 from aurora_store.apply.sink import weights_digest
 from aurora_store.clock import SYSTEM_CLOCK, Clock
-from aurora_store.codec.extract import fuse_weights
+from aurora_store.codec.extract import fuse_weights, unfuse_weights
 from aurora_store.coordination.bus import COMMIT, VERSION, Bus
 from aurora_store.coordination.ledger import AcceptedResult, Ledger
 from aurora_store.coordination.redisconn import connect
+from aurora_store.errors import ChainError, ConfigError, FencedOut, VersionConflict
+from aurora_store.lineage.fetch import materialize, read_manifest
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.lineage.publish import PublishConfig, publish_snapshot
+from aurora_store.outage import Dependency, riding
 from aurora_store.storage import Store, open_store
 from workers.common import Endpoints, RunKeys, record_digest, write_model_description
 from workers.model import fusion_plan_for, hf_weights, is_tied, logprobs, tiny_qwen3, warm_start
 from workers.task import Problem, make_problems
 from workers.tokenizer import CharTokenizer
+from workers.trainer.checkpoint import (
+    Checkpoint,
+    load_latest_checkpoint,
+    load_optimizer,
+    optimizer_tensors,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from workers.trainer.config import TrainerConfig
 from workers.trainer.fsdp import (
     SINGLE,
@@ -125,11 +136,23 @@ class Trainer:
         self.ctx = ctx
         self.clock = clock
         self.on_step = on_step
-        self.store: Store = open_store(ep.store, dict(ep.storage_options))
-        self.redis = connect(ep.redis)
-        self.ledger = Ledger(self.redis, ep.run)
-        self.bus = Bus(self.redis, ep.run)
+        self.stop = threading.Event()
+        # Redis and the store may be away for a while (docs/FAILURES.md): every
+        # call through these rides it out up to the outage budget, logging once.
+        self.redis_dep = Dependency("Redis", log, cfg.outage_budget_s, clock)
+        self.store_dep = Dependency("the store", log, cfg.outage_budget_s, clock)
+        self.store: Store = riding(open_store(ep.store, dict(ep.storage_options)), self.store_dep, self.stop)
+        raw = connect(ep.redis)
+        self.redis = riding(raw, self.redis_dep, self.stop)
+        self.ledger = riding(Ledger(raw, ep.run), self.redis_dep, self.stop)
+        self.bus = riding(Bus(raw, ep.run), self.redis_dep, self.stop)
         self.keys = RunKeys(ep.run)
+        self.epoch = 0
+        """This Trainer's epoch: 1 for a fresh run, one more than any before it on resume."""
+        self.resumed_from: int | None = None
+        """Step of the checkpoint this Trainer resumed from (None: a fresh run)."""
+        self.unreturned = 0
+        """Prompts whose batch closed without their result (late Actors, ``min_batch_fraction`` < 1)."""
         self.tokenizer = CharTokenizer()
         self.rng = random.Random(cfg.seed)
         self.problems: dict[str, Problem] = {}
@@ -139,7 +162,6 @@ class Trainer:
         self.completion_ms: list[float] = []
         self.states: dict[int, str] = {}
         self.logs: list[StepLog] = []
-        self.stop = threading.Event()
         self._counts = Collected()
 
     @property
@@ -154,17 +176,36 @@ class Trainer:
 
     # -- setup ------------------------------------------------------------------
     def setup(self) -> None:
+        """A fresh run: warm start, v0, the first batches, the first checkpoint."""
         if scan_versions(self.store).latest is not None:
-            raise RuntimeError(f"{self.store.url} already holds versions; resuming a run is not supported yet, use a fresh run root")
+            raise ConfigError(f"{self.store.url} already holds versions of a run: pass --resume to continue it, or use a fresh run root")
+        self._check_redis()
+        self._enter_epoch(1)
         t0 = time.perf_counter()
-        self.model = tiny_qwen3(self.tokenizer.vocab_size, seed=self.cfg.seed, dtype=torch.float32, head_dim=self.cfg.head_dim)
+        self._build_model()
         warm = make_problems(2000, seed=self.cfg.seed + 1, difficulty=self.cfg.difficulty)
         rep = warm_start(self.model, self.tokenizer, warm, steps=self.cfg.warm_start_steps, seed=self.cfg.seed)
         log.info("warm start: %d steps in %.1fs, loss %.3f -> %.3f", rep.steps, rep.seconds, rep.first_loss, rep.last_loss)
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if self.cfg.kl_coef > 0 else None
+        self._prepare_training()
+        self.published = self._bf16_weights()
+        self.versions_bf16: dict[int, dict[str, torch.Tensor]] = {0: self.published}
+        write_model_description(self.store, self.model.config.to_json_string(), self.tokenizer.to_json())
+        m = publish_snapshot(self.store, self.ep.run, 0, fuse_weights(self.published, self.plan), None, self._pub_cfg(), producer=self._producer(0))
+        self.states[0] = m.state
+        self.full_bytes = m.total_bytes
+        self._after_publish(0, m.state, "snapshot", m.total_bytes)
+        log.info("v0 snapshot published (%d bytes) in %.1fs total setup", m.total_bytes, time.perf_counter() - t0)
+        for b in range(self.cfg.max_lag + 1):
+            self._create_batch(b, 0)
+        self._checkpoint(0)
+
+    def _build_model(self) -> None:
+        self.model = tiny_qwen3(self.tokenizer.vocab_size, seed=self.cfg.seed, dtype=torch.float32, head_dim=self.cfg.head_dim)
+
+    def _prepare_training(self) -> None:
+        """After the master weights are final: the behaviour copy, sharding, the optimizer, the plan."""
         self.model.train()
-        self.reference = None
-        if self.cfg.kl_coef > 0:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         # The policy each batch was sampled from (bf16, as the Actors ran it),
         # kept for the two versions a batch can be generated on.
         self.behavior = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -174,19 +215,156 @@ class Trainer:
             broadcast_module(self.model)
             shard_model(self.model, self.ctx)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
-        self.published = self._bf16_weights()
         self._followers_joined = self.ctx.sharded
-        self.versions_bf16: dict[int, dict[str, torch.Tensor]] = {0: self.published}
         # The plan describes what is shipped: the bf16 weights (the fp32 master is the Trainer's own).
-        self.plan = fusion_plan_for(self.published, tied=tied)
-        write_model_description(self.store, self.model.config.to_json_string(), self.tokenizer.to_json())
-        m = publish_snapshot(self.store, self.ep.run, 0, fuse_weights(self.published, self.plan), None, self._pub_cfg())
-        self.states[0] = m.state
-        self.full_bytes = m.total_bytes
-        self._after_publish(0, m.state, "snapshot", m.total_bytes)
-        log.info("v0 snapshot published (%d bytes) in %.1fs total setup", m.total_bytes, time.perf_counter() - t0)
-        for b in range(self.cfg.max_lag + 1):
-            self._create_batch(b, 0)
+        self.plan = fusion_plan_for({n: t.to(torch.bfloat16) for n, t in hf_weights(self.behavior).items()}, tied=tied)
+
+    def _check_redis(self) -> None:
+        check = getattr(self.ledger, "check_memory_policy", None)
+        if check is not None:
+            check()
+
+    def _producer(self, step: int) -> dict[str, Any]:
+        """``producer`` of the manifests this Trainer writes: the step and the epoch (FORMAT.md §4)."""
+        return {"step": step, "epoch": self.epoch}
+
+    # -- epochs: one Trainer at a time ---------------------------------------------
+    def _enter_epoch(self, epoch: int) -> None:
+        """Take ``epoch`` in Redis; a newer Trainer holding a higher one fences this one out."""
+        enter = getattr(self.ledger, "enter_epoch", None)
+        if enter is not None:
+            enter(epoch)
+        self.epoch = epoch
+        self.redis.hset(self.keys.trainer, "epoch", epoch)
+
+    def _check_epoch(self) -> None:
+        """Before a write only the current Trainer may make: raise FencedOut if a newer one took over."""
+        check = getattr(self.ledger, "check_epoch", None)
+        if check is not None:
+            check(self.epoch)
+
+    # -- checkpoint and resume ---------------------------------------------------------
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.checkpoint_every
+        return every > 0 and step % every == 0 and not self.ctx.sharded
+
+    def _checkpoint(self, step: int) -> None:
+        """Save what a restarted Trainer needs to run ``step`` next (docs/WORKERS.md)."""
+        if not self._checkpoint_due(step):
+            return
+        t0 = time.perf_counter()
+        tensors = {f"model.{n}": p.detach() for n, p in self.model.state_dict().items()}
+        opt_t, opt_meta = optimizer_tensors(self.opt)
+        tensors.update(opt_t)
+        if self.reference is not None:
+            tensors.update({f"reference.{n}": p.detach() for n, p in self.reference.state_dict().items()})
+        tensors["rng.torch"] = torch.get_rng_state()
+        meta = {
+            "run": self.ep.run,
+            "config": self._identity(),
+            "optimizer": opt_meta,
+            "lr": self.cfg.lr,
+            "rng": _jsonable(self.rng.getstate()),
+            "tau": self.tau,
+            "completion_ms": self.completion_ms[-200:],
+            "accepted_twice": self._counts.accepted_twice,
+            "accepted_wrong_version": self._counts.accepted_wrong_version,
+            "unreturned": self.unreturned,
+            "full_bytes": self.full_bytes,
+        }
+        nbytes = save_checkpoint(self.store, Checkpoint(step=step, epoch=self.epoch, tensors=tensors, meta=meta))
+        gone = prune_checkpoints(self.store, self.cfg.keep_checkpoints)
+        log.info("checkpoint before step %d: %d bytes in %.2fs%s", step, nbytes, time.perf_counter() - t0, f", pruned {gone}" if gone else "")
+
+    def _identity(self) -> dict[str, Any]:
+        """The knobs a resumed run must share with the one it continues."""
+        c = self.cfg
+        return {"seed": c.seed, "batch": c.batch, "group": c.group, "head_dim": c.head_dim, "max_lag": c.max_lag, "difficulty": c.difficulty, "transfer": c.transfer}
+
+    def resume(self) -> int:
+        """Continue the run in the store from its newest checkpoint; returns the step to run next.
+
+        The master weights and optimizer come from the checkpoint; versions
+        published after it already exist, so the next version is a delta
+        against the newest committed one, materialized from the store (the
+        chain neither forks nor gaps). Open steps are reused (their settled
+        results count); missing ones are created again.
+        """
+        index = scan_versions(self.store)
+        if index.latest is None:
+            log.info("--resume: %s holds no version yet; starting a fresh run", self.store.url)
+            self.setup()
+            return 0
+        ck = load_latest_checkpoint(self.store)
+        if ck is None:
+            raise ConfigError(f"{self.store.url} holds versions but no usable Trainer checkpoint: it cannot be resumed")
+        if self.ctx.sharded:
+            raise ConfigError("--resume with several processes (--nproc, torchrun) is not supported yet: resume with one process")
+        if ck.meta.get("config") != self._identity():
+            raise ConfigError(f"--resume: the run was made with {ck.meta.get('config')}, this Trainer has {self._identity()}; use the same settings")
+        self._check_redis()
+        head = index.latest
+        manifest_epoch = max((self._manifest_epoch(v) for v in (head,) if v is not None), default=0)
+        stored = int(self.redis.hget(self.keys.trainer, "epoch") or 0)
+        self._enter_epoch(max(ck.epoch, manifest_epoch, stored) + 1)
+        t0 = time.perf_counter()
+        self._build_model()
+        self.model.load_state_dict({n[len("model."):]: t for n, t in ck.tensors.items() if n.startswith("model.")})
+        self.reference = None
+        if self.cfg.kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            ref = {n[len("reference."):]: t for n, t in ck.tensors.items() if n.startswith("reference.")}
+            if ref:
+                self.reference.load_state_dict(ref)
+        self._prepare_training()
+        load_optimizer(self.opt, ck.tensors, ck.meta["optimizer"])
+        if "rng.torch" in ck.tensors:
+            torch.set_rng_state(ck.tensors["rng.torch"])
+        self.rng.setstate(_tuples(ck.meta["rng"]))
+        self.tau = {str(k): float(v) for k, v in dict(ck.meta.get("tau", {})).items()}
+        self.completion_ms = [float(x) for x in ck.meta.get("completion_ms", [])]
+        self._counts.accepted_twice = int(ck.meta.get("accepted_twice", 0))
+        self._counts.accepted_wrong_version = int(ck.meta.get("accepted_wrong_version", 0))
+        self.unreturned = int(ck.meta.get("unreturned", 0))
+        self.full_bytes = int(ck.meta.get("full_bytes", 0))
+        # The versions batches still open were generated on, from the store.
+        K = self.cfg.max_lag
+        self.versions_bf16 = {}
+        for v in range(max(0, head - K), head + 1):
+            fused, state = materialize(self.store, v, self.cfg.streams)
+            self.versions_bf16[v] = {n: t.to(torch.bfloat16) for n, t in unfuse_weights(fused, self.plan).items()}
+            self.states[v] = state
+        self.published = self.versions_bf16[head]
+        if head == ck.step and weights_digest(self._bf16_weights(), self.plan) != weights_digest(self.published, self.plan):
+            raise ChainError(f"the checkpoint before step {ck.step} does not match version {head} in the store")
+        self.resumed_from = ck.step
+        self._after_publish(head, self.states[head], "delta" if head in index.deltas else "snapshot", 0)
+        # Steps: reuse what the ledger still holds, create what it lost, drop what is done.
+        for b in self.ledger.open_steps():
+            if b < head:
+                self.ledger.close_step(b)
+        for b in range(head, min(head + K + 1, self.cfg.steps)):
+            gen = max(0, b - K)
+            self.batch_prompts[b] = self._batch_prompts(b)
+            self.collected.setdefault(b, {})
+            if not self.ledger.step_exists(b):
+                self._create_batch(b, gen)
+        if head >= 1:
+            self.bus.announce(COMMIT, head)
+            self.redis.hset(self.keys.trainer, "commit", head)
+        log.info(
+            "resumed epoch %d from the checkpoint before step %d; head v%d (%d version(s) since it) in %.1fs",
+            self.epoch, ck.step, head, head - ck.step, time.perf_counter() - t0,
+        )
+        return head
+
+    def _manifest_epoch(self, v: int) -> int:
+        for kind in ("delta", "snapshot"):
+            try:
+                return int(read_manifest(self.store, kind, v).producer.get("epoch", 0) or 0)
+            except Exception:  # noqa: BLE001 - a version of the other kind, or an old manifest without an epoch
+                continue
+        return 0
 
     def _pub_cfg(self) -> PublishConfig:
         return self.cfg.publish_config()
@@ -308,31 +486,47 @@ class Trainer:
         )
         if self.on_step:
             self.on_step(entry)
+        self._checkpoint(v)
         return entry
 
     def _publish_version(self, v: int, b: int, new: dict[str, torch.Tensor]) -> tuple[int, int]:
-        """Ship version ``v`` as ``cfg.transfer`` says; returns (bytes written, changed elements)."""
-        out = publish_version(
-            self.store, self.ep.run, v, b, self.cfg.transfer, self.plan, self.published, new, self.states[v - 1],
-            self._pub_cfg(), self.bus, self._snapshot_tensors,
-        )
+        """Ship version ``v`` as ``cfg.transfer`` says; returns (bytes written, changed elements).
+
+        Only the Trainer of the current epoch publishes: the fence is checked
+        first, and a manifest already at ``v`` with other bytes (a newer
+        Trainer got there first) fences this one out too.
+        """
+        self._check_epoch()
+        try:
+            out = publish_version(
+                self.store, self.ep.run, v, b, self.cfg.transfer, self.plan, self.published, new, self.states[v - 1],
+                self._pub_cfg(), self.bus, self._snapshot_tensors, producer=self._producer(b),
+            )
+        except VersionConflict as e:
+            raise FencedOut(f"version {v} was published by another Trainer; this one (epoch {self.epoch}) stops: {e}") from e
         self.published = new
         self.versions_bf16[v] = new
         self.versions_bf16.pop(v - 2, None)
         self.states[v] = out.state
         self._after_publish(v, out.state, out.kind, out.nbytes)
         if self.cfg.transfer == "delta" and self.cfg.snapshot_every and v % self.cfg.snapshot_every == 0:
-            publish_snapshot(self.store, self.ep.run, v, self._snapshot_tensors(self.published), out.state, self._pub_cfg())
+            publish_snapshot(self.store, self.ep.run, v, self._snapshot_tensors(self.published), out.state, self._pub_cfg(), producer=self._producer(b))
+            self._retain()
         return out.nbytes, out.changed
 
     def _snapshot_tensors(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full weights under fused names, as a snapshot holds them."""
         return fuse_weights(weights, self.plan)
 
+    def _retain(self) -> None:
+        """Retention after a snapshot: keep the newest ``keep_snapshots`` and what live Actors hold."""
+
     def run(self) -> list[StepLog]:
         try:
-            self.setup()
-            for b in range(self.cfg.steps):
+            start = self.resume() if self.cfg.resume else 0
+            if not self.cfg.resume:
+                self.setup()
+            for b in range(start, self.cfg.steps):
                 if self.stop.is_set():
                     break
                 self.train_step(b)
@@ -343,6 +537,16 @@ class Trainer:
                 exchange(("stop", None), self.ctx)
         self.redis.hset(self.keys.trainer, "status", "done")
         return self.logs
+
+
+def _jsonable(x: Any) -> Any:
+    """Tuples as lists, recursively (``random.Random.getstate()`` for JSON)."""
+    return [_jsonable(i) for i in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tuples(x: Any) -> Any:
+    """The inverse of :func:`_jsonable` for ``random.Random.setstate``."""
+    return tuple(_tuples(i) for i in x) if isinstance(x, list) else x
 
 
 def follow(cfg: TrainerConfig, ctx: DistContext) -> int:

@@ -21,14 +21,20 @@ __all__ = [
     "AcceptedResult",
     "ActorRecord",
     "StepStatus",
+    "StepPoll",
+    "ClosedStep",
     "lease_holder",
     "actor_from_hash",
     "accepted_from_redis",
     "step_status_from_hash",
 ]
 
-#: Every answer ``settle`` can give.
-SETTLE_REASONS = ("accepted", "duplicate", "already_settled", "not_leased", "stale_token", "expired", "wrong_version", "wrong_digest", "no_step")
+#: Every answer ``settle`` can give (``closed``: the Trainer closed the step's batch
+#: without this result, a deadline passed; ``no_step``: no such step, or its tombstone expired).
+SETTLE_REASONS = (
+    "accepted", "duplicate", "already_settled", "not_leased", "stale_token", "expired", "wrong_version", "wrong_digest",
+    "closed", "no_step",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +87,41 @@ class AcceptedResult:
     settled_ms: int
     leased_ms: int
     payload: bytes
+    seq: int = 0
+    """Order of acceptance within the step (1, 2, …; 0 when unknown)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepPoll:
+    """One read of a step by the Trainer: what is new, and where the step stands."""
+
+    results: list[AcceptedResult]
+    """Accepted results not in the ``have`` the caller passed, in order of acceptance."""
+    accepted: frozenset[str]
+    """Every prompt id the ledger holds as settled (``done``), new or not."""
+    total: int
+    settled: int
+    created_ms: int
+    """Server-clock time the step was created (re-created, after a loss)."""
+    now_ms: int
+    """The ledger's clock at the read."""
+    closed: bool
+    """Sealed: settles are refused (``closed``) and nothing is leased any more."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedStep:
+    """What closing a step found: the results not collected before, and the counts."""
+
+    results: list[AcceptedResult]
+    total: int
+    """Prompts of the step, as the ledger holds it."""
+    settled: int
+    """Of those, accepted (or marked by the Trainer) before the seal."""
+
+    @property
+    def unsettled(self) -> int:
+        return max(0, self.total - self.settled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +151,8 @@ class StepStatus:
     pending: int
     expired: int
     rejected: int
+    dropped: int = 0
+    """Duplicate prompt ids a claim dropped instead of leasing (a partial loss repeated a write)."""
 
 
 def lease_holder(raw: Any) -> str:
@@ -140,9 +183,11 @@ def actor_from_hash(actor: str, h: Mapping[Any, Any], leases: int) -> ActorRecor
 
 
 def accepted_from_redis(head: Any, payload: Any) -> AcceptedResult:
-    """One ``step:{v}:results`` entry (JSON) and its ``results:payload`` entry."""
-    p, actor, token, version, settled, leased = json.loads(head)
-    return AcceptedResult(str(p), str(actor), int(token), int(version), int(settled), int(leased), bytes(payload))
+    """One ``step:{v}:results`` entry (JSON ``[prompt, actor, token, version, settled_ms,
+    leased_ms, seq]``) and its ``results:payload`` entry."""
+    p, actor, token, version, settled, leased, *rest = json.loads(head)
+    seq = int(rest[0]) if rest else 0
+    return AcceptedResult(str(p), str(actor), int(token), int(version), int(settled), int(leased), bytes(payload), seq)
 
 
 def step_status_from_hash(v: int, h: Mapping[Any, Any], leased: int, pending: int) -> StepStatus:
@@ -156,4 +201,5 @@ def step_status_from_hash(v: int, h: Mapping[Any, Any], leased: int, pending: in
         pending=pending,
         expired=int(g.get("expired", 0)),
         rejected=int(g.get("rejected", 0)),
+        dropped=int(g.get("dropped", 0)),
     )

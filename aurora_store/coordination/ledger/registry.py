@@ -1,4 +1,13 @@
-"""The Actor registry: join, heartbeat, leave, and reaping the silent."""
+"""The Actor registry: join, heartbeat, leave, and reaping the silent.
+
+Records are bounded (:class:`~aurora_store.coordination.ledger.core.LedgerConfig`):
+an ``alive`` record expires ``actor_ttl_s`` after its last register or
+heartbeat, a ``left`` or ``gone`` one ``departed_ttl_s`` after it was marked.
+The ``actors`` set keeps an id until the Trainer's :meth:`ActorRegistry.reap`
+finds its record gone; it then releases whatever the id still held and
+removes it. Every loop over Actors reads the records, so it touches the live
+ones (and the recently departed) only, however many joined over the run.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from aurora_store.coordination.decode import as_str
-from aurora_store.coordination.ledger.core import LedgerCore
+from aurora_store.coordination.ledger.core import LedgerCore, _ms
 from aurora_store.coordination.ledger.records import ActorRecord, actor_from_hash, lease_holder
 from aurora_store.coordination.redisconn import translate_redis_errors
 from aurora_store.errors import ConfigError
@@ -33,11 +42,17 @@ class ActorRegistry(LedgerCore):
         fields: list[Any] = ["region", region, "engine", engine, "active", "", "staged", "", "active_state", ""]
         if tau is not None:
             fields += ["tau", repr(float(tau))]
-        return int(self._scripts.register(keys=[self.k_actor(actor), self.k_actors], args=[actor, self._now(), *fields]))
+        args = [actor, self._now(), _ms(self.config.actor_ttl_s), *fields]
+        return int(self._scripts.register(keys=[self.k_actor(actor), self.k_actors], args=args))
 
     @translate_redis_errors("Ledger.heartbeat")
     def heartbeat(self, actor: str, active: int | None = None, staged: int | None = None, active_state: str | None = None) -> bool:
-        """Refresh liveness and report versions. False: the ledger considers this Actor gone or left."""
+        """Refresh liveness (and the record's TTL) and report versions.
+
+        False: the ledger considers this Actor gone or left, or its record
+        expired (Redis lost it, or the Actor was away past ``actor_ttl_s``):
+        register again.
+        """
         fields: list[Any] = []
         if active is not None:
             fields += ["active", str(active)]
@@ -45,7 +60,15 @@ class ActorRegistry(LedgerCore):
             fields += ["staged", str(staged)]
         if active_state is not None:
             fields += ["active_state", active_state]
-        return int(self._scripts.heartbeat(keys=[self.k_actor(actor)], args=[self._now(), *fields])) >= 0
+        args = [self._now(), _ms(self.config.actor_ttl_s), *fields]
+        return int(self._scripts.heartbeat(keys=[self.k_actor(actor)], args=args)) >= 0
+
+    def _mark(self, actor: str, ttl_ms: int | None, require: str = "", **fields: Any) -> bool:
+        """Write ``fields`` into an existing record (never creating one); optionally set its TTL."""
+        args: list[Any] = ["" if ttl_ms is None else ttl_ms, require]
+        for k, v in fields.items():
+            args += [k, v]
+        return bool(int(self._scripts.mark_actor(keys=[self.k_actor(actor)], args=args)))
 
     @translate_redis_errors("Ledger.lease_counts")
     def lease_counts(self) -> dict[str, int]:
@@ -55,8 +78,14 @@ class ActorRegistry(LedgerCore):
         someone else's expired lease to the pool.
         """
         out: dict[str, int] = {}
-        for v in self.open_steps():
-            for raw in self.r.hvals(self.k_step(v, "lease")):
+        steps = self.open_steps()
+        if not steps:
+            return out
+        pipe = self.r.pipeline(transaction=False)
+        for v in steps:
+            pipe.hvals(self.k_step(v, "lease"))
+        for vals in pipe.execute():
+            for raw in vals:
                 a = lease_holder(raw)
                 out[a] = out.get(a, 0) + 1
         return out
@@ -69,22 +98,36 @@ class ActorRegistry(LedgerCore):
         counts = self.lease_counts() if lease_counts is None else lease_counts
         return actor_from_hash(actor, h, counts.get(actor, 0))
 
+    def _records(self) -> tuple[list[str], list[dict[Any, Any]]]:
+        """Every id of the ``actors`` set and its record (empty when the record is gone), in one round trip."""
+        ids = sorted(as_str(x) for x in self.r.smembers(self.k_actors))
+        if not ids:
+            return [], []
+        pipe = self.r.pipeline(transaction=False)
+        for i in ids:
+            pipe.hgetall(self.k_actor(i))
+        return ids, list(pipe.execute())
+
     @translate_redis_errors("Ledger.actors")
     def actors(self) -> list[ActorRecord]:
-        ids = sorted(as_str(x) for x in self.r.smembers(self.k_actors))
+        """Every Actor with a record (alive, or departed within ``departed_ttl_s``), by id. Reads only."""
+        ids, records = self._records()
+        if not ids:
+            return []
         counts = self.lease_counts()
-        return [a for a in (self.actor(i, counts) for i in ids) if a is not None]
+        return [actor_from_hash(i, h, counts.get(i, 0)) for i, h in zip(ids, records, strict=True) if h]
 
     @translate_redis_errors("Ledger.set_tau")
     def set_tau(self, actor: str, tau: float) -> None:
-        self.r.hset(self.k_actor(actor), "tau", repr(float(tau)))
+        """The Trainer's throughput estimate of ``actor`` (ignored once its record expired)."""
+        self._mark(actor, None, tau=repr(float(tau)))
 
     @translate_redis_errors("Ledger.leave")
     def leave(self, actor: str) -> int:
         """Graceful leave: release every lease and assignment at once; returns prompts released."""
         # Status first: a claim racing this leave then answers not_alive
         # instead of handing a lease to an Actor that is going away.
-        self.r.hset(self.k_actor(actor), "status", "left")
+        self._mark(actor, _ms(self.config.departed_ttl_s), status="left")
         return self.release_actor(actor)
 
     @translate_redis_errors("Ledger.release_actor")
@@ -94,7 +137,10 @@ class ActorRegistry(LedgerCore):
         for v in self.open_steps():
             n += int(
                 self._scripts.release(
-                    keys=[self.k_step(v, "lease"), self.k_step(v, "exp"), self.k_step(v, "pool"), self.k_assigned(v, actor)],
+                    keys=[
+                        self.k_step(v, "lease"), self.k_step(v, "exp"), self.k_step(v, "pool"), self.k_assigned(v, actor),
+                        self.k_step(v),
+                    ],
                     args=[actor],
                 )
             )
@@ -102,12 +148,37 @@ class ActorRegistry(LedgerCore):
 
     @translate_redis_errors("Ledger.reap")
     def reap(self, heartbeat_timeout_ms: int) -> list[str]:
-        """Mark Actors silent for longer than the timeout ``gone`` and release their work."""
+        """Mark Actors silent for longer than the timeout ``gone`` and release their work.
+
+        Returns the ids marked gone. Also trims the ``actors`` set of ids
+        whose record expired, releasing what they still held (an Actor that
+        died while no Trainer was reaping), and forgets open steps whose keys
+        expired.
+        """
         now = self.server_time_ms()
+        ids, records = self._records()
         gone = []
-        for a in self.actors():
-            if a.status == "alive" and now - a.heartbeat_ms > heartbeat_timeout_ms:
-                self.r.hset(self.k_actor(a.actor), "status", "gone")
-                self.release_actor(a.actor)
-                gone.append(a.actor)
+        for a, h in zip(ids, records, strict=True):
+            if not h:
+                if int(self._scripts.trim_actor(keys=[self.k_actor(a), self.k_actors], args=[a])):
+                    self.release_actor(a)
+                continue
+            rec = actor_from_hash(a, h, 0)
+            if rec.status == "alive" and now - rec.heartbeat_ms > heartbeat_timeout_ms:
+                if self._mark(a, _ms(self.config.departed_ttl_s), "alive", status="gone"):
+                    gone.append(a)
+                self.release_actor(a)
+        self._forget_expired_steps()
         return gone
+
+    def _forget_expired_steps(self) -> None:
+        """Drop ids from the ``steps`` zset whose step hash is gone (expired: a crashed Trainer's)."""
+        steps = self.open_steps()
+        if not steps:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for v in steps:
+            pipe.exists(self.k_step(v))
+        stale = [str(v) for v, ok in zip(steps, pipe.execute(), strict=True) if not ok]
+        if stale:
+            self.r.zrem(self.k_steps, *stale)

@@ -1,0 +1,281 @@
+"""The faults of ``aurora bench chaos``: one injector per fault of :data:`~aurora_tools.bench.chaos.config.FAULTS`.
+
+An injector breaks something, waits for as long as the fault lasts, and
+lifts it (restarts, resumes, SIGCONTs); it blocks only for the fault itself,
+never for the run's recovery (the harness waits for that, and reads what
+the workers did from their logs afterwards). What it did and saw goes into
+the :class:`FaultRecord`: the phase the run was in, and notes.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from aurora_store.coordination.bus import SEGMENT, Bus
+from aurora_store.format.manifest import manifest_key
+from aurora_tools.bench.chaos.config import FAULT_TITLES
+from aurora_tools.bench.chaos.fleet import Incarnation
+
+if TYPE_CHECKING:
+    from aurora_tools.bench.chaos.harness import ChaosRun
+
+__all__ = ["FaultRecord", "INJECTORS"]
+
+
+@dataclass
+class FaultRecord:
+    """One fault of the schedule, as injected."""
+
+    name: str
+    trigger: int
+    """The version whose publication triggers it."""
+    injected: bool = False
+    at_version: int = -1
+    """The run's head (newest version published) when the fault hit."""
+    phase: str = ""
+    """What the run was doing when the fault hit."""
+    t_start: float = 0.0
+    """Harness monotonic time the fault began."""
+    t_lifted: float = 0.0
+    """Harness monotonic time the fault was lifted (restart, SIGCONT …)."""
+    head_lifted: int = -1
+    """Head when the fault was lifted: the run recovered once a newer version is published."""
+    victims: list[Incarnation] = field(default_factory=list)
+    """Incarnations the fault hit (killed, stopped)."""
+    successors: list[Incarnation] = field(default_factory=list)
+    """Incarnations started to replace them (restarts, resumed Trainers)."""
+    notes: list[str] = field(default_factory=list)
+    """What the injector saw (one short sentence each)."""
+    error: str | None = None
+    """Why the fault could not be injected, if it could not."""
+
+    @property
+    def title(self) -> str:
+        return FAULT_TITLES[self.name]
+
+
+def _begin(run: ChaosRun, rec: FaultRecord) -> None:
+    rec.injected = True
+    rec.at_version = run.fleet.head
+    rec.phase = rec.phase or run.phase()
+    rec.t_start = time.monotonic()
+
+
+def _lift(run: ChaosRun, rec: FaultRecord) -> None:
+    rec.t_lifted = time.monotonic()
+    rec.head_lifted = run.fleet.head
+
+
+# -- Redis ------------------------------------------------------------------------------
+def redis_aof(run: ChaosRun, rec: FaultRecord) -> None:
+    """SIGKILL redis-server, keep it down ``redis_down_s``, start it again on its AOF."""
+    _begin(run, rec)
+    run.redis.crash()
+    run.fleet.sleep(run.cfg.redis_down_s)
+    run.redis.start()
+    _lift(run, rec)
+    rec.notes.append(f"down {run.cfg.redis_down_s:g}s; back with {run.count_keys()[0]} run key(s) from the AOF")
+
+
+def redis_empty(run: ChaosRun, rec: FaultRecord) -> None:
+    """Stop redis-server, delete its data, start it empty on the same port."""
+    _begin(run, rec)
+    before = run.count_keys()[0]
+    run.redis.crash()
+    run.redis.wipe()
+    run.fleet.sleep(run.cfg.redis_down_s)
+    run.redis.start()
+    _lift(run, rec)
+    rec.notes.append(f"down {run.cfg.redis_down_s:g}s; {before} run key(s) before, 0 after the restart")
+
+
+# -- the store ----------------------------------------------------------------------------
+def s3_pause(run: ChaosRun, rec: FaultRecord) -> None:
+    """SIGSTOP the S3 server's process for ``s3_pause_s`` (its objects stay in its memory)."""
+    _begin(run, rec)
+    run.pause_s3()
+    try:
+        run.fleet.sleep(run.cfg.s3_pause_s)
+    finally:
+        run.resume_s3()
+    _lift(run, rec)
+    rec.notes.append(f"paused {run.cfg.s3_pause_s:g}s")
+
+
+def corrupt(run: ChaosRun, rec: FaultRecord) -> None:
+    """Overwrite bytes of one shard of the newest snapshot after v0 at origin, then restart the
+    origin Actor (SIGTERM, start again) so that its bootstrap reads that snapshot."""
+    _begin(run, rec)
+    s3 = run.s3.client()
+    prefix = f"{run.run}/snapshots/"
+    versions = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=run.bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            parts = obj["Key"][len(prefix):].split("/")
+            if len(parts) == 2 and parts[1] == "manifest.json" and parts[0].startswith("v"):
+                versions.append(int(parts[0][1:]))
+    later = [v for v in versions if v > 0]
+    if not later:
+        rec.error = "no snapshot after v0 to corrupt yet"
+        return
+    v = max(later)
+    body = s3.get_object(Bucket=run.bucket, Key=f"{run.run}/{manifest_key('snapshot', v)}")["Body"].read()
+    segments = json.loads(body)["segments"]
+    seg = segments[run.rng.randrange(len(segments))]
+    key = f"{run.run}/snapshots/v{v:010d}/{seg['key']}"
+    data = bytearray(s3.get_object(Bucket=run.bucket, Key=key)["Body"].read())
+    # Past the safetensors header: a file that still parses, with wrong bytes (only the hash tells).
+    header = 8 + int.from_bytes(data[:8], "little") if len(data) > 8 else 0
+    lo = min(header, len(data) - 1)
+    for _ in range(16):
+        i = run.rng.randrange(lo, len(data))
+        data[i] ^= 0xFF
+    s3.put_object(Bucket=run.bucket, Key=key, Body=bytes(data))
+    rec.notes.append(f"overwrote 16 byte(s) of snapshots/v{v:010d}/{seg['key']} ({len(data)} B) at origin")
+    victim = run.fleet.current[run.origin_actors[0]]
+    run.fleet.terminate(victim)
+    rec.victims.append(victim)
+    rec.successors.append(run.start_actor(victim.name))
+    _lift(run, rec)
+    rec.notes.append(f"{victim.name} restarted to bootstrap at head v{run.fleet.head} (newest snapshot v{v})")
+
+
+# -- Actors and the Relay ----------------------------------------------------------------
+def actor_kill(run: ChaosRun, rec: FaultRecord) -> None:
+    """SIGKILL one Actor behind the Relay (seeded choice), restart it with the same id."""
+    name = run.relay_actors[run.rng.randrange(len(run.relay_actors))]
+    victim = run.fleet.current[name]
+    leases = run.leases_of(name)
+    _begin(run, rec)
+    run.fleet.kill(victim)
+    rec.victims.append(victim)
+    rec.notes.append(f"{name} SIGKILLed holding {leases} lease(s)" if leases is not None else f"{name} SIGKILLed")
+    run.fleet.sleep(run.cfg.actor_down_s)
+    rec.successors.append(run.start_actor(name))
+    _lift(run, rec)
+
+
+def actor_stop(run: ChaosRun, rec: FaultRecord) -> None:
+    """SIGSTOP the origin Actor while it holds leases, for longer than they last; then SIGCONT."""
+    name = run.origin_actors[0]
+    victim = run.fleet.current[name]
+    # Past its lease only means something while it holds one: wait (a little) for that.
+    run.fleet.wait_for(lambda: bool(run.leases_of(name)), timeout_s=15.0)
+    _begin(run, rec)
+    run.fleet.signal(victim, signal.SIGSTOP)
+    leases, left_ms = run.lease_expiry(name)
+    stop_s = max(run.cfg.actor_stop_s, left_ms / 1000 + 1.0)
+    rec.victims.append(victim)
+    rec.notes.append(
+        f"{name} SIGSTOPped holding {leases} lease(s) (the last expiring in {left_ms / 1000:.1f}s) for {stop_s:.1f}s"
+        if leases else f"{name} SIGSTOPped holding no lease for {stop_s:.1f}s"
+    )
+    try:
+        run.fleet.sleep(stop_s)
+    finally:
+        run.fleet.signal(victim, signal.SIGCONT)
+    _lift(run, rec)
+
+
+def relay_kill(run: ChaosRun, rec: FaultRecord) -> None:
+    """SIGKILL the Relay, keep it down ``relay_down_s``, start it again."""
+    victim = run.fleet.current[run.relay_name]
+    _begin(run, rec)
+    run.fleet.kill(victim)
+    rec.victims.append(victim)
+    run.fleet.sleep(run.cfg.relay_down_s)
+    rec.successors.append(run.start_relay())
+    _lift(run, rec)
+    rec.notes.append(f"down {run.cfg.relay_down_s:g}s")
+
+
+# -- the Trainer ----------------------------------------------------------------------------
+def trainer_kill(run: ChaosRun, rec: FaultRecord, tries: int = 5) -> None:
+    """SIGKILL the Trainer between a segment of its next version and that version's manifest.
+
+    The harness follows the run's announcement stream; at the first segment
+    of a version newer than the head it SIGSTOPs the Trainer (at once, so
+    the publish cannot go on), then looks for the version's manifest: none,
+    and the Trainer dies there (mid-publish). A manifest already written
+    means the window was missed: SIGCONT, and try again on the next version
+    (``tries`` times, then kill it wherever it is).
+    """
+    victim = run.fleet.trainer()
+    if victim is None or not victim.alive:
+        rec.error = "no Trainer running"
+        return
+    bus = Bus(run.redis_client(block_s=3.0), run.run)
+    last = bus.tail_id()
+    missed = 0
+    phase = ""
+    while missed < tries and victim.alive and not phase:
+        if time.monotonic() > run.fleet.deadline:
+            break
+        for ev in bus.read(last, block_ms=1000):
+            last = ev.id
+            if ev.type != SEGMENT or ev.version <= run.fleet.head:
+                continue
+            run.fleet.signal(victim, signal.SIGSTOP)
+            key = f"{run.run}/{manifest_key('delta', ev.version)}"
+            if run.s3_exists(key):
+                run.fleet.signal(victim, signal.SIGCONT)
+                missed += 1
+                rec.notes.append(f"v{ev.version}'s manifest was already there when the Trainer stopped; tried again")
+                break
+            segs = run.s3_count(f"{run.run}/deltas/v{ev.version:010d}/")
+            phase = f"mid-publish of v{ev.version}: {segs} segment(s) durable, no manifest"
+            break
+    rec.phase = phase or f"after v{run.fleet.head} (mid-publish window missed {missed} time(s))"
+    _begin(run, rec)
+    run.fleet.kill(victim)
+    rec.victims.append(victim)
+    rec.successors.append(run.start_trainer(resume=True))
+    _lift(run, rec)
+
+
+def old_trainer(run: ChaosRun, rec: FaultRecord) -> None:
+    """SIGSTOP the Trainer, start a resumed one, SIGCONT the old one once the new one published.
+
+    The woken Trainer belongs to an older epoch: it must be fenced out
+    (publish nothing, create and close no step). The harness stops it after
+    ``fence_wait_s`` if it has not exited by then.
+    """
+    old = run.fleet.trainer()
+    if old is None or not old.alive:
+        rec.error = "no Trainer running"
+        return
+    _begin(run, rec)
+    run.fleet.signal(old, signal.SIGSTOP)
+    rec.victims.append(old)
+    new = run.start_trainer(resume=True)
+    rec.successors.append(new)
+    head = run.fleet.head
+    published = run.fleet.wait_for(
+        lambda: any(v > head and inc is new for v, (_, _, inc) in run.fleet.versions.items()) or not new.alive,
+        timeout_s=run.cfg.recover_timeout_s,
+    )
+    if not published or not new.alive:
+        rec.notes.append("the resumed Trainer published nothing; the old one was woken anyway")
+    run.fleet.signal(old, signal.SIGCONT)
+    _lift(run, rec)
+    rec.notes.append(f"old Trainer woken after the resumed one reached v{run.fleet.head}")
+    run.watch_fenced(old, rec)
+
+
+INJECTORS: dict[str, Callable[[ChaosRun, FaultRecord], None]] = {
+    "redis-aof": redis_aof,
+    "actor-kill": actor_kill,
+    "s3-pause": s3_pause,
+    "trainer-kill": trainer_kill,
+    "redis-empty": redis_empty,
+    "actor-stop": actor_stop,
+    "old-trainer": old_trainer,
+    "relay-kill": relay_kill,
+    "corrupt": corrupt,
+}
+"""Fault name -> injector."""

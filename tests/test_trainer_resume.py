@@ -1,0 +1,114 @@
+"""A Trainer SIGKILLed mid-run and started again with ``--resume``: the chain neither forks
+nor gaps, the resumed Trainer takes a new epoch, an Actor that kept running follows it
+bit for bit, and a run root that holds versions is refused without ``--resume``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from redis_fixtures import redis_server, redis_url  # noqa: F401
+
+from aurora_store.coordination.redisconn import connect
+from aurora_store.lineage.fetch import read_manifest
+from aurora_store.lineage.plan import scan_versions
+from aurora_store.storage import open_store
+from workers.common import RunKeys, read_digests
+from workers.trainer.checkpoint import list_checkpoints
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
+RUN = "resume"
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "AURORA_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _trainer(store: str, redis_url: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:  # noqa: F811
+    cmd = [
+        sys.executable, "-m", "aurora_tools.cli", "trainer", "--store", store, "--redis", redis_url, "--run", RUN,
+        "--steps", "7", "--batch", "8", "--group", "4", "--snapshot-every", "0", "--checkpoint-every", "2", *extra,
+    ]
+    return subprocess.Popen(cmd, env=_env(), stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+
+
+def _wait(cond, proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: float = 300) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert proc.poll() is None, f"exited ({proc.returncode}) waiting for {what}:\n{log.read_text(errors='replace')[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text(errors='replace')[-3000:]}"
+        time.sleep(0.1)
+
+
+def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url: str) -> None:  # noqa: F811
+    store_url = f"file://{tmp_path}/run"
+    store = open_store(store_url)
+    r = connect(redis_url)
+    tlog, alog = tmp_path / "trainer.log", tmp_path / "actor.log"
+    trainer = _trainer(store_url, redis_url, tlog)
+    actor = None
+    try:
+        _wait(lambda: r.hget(RunKeys(RUN).trainer, "head") is not None, trainer, tlog, "v0")
+        actor = subprocess.Popen(
+            [sys.executable, "-m", "aurora_tools.cli", "actor", "--store", store_url, "--redis", redis_url, "--run", RUN, "--id", "a0"],
+            env=_env(), stdout=open(alog, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        )
+
+        def head() -> int:
+            h = r.hget(RunKeys(RUN).trainer, "head")
+            return -1 if h is None else int(h)
+
+        # Past the checkpoint before step 2, with a version published after it.
+        _wait(lambda: head() >= 3 and 2 in list_checkpoints(store), trainer, tlog, "v3 and the checkpoint before step 2")
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        killed_head = scan_versions(store).latest
+        assert killed_head is not None and killed_head >= 3
+
+        # Without --resume an existing run is refused, with one line and no traceback.
+        refused = tmp_path / "refused.log"
+        p = _trainer(store_url, redis_url, refused)
+        assert p.wait(timeout=120) != 0
+        text = refused.read_text(errors="replace")
+        assert "--resume" in text and "Traceback" not in text, text[-2000:]
+
+        trainer = _trainer(store_url, redis_url, tlog, "--resume")
+        assert trainer.wait(timeout=420) == 0, tlog.read_text(errors="replace")[-3000:]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        if actor is not None:
+            actor.send_signal(signal.SIGTERM)
+            try:
+                actor.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                actor.kill()
+    text = tlog.read_text(errors="replace")
+    assert "resumed epoch 2 from the checkpoint before step" in text, text[-3000:]
+    index = scan_versions(store)
+    assert index.latest == 7
+    # One chain: every delta from v1 to v7, each on the state of the one before.
+    assert sorted(index.deltas) == list(range(1, 8))
+    prev = read_manifest(store, "snapshot", 0).state
+    epochs = []
+    for v in range(1, 8):
+        m = read_manifest(store, "delta", v)
+        assert m.base_version == v - 1 and m.base_state == prev, f"v{v} forks the chain"
+        prev = m.state
+        epochs.append(m.producer.get("epoch"))
+    assert epochs[0] == 1 and epochs[-1] == 2 and epochs == sorted(epochs), epochs
+    # The Actor, which never restarted, followed the resumed Trainer bit for bit.
+    tdig, adig = read_digests(r, RunKeys(RUN))
+    after = [v for (who, v) in adig if who == "a0" and v > killed_head]
+    assert after, (adig, alog.read_text(errors="replace")[-2000:])
+    for (who, v), d in adig.items():
+        if who == "a0":
+            assert d == tdig[v], f"v{v}: the Actor's weights differ from the Trainer's"
+    assert "Traceback" not in alog.read_text(errors="replace")
