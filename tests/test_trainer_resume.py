@@ -34,17 +34,17 @@ def _env() -> dict[str, str]:
 def _trainer(store: str, redis_url: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:  # noqa: F811
     cmd = [
         sys.executable, "-m", "aurora_tools.cli", "trainer", "--store", store, "--redis", redis_url, "--run", RUN,
-        "--steps", "7", "--batch", "8", "--group", "4", "--snapshot-every", "0", "--checkpoint-every", "2", *extra,
+        "--steps", "9", "--batch", "8", "--group", "4", "--snapshot-every", "0", "--checkpoint-every", "2", *extra,
     ]
     return subprocess.Popen(cmd, env=_env(), stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
 
-def _wait(cond, proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: float = 300) -> None:  # type: ignore[no-untyped-def]
+def _wait(cond, proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: float = 300, poll_s: float = 0.1) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert proc.poll() is None, f"exited ({proc.returncode}) waiting for {what}:\n{log.read_text(errors='replace')[-3000:]}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text(errors='replace')[-3000:]}"
-        time.sleep(0.1)
+        time.sleep(poll_s)
 
 
 def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url: str) -> None:  # noqa: F811
@@ -65,12 +65,17 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
             h = r.hget(RunKeys(RUN).trainer, "head")
             return -1 if h is None else int(h)
 
-        # Past the checkpoint before step 2, with a version published after it.
-        _wait(lambda: head() >= 3 and 2 in list_checkpoints(store), trainer, tlog, "v3 and the checkpoint before step 2")
+        # Killed with a version published after its newest checkpoint (checkpoints
+        # come every 2 versions, so each odd head opens a window of a whole step).
+        def past_checkpoint() -> bool:
+            h = head()
+            return h >= 3 and h % 2 == 1 and max(list_checkpoints(store), default=-1) < h
+
+        _wait(past_checkpoint, trainer, tlog, "an odd version after a checkpoint", poll_s=0.01)
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=30)
         killed_head = scan_versions(store).latest
-        assert killed_head is not None and killed_head >= 3
+        assert killed_head is not None and killed_head > max(list_checkpoints(store))
 
         # Without --resume an existing run is refused, with one line and no traceback.
         refused = tmp_path / "refused.log"
@@ -93,12 +98,12 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
     text = tlog.read_text(errors="replace")
     assert "resumed epoch 2 from the checkpoint before step" in text, text[-3000:]
     index = scan_versions(store)
-    assert index.latest == 7
+    assert index.latest == 9
     # One chain: every delta from v1 to v7, each on the state of the one before.
-    assert sorted(index.deltas) == list(range(1, 8))
+    assert sorted(index.deltas) == list(range(1, 10))
     prev = read_manifest(store, "snapshot", 0).state
     epochs = []
-    for v in range(1, 8):
+    for v in range(1, 10):
         m = read_manifest(store, "delta", v)
         assert m.base_version == v - 1 and m.base_state == prev, f"v{v} forks the chain"
         prev = m.state

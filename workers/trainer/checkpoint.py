@@ -90,7 +90,7 @@ def save_checkpoint(store: Store, ck: Checkpoint, shard_bytes: int = _SHARD_BYTE
     seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], str] = {}
     for name in sorted(ck.tensors):
         t = ck.tensors[name]
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        ident = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(int(d) for d in t.shape), t.dtype)
         if t.numel() and ident in seen:
             aliases[name] = seen[ident]
         else:

@@ -163,6 +163,8 @@ class Trainer:
         self.states: dict[int, str] = {}
         self.logs: list[StepLog] = []
         self._counts = Collected()
+        self.gen_of: dict[int, int] = {}
+        """step -> the version its rollouts are generated on (b - K, or newer after a re-issue)."""
 
     @property
     def accepted_twice(self) -> int:
@@ -344,11 +346,17 @@ class Trainer:
             if b < head:
                 self.ledger.close_step(b)
         for b in range(head, min(head + K + 1, self.cfg.steps)):
-            gen = max(0, b - K)
             self.batch_prompts[b] = self._batch_prompts(b)
             self.collected.setdefault(b, {})
-            if not self.ledger.step_exists(b):
-                self._create_batch(b, gen)
+            held = self.ledger.step_version(b)
+            if held is not None and held in self.versions_bf16:
+                self.gen_of[b] = held  # still open: its settled results count
+            else:
+                # Lost, or closed by the Trainer that died: on the newest version,
+                # which Actors may already hold (they never go back).
+                if held is not None:
+                    self.ledger.close_step(b)
+                self._create_batch(b, head)
         if head >= 1:
             self.bus.announce(COMMIT, head)
             self.redis.hset(self.keys.trainer, "commit", head)
@@ -398,22 +406,49 @@ class Trainer:
         self.ledger.create_step(
             b, self.states[gen_version], prompts, quotas, self.cfg.group, step_lease_ms(self.completion_ms, self.cfg.scheduler), version=gen_version
         )
+        self.gen_of[b] = gen_version
         self.collected.setdefault(b, {})
         self.redis.hset(self.keys.trainer, "step", b)
         return (list(plan.eligibility.eligible) if plan else [], list(plan.eligibility.excluded) if plan else [])
 
-    def _recreate_batch(self, b: int, gen_version: int) -> None:
-        """Redis lost the step: re-issue only the prompts not collected yet."""
-        left = [(pid, body) for pid, body in self.batch_prompts[b] if pid not in self.collected[b]]
-        log.warning("step %d: ledger lost; re-creating %d uncollected prompt(s)", b, len(left))
-        self.ledger.create_step(b, self.states[gen_version], left, {}, self.cfg.group, step_lease_ms(self.completion_ms, self.cfg.scheduler), version=gen_version)
+    def _recreate_batch(self, b: int) -> None:
+        """Redis lost step ``b``: issue it again, on the newest version.
 
-    def _wait_batch(self, b: int, gen_version: int) -> None:
-        collect_batch(
-            self.ledger, b, gen_version, len(self.batch_prompts[b]), self.collected[b], self.completion_ms, self._counts,
-            int(self.cfg.heartbeat_timeout_s * 1000), self.cfg.wait_timeout_s, self.cfg.poll_s, self.stop, self.clock,
-            lambda: self._recreate_batch(b, gen_version),
-        )
+        The Actors may have moved past the version it was generated on (with
+        no open step holding them there, they activate what was committed),
+        and an Actor never goes back: a step on an older version would be
+        stranded. On the same version the prompts already collected stay;
+        on a newer one they are dropped too (a batch is trained against one
+        behaviour policy) and every prompt is offered again.
+        """
+        gen = self._newest_version()
+        if gen != self.gen_of[b]:
+            log.warning("step %d: ledger lost; re-creating all %d prompt(s) on v%d (was v%d)", b, len(self.batch_prompts[b]), gen, self.gen_of[b])
+            self.collected[b].clear()
+            left = self.batch_prompts[b]
+        else:
+            left = [(pid, body) for pid, body in self.batch_prompts[b] if pid not in self.collected[b]]
+            log.warning("step %d: ledger lost; re-creating %d uncollected prompt(s)", b, len(left))
+        self._enter_epoch(self.epoch)  # the fence went with the rest of Redis's data
+        self.gen_of[b] = gen
+        self.ledger.create_step(b, self.states[gen], left, {}, self.cfg.group, step_lease_ms(self.completion_ms, self.cfg.scheduler), version=gen)
+        raise _Reissued(b)
+
+    def _newest_version(self) -> int:
+        """The newest version this Trainer published (0 when versions are not shipped)."""
+        return max(self.states) if self.cfg.weight_transfer else 0
+
+    def _wait_batch(self, b: int) -> None:
+        while True:
+            try:
+                collect_batch(
+                    self.ledger, b, self.gen_of[b], len(self.batch_prompts[b]), self.collected[b], self.completion_ms, self._counts,
+                    int(self.cfg.heartbeat_timeout_s * 1000), self.cfg.wait_timeout_s, self.cfg.poll_s, self.stop, self.clock,
+                    lambda: self._recreate_batch(b),
+                )
+                return
+            except _Reissued:
+                continue
 
     # -- GRPO -------------------------------------------------------------------------
     def _rollouts(self, b: int) -> RolloutTuple:
@@ -448,8 +483,8 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------
     def train_step(self, b: int) -> StepLog:
         t0 = time.perf_counter()
-        gen_version = max(0, b - self.cfg.max_lag) if self.cfg.weight_transfer else 0
-        self._wait_batch(b, gen_version)
+        self._wait_batch(b)
+        gen_version = self.gen_of[b]
         t_wait = time.perf_counter() - t0
         prompts, comps, rewards, _, tokens, by_actor, bad = self._rollouts(b)
         self.ledger.close_step(b)
@@ -537,6 +572,10 @@ class Trainer:
                 exchange(("stop", None), self.ctx)
         self.redis.hset(self.keys.trainer, "status", "done")
         return self.logs
+
+
+class _Reissued(Exception):  # noqa: N818 - control flow inside the Trainer, never raised to a caller
+    """A lost step was issued again (perhaps on another version): collect it afresh."""
 
 
 def _jsonable(x: Any) -> Any:
