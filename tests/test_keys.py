@@ -34,12 +34,14 @@ def test_every_key_of_a_run() -> None:
         k.actor_digests: "digest:actors",
         k.activations: "activations",
         k.relay("eu"): "relay:eu",
+        k.relay_held("eu"): "relay-held:eu",
         # benchmarks
         k.wan("steps"): "wan:steps",
     }
     for got, tail in expected.items():
         assert got == p + tail
     assert k.relay_pattern == "aurora:\\{r-1.x\\}:relay:*"
+    assert k.relay_held_pattern == "aurora:\\{r-1.x\\}:relay-held:*"  # not matched by relay_pattern
     assert k.pattern == "aurora:\\{r-1.x\\}:*"
     assert k.relay_region(k.relay("us-east")) == "us-east"
 

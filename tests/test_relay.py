@@ -10,123 +10,45 @@ when, how many times, and what the region hears.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import logging
 import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from redis_fixtures import own_redis_server, redis_server, run_name  # noqa: F401
+from relay_helpers import (
+    MODEL_CONFIG,
+    REGION,
+    REPO,
+    Trainer,
+    describe_model,
+    make_relay,
+    mirrored,
+    region_events,
+    running,
+    wait_until,
+)
 from server_fixtures import s3_server  # noqa: F401
 
 from aurora_store.apply.sink import weights_digest
-from aurora_store.codec.extract import extract, fuse_weights, spec_of
-from aurora_store.codec.fusion import FusionPlan
-from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus, Event
+from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus
+from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.redisconn import connect
 from aurora_store.errors import ConfigError
-from aurora_store.format.manifest import Manifest, manifest_key
+from aurora_store.format.manifest import manifest_key
 from aurora_store.lineage.fetch import materialize
 from aurora_store.lineage.plan import scan_versions
-from aurora_store.lineage.publish import (
-    PublishConfig,
-    SegmentEvent,
-    publish_delta,
-    publish_snapshot,
-)
-from aurora_store.storage import Store, open_store
+from aurora_store.lineage.publish import SegmentEvent
+from aurora_store.storage import open_store
 from aurora_store.testing.servers import RedisServer, S3Server
-from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
-from workers.relay import Relay, RelayConfig, add_arguments, config_from_args, relay_key
-
-REPO = Path(__file__).resolve().parents[1]
-# Small segments: every delta of the tiny model spans several objects.
-CFG = PublishConfig(streams=4, segment_bytes=2048)
-REGION = "eu"
-
-
-def fused(plan: FusionPlan, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return fuse_weights(w, plan)
-
-
-def wait_until(pred: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-class Trainer:
-    """Publishes at origin and announces on the origin stream, as the Trainer does."""
-
-    def __init__(self, store: Store, bus: Bus, run: str, repeat: int = 1) -> None:
-        self.store, self.bus, self.run, self.repeat = store, bus, run, repeat
-        self.weights = {0: make_weights(QWEN3_TINY, seed=0)}
-        self.plan = FusionPlan.from_specs({n: spec_of(t, n) for n, t in self.weights[0].items()})
-        self.master = MasterWeights(self.weights[0], seed=0)
-        self.manifests: dict[tuple[str, int], Manifest] = {}
-        m = publish_snapshot(store, run, 0, fused(self.plan, self.weights[0]), None, CFG)
-        self._committed(m, announce=True)
-        self.states = {0: m.state}
-
-    def _committed(self, m: Manifest, announce: bool) -> None:
-        self.manifests[(m.kind, m.version)] = m
-        for _ in range(self.repeat if announce else 0):
-            self.bus.announce(VERSION, m.version, kind=m.kind, state=m.state, bytes=m.total_bytes)
-
-    def step(
-        self,
-        before: Callable[[SegmentEvent], None] | None = None,
-        after: Callable[[SegmentEvent], None] | None = None,
-        announce: bool = True,
-    ) -> Manifest:
-        """Publish the next delta; ``before``/``after`` run around each segment's announcement."""
-        v = max(self.weights) + 1
-
-        def on_segment(ev: SegmentEvent) -> None:
-            if before is not None:
-                before(ev)
-            for _ in range(self.repeat if announce else 0):
-                self.bus.announce(SEGMENT, ev.version, index=ev.index, key=ev.key, bytes=ev.bytes, sha256=ev.sha256)
-            if after is not None:
-                after(ev)
-
-        new = self.master.step(lr=2.5e-7)
-        m = publish_delta(self.store, self.run, v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], CFG, on_segment=on_segment)
-        self.weights[v], self.states[v] = new, m.state
-        self._committed(m, announce)
-        return m
-
-    def snapshot(self, v: int) -> Manifest:
-        m = publish_snapshot(self.store, self.run, v, fused(self.plan, self.weights[v]), self.states[v], CFG)
-        self._committed(m, announce=True)
-        return m
-
-    def digest(self, v: int) -> str:
-        return weights_digest(self.weights[v], self.plan)
-
-    def version_bytes(self, kind: str, v: int) -> int:
-        """Objects plus manifest: what one copy of the version weighs."""
-        return self.manifests[(kind, v)].total_bytes + len(self.store.get(manifest_key(kind, v)))
-
-
-MODEL_CONFIG = b'{"model_type": "qwen3"}'
-
-
-def describe_model(origin: Store) -> None:
-    """Write the run's model description, as a Trainer does before its first version."""
-    origin.put("model/config.json", MODEL_CONFIG)
+from workers.relay import RelayConfig, add_arguments, config_from_args, relay_key
 
 
 @pytest.fixture
@@ -135,44 +57,6 @@ def redis(redis_server: RedisServer) -> Iterator[Any]:
     yield client
     client.close()
 
-
-def make_relay(origin: Store, mirror: Store, redis_url: str, run: str, **kw: Any) -> Relay:
-    opts: dict[str, Any] = {"block_ms": 100, "heartbeat_s": 0.2, "ttl_s": 1.0, "streams": 4, "resync_s": 0.0, "retry_s": 0.2}
-    opts.update(kw)
-    cfg = RelayConfig(origin=origin.url, mirror=mirror.url, redis=redis_url, run=run, region=REGION, **opts)
-    return Relay(cfg, origin=origin, mirror=mirror)
-
-
-@contextlib.contextmanager
-def running(relay: Relay) -> Iterator[Relay]:
-    """The Relay's loop in a thread; a graceful stop on exit (its errors fail the test)."""
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            relay.run(stop)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    t = threading.Thread(target=body, name="test-relay")
-    t.start()
-    try:
-        yield relay
-    finally:
-        stop.set()
-        t.join(10)
-        relay.close()
-    assert not t.is_alive()
-    assert not errors, errors
-
-
-def region_events(redis: Any, run: str) -> list[Event]:
-    return Bus(redis, run).read("0", region=REGION)
-
-
-def mirrored(relay: Relay, *vids: tuple[str, int]) -> Callable[[], bool]:
-    return lambda: set(vids) <= set(relay.stats().mirrored)
 
 
 # ---------------------------------------------------------------------------
@@ -420,6 +304,7 @@ def _relay_process(origin: str, mirror: str, redis_url: str, run: str, region: s
 @pytest.mark.slow
 def test_heartbeat_deleted_on_sigterm_and_expires_after_sigkill(redis_server: RedisServer, redis: Any, run_name: str, tmp_path: Path) -> None:
     origin = f"file://{tmp_path}/origin"
+    describe_model(open_store(origin))  # else the Relays wait for the run to appear
     procs = {r: _relay_process(origin, f"file://{tmp_path}/mirror-{r}", redis_server.url, run_name, r) for r in ("a", "b")}
     try:
         for r, p in procs.items():
@@ -434,12 +319,14 @@ def test_heartbeat_deleted_on_sigterm_and_expires_after_sigkill(redis_server: Re
         out = procs["a"].communicate(timeout=30)[0]
         assert procs["a"].returncode == 0, out
         assert redis.get(relay_key(run_name, "a")) is None  # deleted, not left to expire
+        assert redis.get(RunKeys(run_name).relay_held("a")) is None
         assert "stopped" in out
 
         procs["b"].kill()
         procs["b"].wait(timeout=30)
         assert redis.pttl(relay_key(run_name, "b")) > 0  # still there: nobody deleted it
         wait_until(lambda: redis.get(relay_key(run_name, "b")) is None, "relay b's key to expire", timeout_s=5)
+        wait_until(lambda: redis.get(RunKeys(run_name).relay_held("b")) is None, "relay b's held key to expire", timeout_s=5)
     finally:
         for p in procs.values():
             if p.poll() is None:

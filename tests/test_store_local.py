@@ -67,7 +67,8 @@ def test_failed_local_write_leaves_no_temp_file(tmp_path, monkeypatch: pytest.Mo
 
 
 def test_local_create_syncs_the_folder(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """After the link, the folder itself is fsynced (the new name is durable)."""
+    """After the link, the folder itself is fsynced (the new name is durable), and so is the
+    parent of each folder the write created (the new folders are durable too)."""
     store = open_store(f"file://{tmp_path}/run")
     synced: list[str] = []
     real = local_backend._fsync_dir
@@ -78,9 +79,12 @@ def test_local_create_syncs_the_folder(tmp_path, monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(local_backend, "_fsync_dir", record)
     store.put("x/y", b"z")
-    assert synced == [os.path.join(store.root, "x")]
+    # run/ and run/x/ were created: their entries in tmp_path and run/, then the link in run/x/.
+    assert synced == [str(tmp_path), store.root, os.path.join(store.root, "x")]
     store.put("x/y", b"z")  # the same bytes again: nothing new to make durable
-    assert len(synced) == 1
+    assert len(synced) == 3
+    store.put("x/w", b"z")  # an existing folder: only the new link
+    assert synced[3:] == [os.path.join(store.root, "x")]
 
 
 def test_file_store_plain_path_and_where(tmp_path) -> None:

@@ -161,12 +161,15 @@ def plan_gc(
     min_orphan_age_s: float,
     held: HeldVersions | frozenset[int] | None = None,
     force: bool = False,
+    spare_orphan: Callable[[str], bool] | None = None,
 ) -> GcPlan:
     """Pure planning over a lineage; ``orphan_age(key)`` gives an object's age in seconds.
 
     ``held`` (optional) names versions live Actors hold or stage and live
     Relays copy; whatever they need is kept even when the retention rule
-    alone would remove it, unless ``force``.
+    alone would remove it, unless ``force``. ``spare_orphan(key)`` True
+    keeps an orphan whatever its age (counted in ``young_orphans``): the
+    caller knows it is being written.
     """
     floor = retention_floor((v for k, v in lin.manifests if k == "snapshot"), keep_snapshots)
     held_now = _held_set(held)
@@ -185,7 +188,7 @@ def plan_gc(
             plan.versions.append((kind, v))
     for key in lin.orphans:
         age = orphan_age(key)
-        if age is not None and age >= min_orphan_age_s:
+        if age is not None and age >= min_orphan_age_s and not (spare_orphan is not None and spare_orphan(key)):
             plan.orphans.append(key)
         else:
             plan.young_orphans += 1
@@ -232,6 +235,7 @@ def retain(
     force: bool = False,
     dry_run: bool = False,
     say: Callable[[str], None] | None = None,
+    spare_orphan: Callable[[str], bool] | None = None,
 ) -> GcPlan:
     """Apply retention to ``store``: the call the Trainer makes every N steps and each Relay on its mirror.
 

@@ -3,10 +3,14 @@
 The bytes go to a temporary file in the key's folder, flushed to disk, which
 is then hard-linked to its name. ``link`` fails if the name exists, so a
 reader never sees a partial object and two writers cannot both win; the
-folder is fsynced after the link so that a committed object survives a
-crash of the machine, not only of the process. The temporary file is
-removed whatever happens (a failed write included); one left by a killed
-writer is hidden from listings by its name (:data:`~aurora_store.storage.base.TEMP_PREFIX`).
+folder is fsynced after the link (and each folder this write created, in its
+parent) so that a committed object survives a crash of the machine, not only
+of the process: a manifest can never outlive the links of its segments. The
+temporary file is created inside the cleanup scope and removed whatever
+happens (a failed write included); one left by a killed writer is hidden
+from listings by its name (:data:`~aurora_store.storage.base.TEMP_PREFIX`)
+and removed by retention once older than its grace
+(:func:`aurora_store.lineage.gc.retain`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,22 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+def _makedirs_durable(folder: str) -> None:
+    """``os.makedirs(folder, exist_ok=True)``, with each new folder's entry fsynced in its parent."""
+    missing: list[str] = []
+    f = os.path.abspath(folder)
+    while not os.path.isdir(f):
+        missing.append(f)
+        parent = os.path.dirname(f)
+        if parent == f:
+            break
+        f = parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another writer made it first: fsync its entry all the same
+            os.mkdir(d)
+        _fsync_dir(os.path.dirname(d))
+
+
 class LocalStore(Store):
     """A run root on the local filesystem."""
 
@@ -37,7 +57,7 @@ class LocalStore(Store):
 
     def _link_exclusive(self, key: str, path: str, data: bytes) -> None:
         folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
+        _makedirs_durable(folder)
         tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
         taken = False
         try:

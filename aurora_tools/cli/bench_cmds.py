@@ -1,4 +1,4 @@
-"""``aurora bench codec|transfer|ledger|e2e|wan``: each benchmark prints a table, or one JSON object.
+"""``aurora bench codec|transfer|ledger|e2e|wan|chaos``: each benchmark prints a table, or one JSON object.
 
 Each benchmark declares its own options (``add_*_arguments`` import it, so
 :mod:`aurora_tools.cli.main` calls them only for the benchmark being run),
@@ -15,11 +15,13 @@ __all__ = [
     "add_ledger_arguments",
     "add_e2e_arguments",
     "add_wan_arguments",
+    "add_chaos_arguments",
     "cmd_bench_codec",
     "cmd_bench_transfer",
     "cmd_bench_ledger",
     "cmd_bench_e2e",
     "cmd_bench_wan",
+    "cmd_bench_chaos",
 ]
 
 
@@ -87,5 +89,17 @@ def add_wan_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench_wan(args: argparse.Namespace) -> int:
     from aurora_tools.bench.wan import main
+
+    return main(args)
+
+
+def add_chaos_arguments(p: argparse.ArgumentParser) -> None:
+    from aurora_tools.bench.chaos import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_bench_chaos(args: argparse.Namespace) -> int:
+    from aurora_tools.bench.chaos import main
 
     return main(args)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 from aurora_store.errors import ConfigError
@@ -162,16 +165,51 @@ def cmd_delta_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` to a temporary file beside ``path``, fsync it, rename it to ``path``, fsync the folder.
+
+    ``path`` appears whole or not at all: on any error (a full disk, Ctrl-C)
+    the temporary file is removed and ``path`` is left as it was.
+    """
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    # Hidden, unique, in the same folder (a rename across filesystems is not atomic);
+    # created by ``write`` itself, so it gets the usual permissions.
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.partial")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
 def cmd_delta_apply(args: argparse.Namespace) -> int:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from aurora_store.lineage.fetch import materialize
     from aurora_store.storage import open_store
 
+    if os.path.isdir(args.out):
+        raise ConfigError(f"--out {args.out}: is a folder; give a file name")
     store = open_store(args.store, storage_options(args.storage_option))
     tensors, state = materialize(store, args.version, progress=say)
-    tmp = args.out + ".partial"
-    save_file(tensors, tmp, metadata={"aurora.version": str(args.version), "aurora.state": state})
-    os.replace(tmp, args.out)
+    meta = {"aurora.version": str(args.version), "aurora.state": state}
+
+    def write(tmp: str) -> None:
+        try:
+            save_file(tensors, tmp, metadata=meta)
+        except SafetensorError as e:  # its I/O errors (a full disk) come wrapped
+            raise OSError(f"{args.out}: cannot write: {e}") from None
+
+    _write_atomically(args.out, write)
     say(f"version {args.version} (state {state[:19]}…) -> {args.out}")
     return 0

@@ -99,11 +99,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     vf.set_defaults(func=store_cmds.cmd_verify)
 
     gc = sub.add_parser("gc", help="remove orphans and versions no retained chain needs (dry run by default)")
-    gc.add_argument("url", metavar="URL")
-    gc.add_argument("--keep-snapshots", type=int, required=True, metavar="N")
-    gc.add_argument("--apply", action="store_true", help="really delete (default: only print)")
-    gc.add_argument("--min-orphan-age", type=float, default=3600.0, metavar="SECONDS", help="spare younger orphans: they may be a publish in flight (default 3600)")
-    add_storage_option(gc, help=None)
+    store_cmds.add_gc_arguments(gc)
     gc.set_defaults(func=store_cmds.cmd_gc)
 
     tp = sub.add_parser("trainer", help="run the GRPO Trainer: publishes every step as a delta, schedules Actors")
@@ -157,6 +153,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     bw = bench.add_parser("wan", help="the paper's comparisons over an emulated WAN: delta vs full broadcast, lag bounds, streams, Relays, split, churn")
     later.fill(("bench", "wan"), bw, bench_cmds.add_wan_arguments)
     bw.set_defaults(func=bench_cmds.cmd_bench_wan)
+    bx = bench.add_parser("chaos", help="the real workers under a seeded fault schedule (Redis, S3, Trainer, Actor, Relay faults): what is guaranteed")
+    later.fill(("bench", "chaos"), bx, bench_cmds.add_chaos_arguments)
+    bx.set_defaults(func=bench_cmds.cmd_bench_chaos)
     return ap
 
 

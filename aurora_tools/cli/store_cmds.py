@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from aurora_store.options import storage_options
+from aurora_store.errors import ConfigError
+from aurora_store.options import add_storage_option, storage_options
 from aurora_tools.cli.console import say
 
-__all__ = ["cmd_lineage", "cmd_verify", "cmd_gc"]
+__all__ = ["add_gc_arguments", "cmd_lineage", "cmd_verify", "cmd_gc"]
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
@@ -51,10 +52,56 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if rep.ok else 1
 
 
+def add_gc_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``aurora gc``."""
+    p.add_argument("url", metavar="URL")
+    p.add_argument(
+        "--keep-snapshots", type=int, default=2, metavar="K",
+        help="keep the newest K snapshots and every version after the oldest of them (default %(default)s)",
+    )
+    p.add_argument("--apply", action="store_true", help="really delete (default: only print)")
+    p.add_argument(
+        "--grace-s", "--min-orphan-age", dest="grace_s", type=float, default=3600.0, metavar="SECONDS",
+        help="spare orphans and temporary files younger than this: they may be a write in flight (default 3600)",
+    )
+    p.add_argument(
+        "--redis", default=None, metavar="URL",
+        help="the run's Redis: never delete what live Actors hold or stage, or live Relays mirror",
+    )
+    p.add_argument("--run", default=None, metavar="NAME", help="run name (with --redis)")
+    p.add_argument(
+        "--force", action="store_true",
+        help="delete versions live Actors or Relays still need, too (with --apply)",
+    )
+    p.add_argument(
+        "--actor-timeout-s", type=float, default=60.0, metavar="SECONDS",
+        help="an Actor silent for longer than this holds nothing (default %(default)s)",
+    )
+    add_storage_option(p, help=None)
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
-    from aurora_store.lineage.gc import run_gc
+    from aurora_store.lineage.gc import retain
     from aurora_store.storage import open_store
 
+    if (args.redis is None) != (args.run is None):
+        raise ConfigError("aurora gc: --redis URL and --run NAME go together")
+    if args.actor_timeout_s <= 0:
+        raise ConfigError(f"--actor-timeout-s must be > 0, got {args.actor_timeout_s}")
     store = open_store(args.url, storage_options(args.storage_option))
-    run_gc(store, args.keep_snapshots, apply=args.apply, min_orphan_age_s=args.min_orphan_age)
+    held = None
+    client = None
+    if args.redis is not None:
+        from aurora_store.coordination.redisconn import connect
+        from aurora_store.coordination.retention import run_held_versions
+
+        client = connect(args.redis)
+        held = run_held_versions(client, args.run, int(args.actor_timeout_s * 1000))
+    else:
+        say("note: without --redis URL --run NAME, gc cannot see live Actors or Relays and may delete versions they hold")
+    try:
+        retain(store, args.keep_snapshots, held, args.grace_s, force=args.force, dry_run=not args.apply, say=print)
+    finally:
+        if client is not None:
+            client.close()
     return 0

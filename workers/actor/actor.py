@@ -56,6 +56,7 @@ from aurora_store.errors import (
     IntegrityError,
     ModelMismatchError,
     ObjectNotFound,
+    StoreError,
     StoreUnavailable,
     VersionNotFound,
 )
@@ -155,6 +156,9 @@ class Actor:
         """Manifests read by the last plan, reused by the replay that follows it."""
         self._replan_at = 0.0
         self._replan_failures = 0
+        self._waiting_said = False
+        self._stuck_at: int | None = None
+        """The version no plan could reach: not looked for again before ``_replan_at``."""
         self._full_said = False
         self._mirror: tuple[str, Store] | None = None
         self._missing_since: dict[int, float] = {}
@@ -205,20 +209,23 @@ class Actor:
 
     # -- waiting for the run ----------------------------------------------------------
     def _wait_for_run(self, what: str, probe: Callable[[], T | None]) -> T | None:
-        """``probe()`` (a store read) until it finds something; one log line while it does not.
+        """``probe()`` (a store read) until it finds something, or None if stopped first.
 
-        None if stopped first. The Trainer may start after the Actors: that is a wait, not an error.
+        The Trainer may start after the Actors: that is a wait, not an
+        error, said once in the log (the bootstrap line says when it ended).
+        An S3 bucket that does not exist is never going to hold a run: that
+        ends the Actor (:class:`~aurora_store.errors.StoreError`).
         """
-        said = False
         while not self.stop.is_set():
             got = self._store(probe, f"look for {what}")
             if got is not None:
-                if said:
-                    log.info("%s: the run is here (%s found)", self.cfg.actor_id, what)
                 return got
-            if not said:
+            if not self._waiting_said:
+                bucket = _missing_bucket(self.origin)
+                if bucket is not None:
+                    raise StoreError(f"{self.origin.url}: bucket {bucket!r} does not exist (or these credentials cannot see it)")
                 log.info("%s: waiting for the run to appear at %s (no %s yet)", self.cfg.actor_id, self.origin.url, what)
-                said = True
+                self._waiting_said = True
             self.clock.wait(self.stop, self.cfg.run_poll_s)
         return None
 
@@ -262,7 +269,7 @@ class Actor:
         self.active, self.active_state = version, state
         self.staged_version, self.staged_state = version, state
         self._redis(lambda: record_digest(self.redis, self.keys, self.cfg.actor_id, self.active, self.engine.digest()), "record a digest")
-        log.info("%s bootstrapped at v%d in %.2fs", self.cfg.actor_id, self.active, time.perf_counter() - t0)
+        log.info("%s bootstrapped at v%d in %.2fs%s", self.cfg.actor_id, self.active, time.perf_counter() - t0, " (the run appeared)" if self._waiting_said else "")
         self._redis(self._register, "register")
         self._redis(self._heartbeat, "heartbeat")
 
@@ -285,7 +292,8 @@ class Actor:
                 if not said:
                     log.warning("%s: no usable version at %s yet; waiting", self.cfg.actor_id, self.origin.url)
                     said = True
-                self.clock.wait(self.stop, self.cfg.run_poll_s)
+                # Quarantined versions come back after their back-off, not sooner.
+                self.clock.wait(self.stop, self.cfg.quarantine.initial_s if self.quarantine.versions() else self.cfg.run_poll_s)
                 continue
             try:
                 full = self._store(partial(self._stage_full, self.origin, plan, reader), "bootstrap")
@@ -443,6 +451,8 @@ class Actor:
         v = self.staged_version + 1
         store = mirror
         while not self.stop.is_set() and (head is None or v <= head):
+            if self._stuck_at == v and self.clock.monotonic() < self._replan_at:
+                return  # no way through yet: not a request until the back-off passes
             if not self._room():
                 return
             if not self.quarantine.allowed("delta", v):
@@ -538,7 +548,7 @@ class Actor:
             plan = plan_chain(index, target, held=self.staged_version, cost=reader.cost)
         except (ChainError, VersionNotFound) as e:
             return self._no_way(broken, str(e))
-        self._replan_failures = 0
+        self._replan_failures, self._stuck_at = 0, None
         if plan.snapshot is None:
             self._replay_until, self._manifests = target, reader
             return False
@@ -581,6 +591,7 @@ class Actor:
         self._replan_failures += 1
         delay = self.cfg.quarantine.delay(self._replan_failures - 1)
         self._replan_at = self.clock.monotonic() + delay
+        self._stuck_at = self.staged_version + 1
         if self._replan_failures == 1:
             log.error("%s: stuck at v%d: %s; looking again in %.0fs, then less and less often", self.cfg.actor_id, self.staged_version, why, delay)
         return False
@@ -801,6 +812,22 @@ def _newest_plan(index: VersionIndex, reader: ManifestReader, tries: int = 16) -
         except ChainError:
             continue
     return None
+
+
+def _missing_bucket(store: Store) -> str | None:
+    """The bucket of an S3 run root when it does not exist; None when it does or nobody can tell.
+
+    A run root that does not exist yet is normal (the Trainer creates it); a
+    bucket is created by whoever runs the cluster, never by the Trainer, and
+    S3 answers a read in a missing bucket exactly as one of a missing key.
+    """
+    if store.protocol not in ("s3", "s3a"):
+        return None
+    bucket = store.root.split("/", 1)[0]
+    try:
+        return None if store.fs.exists(bucket) else bucket
+    except Exception:  # noqa: BLE001 - cannot tell: wait for the run as usual
+        return None
 
 
 def _nonempty(index: VersionIndex) -> VersionIndex | None:

@@ -104,11 +104,6 @@ class Quarantine:
         with self._lock:
             return sorted({v for _, v in self._entries})
 
-    def failures(self, kind: str, version: int) -> int:
-        with self._lock:
-            e = self._entries.get((kind, version))
-            return 0 if e is None else e.failures
-
 
 @dataclass(frozen=True, slots=True)
 class StagedFull:

@@ -131,6 +131,6 @@ class RelayStats:
     quarantined: Mapping[VersionId, int] = field(default_factory=dict)
     """Versions that failed verification and wait for their next attempt: failed attempts so far."""
     listings: int = 0
-    """Listings of origin completed (each compares origin with the mirror)."""
+    """Listings of origin done (each compares origin with the mirror), counted as each ends."""
     removed: int = 0
     """Objects the mirror's retention deleted."""

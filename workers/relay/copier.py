@@ -129,6 +129,11 @@ class Copier:
             for k in [k for k in self._have if object_version(k) in gone]:
                 del self._have[k]
 
+    def inflight_keys(self) -> set[str]:
+        """Keys being copied right now."""
+        with self._lock:
+            return set(self._inflight)
+
     def inflight_versions(self) -> set[int]:
         """Versions with an object being copied right now (cut-through copies included)."""
         with self._lock:

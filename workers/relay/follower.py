@@ -221,6 +221,8 @@ class Follower:
                 log.warning("relay %s: ignoring version event %s of kind %r", self.region, ev.id, kind)
                 return
             self._serial.submit(self._guard, self.mirror.mirror_version, kind, ev.version, ev)
+            if not self.synced.is_set():
+                self._queue_sync()  # waiting for the run (or catching up): the run is here now
         elif ev.type == COMMIT:
             self._serial.submit(self._guard, self._reannounce_commit, ev)
 

@@ -29,7 +29,7 @@ from aurora_store.lineage.gc import GcPlan, retain, retained, retention_floor
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.storage import Store
 from workers.relay.config import VersionId
-from workers.relay.copier import COPIED, FAILED, Copier, Traffic
+from workers.relay.copier import Copier, Traffic
 from workers.relay.quarantine import Quarantine
 
 __all__ = ["MODEL_KEYS", "VersionMirror"]
@@ -171,23 +171,22 @@ class VersionMirror:
             )
         vdir = version_dir(kind, version)
         refs = [(f"{vdir}/{r.key}", r.bytes, r.sha256) for r in m.segments]
+        # A copy in flight may be a cut-through one, checked against its announcement
+        # rather than the manifest: those (only) get a second round, against the manifest.
+        joined = self.copier.inflight_keys()
         missing = refs
-        outcomes: list[str] = []
-        # Two rounds: the first may only wait for a cut-through copy that was
-        # checked against its announcement; the second checks against the manifest.
         for _ in range(2):
             futures: list[Future[str]] = [self.copier.copy_async(k, b, s) for k, b, s in missing]
             wait_all(futures)
-            outcomes = [f.result() if not f.cancelled() and f.exception() is None else FAILED for f in futures]
             missing = self.copier.missing(refs)
-            if not missing:
+            if not any(k in joined for k, _, _ in missing):
                 break
+            joined = set()
         if missing:
             if self.copier.halt.is_set():
                 return _NOT_YET  # stopping: a copy was cut short, nothing is known to be wrong
-            bad = sum(o != COPIED for o in outcomes)
             return (
-                f"{max(bad, len(missing))} of {len(refs)} object(s) missing or failed verification "
+                f"{len(missing)} of {len(refs)} object(s) missing or failed verification "
                 f"(first: {self.origin.where(missing[0][0])})"
             )
         self.mirror.put(mk, data, mode="create")
@@ -225,6 +224,13 @@ class VersionMirror:
         once. Returns whether the mirror now holds every version it should,
         quarantined versions aside (their own attempts are scheduled).
         """
+        try:
+            return self._sync()
+        finally:
+            with self._lock:
+                self.listings += 1
+
+    def _sync(self) -> bool:
         # model/ (docs/WORKERS.md), so the mirror is a run root an Actor can join from.
         # These objects have no digest to check against; they are created once,
         # before v0, and are copied create-only as they are.
@@ -261,8 +267,6 @@ class VersionMirror:
                 continue
             if not done and (kind, v) not in self.quarantine.failures():
                 ok = False
-        with self._lock:
-            self.listings += 1
         return ok
 
     # -- retention ---------------------------------------------------------------

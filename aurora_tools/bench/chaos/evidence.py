@@ -27,7 +27,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from aurora_tools.bench.chaos.faults import FaultRecord
-from aurora_tools.bench.chaos.fleet import BOOT_RE, STEP_RE, Incarnation
+from aurora_tools.bench.chaos.fleet import BOOT_RE, STEP_JSON_MARKER, STEP_RE, Incarnation
+from aurora_tools.bench.chaos.manifests import ManifestLog
 
 if TYPE_CHECKING:
     from aurora_tools.bench.chaos.harness import ChaosRun
@@ -52,9 +53,15 @@ def clean_line(line: str, width: int = 140) -> str:
 
 
 # -- the chain ------------------------------------------------------------------------------
+def _manifests(run: ChaosRun) -> ManifestLog:
+    if run.manifests is None:
+        raise RuntimeError("the run never started its servers: no manifest was read")
+    return run.manifests
+
+
 def _chain(run: ChaosRun) -> dict[str, Any]:
     """How far the committed chain reaches from v0, unbroken, and which epochs wrote it."""
-    mlog = run.manifests
+    mlog = _manifests(run)
     with mlog.lock:
         deltas, snaps = dict(mlog.deltas), dict(mlog.snapshots)
     problems: list[str] = []
@@ -159,7 +166,7 @@ def _ids(x: Any) -> set[str]:
 
 
 def _prompts(run: ChaosRun, completed: int) -> dict[str, Any]:
-    states = run.manifests.states()
+    states = _manifests(run).states()
     by_version: dict[int, list[dict[str, Any]]] = {}
     for _inc, rec in run.fleet.step_records():
         v = rec.get("version")
@@ -297,7 +304,7 @@ def _fault_json(run: ChaosRun, rec: FaultRecord, now: float) -> dict[str, Any]:
     else:
         said.append("no version after it")
         window_end = now
-    starts = sorted({i.label for i in f.all for _ in i.lines_since(rec.t_start, OUTAGE_START) if _ <= window_end})
+    starts = sorted({i.label for i in f.all for ts, _ in i.lines_since(rec.t_start, OUTAGE_START) if ts <= window_end})
     ends = sorted({i.label for i in f.all for ts, _ in i.lines_since(rec.t_start, OUTAGE_END) if ts <= window_end})
     if starts:
         said.append(f"outage logged by {', '.join(starts)}" + (f" (over: {', '.join(ends)})" if ends else ""))
@@ -322,11 +329,11 @@ def _fault_json(run: ChaosRun, rec: FaultRecord, now: float) -> dict[str, Any]:
             said.append(f"{inc.label} saw: {hit}" if hit else f"{inc.label} logged nothing about the corrupted object")
     if rec.name == "relay-kill":
         for name in run.relay_actors:
-            inc = f.current.get(name)
-            if inc is not None:
-                hit = _first([x for x in inc.lines_since(rec.t_start, _ORIGIN_SEEN) if x[0] <= window_end])
+            actor = f.current.get(name)
+            if actor is not None:
+                hit = _first([x for x in actor.lines_since(rec.t_start, _ORIGIN_SEEN) if x[0] <= window_end])
                 if hit:
-                    said.append(f"{inc.label}: {hit}")
+                    said.append(f"{actor.label}: {hit}")
     victims = {id(v) for v in rec.victims}
     for inc in f.all:
         if id(inc) in victims or inc.ended is None or inc.ended_by is not None or inc in rec.successors:
@@ -370,7 +377,7 @@ def summarize(run: ChaosRun) -> dict[str, Any]:
     if digests["bit_identical"] is None:
         missing.append("digest files (AURORA_DIGEST_LOG): no line written")
     if prompts["steps_unaccounted"] is None:
-        missing.append(f"the Trainer's per-step JSON lines ('{'step-json'} {{...}}'): none found")
+        missing.append(f"the Trainer's per-step JSON lines ('{STEP_JSON_MARKER}{{...}}'): none found")
     elif prompts["accepted_wrong_state"] is None:
         missing.append("the state each used result carried (field 5 of the step lines' 'used' entries)")
     out: dict[str, Any] = {

@@ -111,7 +111,7 @@ def corrupt(run: ChaosRun, rec: FaultRecord) -> None:
     """Overwrite bytes of one shard of the newest snapshot after v0 at origin, then restart the
     origin Actor (SIGTERM, start again) so that its bootstrap reads that snapshot."""
     _begin(run, rec)
-    s3 = run.s3.client()
+    s3 = run.s3_client()
     prefix = f"{run.run}/snapshots/"
     versions = []
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=run.bucket, Prefix=prefix):

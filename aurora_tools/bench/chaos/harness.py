@@ -37,6 +37,7 @@ from aurora_store.testing.servers import S3Server
 from aurora_tools.bench.chaos.config import ChaosConfig
 from aurora_tools.bench.chaos.faults import INJECTORS, FaultRecord
 from aurora_tools.bench.chaos.fleet import AofRedis, Expired, Fleet, Incarnation
+from aurora_tools.bench.chaos.manifests import ManifestLog, fast_client
 
 __all__ = ["ChaosRun", "RUN_NAME"]
 
@@ -82,6 +83,8 @@ class ChaosRun:
         self.wall_s = 0.0
         self._timers: list[threading.Timer] = []
         self._s3_paused = False
+        self._s3_client: Any = None
+        self.manifests: ManifestLog | None = None
         self.redis = AofRedis()
         self.s3 = S3Server(process=True)
         self.fleet = Fleet(self.workdir, {}, self.deadline, cfg.poll_s)
@@ -94,6 +97,8 @@ class ChaosRun:
         self.mirror_bucket = self.s3.new_bucket("mirror-eu")
         self.origin_url = f"s3://{self.bucket}/{self.run}"
         self.mirror_url = f"s3://{self.mirror_bucket}/{self.run}"
+        self.manifests = ManifestLog(self.s3, self.bucket, self.run, lambda: self.fleet.head)
+        self.manifests.start()
         self.fleet.env = dict(
             os.environ, **self.s3.env_vars, AURORA_TORCH_THREADS="1", PYTHONUNBUFFERED="1",
             AURORA_OUTAGE_BUDGET_S=str(self.cfg.outage_budget_s),
@@ -111,14 +116,20 @@ class ChaosRun:
             self._s3_paused = False
 
     def s3_exists(self, key: str) -> bool:
-        resp = self.s3.client().list_objects_v2(Bucket=self.bucket, Prefix=key, MaxKeys=1)
+        resp = self.s3_client().list_objects_v2(Bucket=self.bucket, Prefix=key, MaxKeys=1)
         return any(o["Key"] == key for o in resp.get("Contents", []))
 
     def s3_count(self, prefix: str) -> int:
         n = 0
-        for page in self.s3.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+        for page in self.s3_client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
             n += len(page.get("Contents", []))
         return n
+
+    def s3_client(self) -> Any:
+        """A boto3 client of the S3 server that gives up within seconds."""
+        if self._s3_client is None:
+            self._s3_client = fast_client(self.s3)
+        return self._s3_client
 
     def storage_options(self) -> dict[str, Any]:
         return self.s3.storage_options()
@@ -168,10 +179,15 @@ class ChaosRun:
         if head >= self.cfg.steps:
             return f"v{head} out: the last step"
         try:
-            st = Ledger(self.redis_client(), self.run).step_status(head)
-            return f"v{head} out; batch {head}: {st.settled}/{st.total} settled, {st.leased} leased"
+            ledger = Ledger(self.redis_client(), self.run)
+            open_steps = ledger.open_steps()
+            if not open_steps:
+                return f"v{head} out; no batch open in Redis"
+            b = min(open_steps)
+            st = ledger.step_status(b)
+            return f"v{head} out; batch {b}: {st.settled}/{st.total} settled, {st.leased} leased"
         except LedgerLost:
-            return f"v{head} out; batch {head} not in Redis"
+            return f"v{head} out; its batch vanished from Redis"
         except Exception:  # noqa: BLE001 - the phase is a description
             return f"v{head} out; Redis unreadable"
 
@@ -293,10 +309,11 @@ class ChaosRun:
             for name in self.relay_actors + self.origin_actors:
                 self.start_actor(name)
             self._schedule()
-            self.fleet.wait_for(lambda: self.fleet.head >= c.steps or self.fleet.trainer_done())
-            t = self.fleet.trainer()
-            if t is not None:
-                self.fleet.wait_for(lambda: not t.alive, timeout_s=30.0)
+            if not self.aborted:
+                self.fleet.wait_for(lambda: self.fleet.head >= c.steps or self.fleet.trainer_done())
+                t = self.fleet.trainer()
+                if t is not None:
+                    self.fleet.wait_for(lambda: not t.alive, timeout_s=30.0)
         except Expired:
             self.timed_out = True
             self.say(f"  global timeout ({c.timeout_s:g}s): stopping everything")
@@ -308,6 +325,10 @@ class ChaosRun:
     def _schedule(self) -> None:
         c = self.cfg
         f = self.fleet
+        if not c.schedule:
+            # No fault: "before" is the run in its stride, half way.
+            f.wait_for(lambda: f.head >= c.steps // 2 or f.trainer_done())
+            self.keys_before = self.count_keys()
         for name, trigger in c.schedule:
             rec = FaultRecord(name, trigger)
             self.records.append(rec)
@@ -355,6 +376,9 @@ class ChaosRun:
         self.keys_after = self.count_keys()
         self.fleet.close()
         self._read_open_prompts()
+        if self.manifests is not None:
+            self.manifests.stop.set()
+            self.manifests.scan()
 
     def _hard_stop(self) -> None:
         """The global timeout, reached with the harness stuck: kill every child so that it comes unstuck."""

@@ -62,7 +62,10 @@ class ManifestLog:
 
     def _loop(self) -> None:
         while not self.stop.wait(self.period_s):
-            self.scan()
+            try:
+                self.scan()
+            except Exception:  # noqa: BLE001 - a manifest that does not parse is read again, and reported by the chain check
+                continue
 
     def _get(self, kind: str, v: int) -> Manifest | None:
         """The manifest, or None when it is not there (or the store did not answer)."""
@@ -72,8 +75,8 @@ class ManifestLog:
         try:
             body = self._client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         except Exception as e:  # noqa: BLE001 - missing, or the store is away: read again later
-            code = getattr(e, "response", {}).get("Error", {}).get("Code", "")
-            if code not in ("NoSuchKey", "404"):
+            response = getattr(e, "response", None) or {}
+            if response.get("Error", {}).get("Code", "") not in ("NoSuchKey", "404"):
                 raise _Away from None
             return None
         return Manifest.from_bytes(body, where=f"s3://{self.bucket}/{key}")
