@@ -102,6 +102,7 @@ def test_delta_apply_writes_the_file_whole(stored: str, tmp_path: Path) -> None:
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_delta_apply_that_fails_leaves_nothing_behind(stored: str, tmp_path: Path) -> None:
     out = tmp_path / "v1.safetensors"
     proc = _apply(stored, out, limited=True)  # the write itself fails partway (EFBIG)

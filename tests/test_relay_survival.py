@@ -20,14 +20,16 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_fixtures import own_redis_server, redis_server, run_name  # noqa: F401
-from relay_helpers import Trainer, describe_model, make_relay, mirrored, running, wait_until
+from redis_fixtures import dead_redis_url, own_redis_server, redis_server, run_name  # noqa: F401
+from relay_helpers import REPO, Trainer, describe_model, make_relay, mirrored, running, wait_until
 
 from aurora_store.coordination.bus import Bus
 from aurora_store.coordination.ledger import Ledger
@@ -42,8 +44,6 @@ from aurora_store.storage import Store, StoreConfig, open_store
 from aurora_store.testing.clock import ManualClock
 from aurora_store.testing.servers import RedisServer, S3Server
 from workers.relay import add_arguments, config_from_args
-
-pytestmark = pytest.mark.server
 
 
 @pytest.fixture
@@ -65,6 +65,7 @@ def versions(store: Store) -> tuple[set[int], set[int]]:
 # --- start in any order ---------------------------------------------------------
 
 
+@pytest.mark.server
 def test_a_relay_started_before_the_trainer_waits_for_the_run(
     redis_server: RedisServer, redis: Any, run_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -90,6 +91,7 @@ def test_a_relay_started_before_the_trainer_waits_for_the_run(
 # --- outages ----------------------------------------------------------------------
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_the_relay_rides_out_redis_killed_and_restarted(
     own_redis_server: RedisServer, run_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -122,6 +124,7 @@ def test_the_relay_rides_out_redis_killed_and_restarted(
     redis.close()
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_the_relay_rides_out_a_paused_s3_origin(
     redis_server: RedisServer, redis: Any, run_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -161,6 +164,7 @@ def test_the_relay_rides_out_a_paused_s3_origin(
     assert state == trainer.states[2]
 
 
+@pytest.mark.server
 def test_an_outage_past_the_budget_ends_the_relay(own_redis_server: RedisServer, run_name: str, tmp_path: Path) -> None:
     origin = open_store(f"file://{tmp_path}/origin")
     describe_model(origin)
@@ -189,9 +193,26 @@ def test_an_outage_past_the_budget_ends_the_relay(own_redis_server: RedisServer,
     assert "Redis" in str(errors[0])
 
 
+@pytest.mark.server
+def test_aurora_relay_exits_with_one_line_past_the_budget(dead_redis_url: str, tmp_path: Path) -> None:
+    args = [
+        sys.executable, "-m", "workers.relay", "--store", f"file://{tmp_path}/origin", "--mirror", f"file://{tmp_path}/mirror",
+        "--redis", dead_redis_url, "--run", "r", "--region", "eu", "--outage-budget-s", "1",
+    ]
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out
+    errors = [line for line in out.splitlines() if line.startswith("aurora relay: error:")]
+    assert len(errors) == 1 and "Redis" in errors[0]
+    assert len([line for line in out.splitlines() if "WARNING Redis unreachable" in line]) == 1  # said once
+
+
 # --- a version that fails verification ------------------------------------------------
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_a_damaged_version_is_quarantined_with_back_off(
     redis_server: RedisServer, redis: Any, run_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -250,6 +271,7 @@ def test_a_damaged_version_is_quarantined_with_back_off(
 # --- retention of the mirror, and what the Relay holds at origin ---------------------
 
 
+@pytest.mark.server
 def test_the_mirror_keeps_the_newest_snapshots_and_what_region_actors_hold(
     redis_server: RedisServer, redis: Any, run_name: str, tmp_path: Path
 ) -> None:
@@ -272,7 +294,8 @@ def test_the_mirror_keeps_the_newest_snapshots_and_what_region_actors_hold(
         wait_until(mirrored(relay, ("snapshot", 6), ("delta", 7)), "the head")
         # Newest snapshot (6) and after, plus what eu-1 on 4 needs: snapshot 3, deltas 4.. .
         wait_until(lambda: versions(mirror) == ({3, 6}, {4, 5, 6, 7}), "the mirror cleaned")
-        assert RelayHeldVersions(redis, run_name).held_versions() == {7}  # what it mirrors: its head
+        # What it mirrors, for origin's retention: its head, from the next heartbeat on.
+        wait_until(lambda: RelayHeldVersions(redis, run_name).held_versions() == {7}, "the Relay to hold its head")
         ledger.heartbeat("eu-1", active=7, staged=7)
         wait_until(lambda: versions(mirror) == ({6}, {7}), "the mirror cleaned again")
         fetched = relay.stats().bytes_fetched
@@ -287,6 +310,7 @@ def test_the_mirror_keeps_the_newest_snapshots_and_what_region_actors_hold(
     assert state == trainer.states[8]
 
 
+@pytest.mark.server
 def test_a_late_relay_copies_only_what_retention_keeps(redis_server: RedisServer, redis: Any, run_name: str, tmp_path: Path) -> None:
     origin = open_store(f"file://{tmp_path}/origin")
     mirror = open_store(f"file://{tmp_path}/mirror")

@@ -242,8 +242,9 @@ def retain(
     Keeps the newest ``keep_snapshots`` snapshots and every version after the
     oldest of them; keeps whatever ``held`` says live Actors and Relays need
     (unless ``force``; a frozenset is taken as already read); removes orphans
-    and temporary files older than ``grace_s``. ``held`` is read first: if that fails (Redis away) the error
-    propagates and nothing is deleted. ``dry_run`` only plans. ``say``
+    and temporary files older than ``grace_s`` (``spare_orphan`` as in
+    :func:`plan_gc`). ``held`` is read first: if that fails (Redis away) the
+    error propagates and nothing is deleted. ``dry_run`` only plans. ``say``
     receives one line per decision (None: silent). Returns the plan, with
     ``removed`` set.
     """
@@ -257,7 +258,7 @@ def retain(
         t = store.modified(key)
         return None if t is None else now - t
 
-    plan = plan_gc(lin, keep_snapshots, age, grace_s, held_now, force)
+    plan = plan_gc(lin, keep_snapshots, age, grace_s, held_now, force, spare_orphan)
     for key in _temp_files(store):
         a = age(key)
         if a is not None and a >= grace_s:

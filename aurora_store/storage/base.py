@@ -76,11 +76,16 @@ class StoreConfig:
     """Timeout of one read on a socket (S3)."""
     max_connections: int = 32
     """Connection pool size (S3); at least the stream count you use."""
+    op_timeout_s: float = 600.0
+    """Deadline of one whole request on an asynchronous backend (S3). The read timeout
+    covers reads only: an upload into a server that accepted the connection and then
+    stalled (paused, overloaded) would otherwise wait for ever. Large enough for the
+    biggest object on the slowest link you run on."""
 
     def __post_init__(self) -> None:
         if self.retries < 0 or self.backoff_s < 0 or self.backoff_max_s < 0:
             raise ConfigError(f"StoreConfig: retries and backoff must be >= 0 ({self})")
-        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0 or self.max_connections < 1:
+        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0 or self.max_connections < 1 or self.op_timeout_s <= 0:
             raise ConfigError(f"StoreConfig: timeouts and max_connections must be positive ({self})")
 
     @classmethod
@@ -186,9 +191,16 @@ class Store(abc.ABC):
                     raise
                 if attempt == self.config.retries:
                     raise StoreUnavailable(f"{what}: failed after {attempt + 1} attempts: {type(e).__name__}: {e}") from e
-                log.warning("%s: %s: %s (retry %d/%d)", what, type(e).__name__, e, attempt + 1, self.config.retries)
+                log.debug("%s: %s: %s (retry %d/%d)", what, type(e).__name__, e, attempt + 1, self.config.retries)
                 self.clock.wait(self._never, next(delays))
         raise AssertionError("unreachable")
+
+    @property
+    def _deadline(self) -> dict[str, float]:
+        """Keyword arguments that bound one call of an asynchronous fsspec filesystem
+        (fsspec's ``sync`` takes ``timeout``, cancels the request and raises a
+        ``TimeoutError``, which is retried); nothing for a synchronous one."""
+        return {"timeout": self.config.op_timeout_s} if getattr(self.fs, "async_impl", False) else {}
 
     def _path(self, key: str) -> str:
         if key.startswith("/") or ".." in key.split("/"):
@@ -217,7 +229,7 @@ class Store(abc.ABC):
             raise ValueError(f"mode must be 'create' or 'overwrite', got {mode!r}")
         path = self._path(key)
         if mode == "overwrite":
-            self._retry(f"put {self.where(key)}", lambda: self.fs.pipe_file(path, data))
+            self._retry(f"put {self.where(key)}", lambda: self.fs.pipe_file(path, data, **self._deadline))
             return
         self._create(key, path, data)
 
@@ -225,7 +237,7 @@ class Store(abc.ABC):
         """The whole object."""
         path = self._path(key)
         try:
-            return self._retry(f"get {self.where(key)}", lambda: bytes(self.fs.cat_file(path)))
+            return self._retry(f"get {self.where(key)}", lambda: bytes(self.fs.cat_file(path, **self._deadline)))
         except FileNotFoundError:
             raise self._missing(key) from None
 
@@ -236,19 +248,19 @@ class Store(abc.ABC):
         path = self._path(key)
         try:
             return self._retry(
-                f"get {self.where(key)}", lambda: bytes(self.fs.cat_file(path, start=start, end=stop))
+                f"get {self.where(key)}", lambda: bytes(self.fs.cat_file(path, start=start, end=stop, **self._deadline))
             )
         except FileNotFoundError:
             raise self._missing(key) from None
 
     def exists(self, key: str) -> bool:
         path = self._path(key)
-        return self._retry(f"exists {self.where(key)}", lambda: bool(self.fs.exists(path)))
+        return self._retry(f"exists {self.where(key)}", lambda: bool(self.fs.exists(path, **self._deadline)))
 
     def size(self, key: str) -> int:
         path = self._path(key)
         try:
-            return int(self._call(f"size {self.where(key)}", lambda: self.fs.size(path)))
+            return int(self._call(f"size {self.where(key)}", lambda: self.fs.size(path, **self._deadline)))
         except FileNotFoundError:
             raise self._missing(key) from None
 
@@ -256,7 +268,7 @@ class Store(abc.ABC):
         """Last-modified time (POSIX seconds), when the backend reports one."""
         path = self._path(key)
         try:
-            info = self._retry(f"info {self.where(key)}", lambda: self.fs.info(path))
+            info = self._retry(f"info {self.where(key)}", lambda: self.fs.info(path, **self._deadline))
         except FileNotFoundError:
             return None
         for f in ("LastModified", "mtime", "created"):
@@ -273,7 +285,7 @@ class Store(abc.ABC):
         """
         base = self._path(prefix.rstrip("/")) if prefix else self.root
         try:
-            found = self._retry(f"list {self.where(prefix)}", lambda: self.fs.find(base))
+            found = self._retry(f"list {self.where(prefix)}", lambda: self.fs.find(base, **self._deadline))
         except FileNotFoundError:
             return []
         root = self.root + "/" if self.root else ""
@@ -290,7 +302,7 @@ class Store(abc.ABC):
         """Names of the immediate sub-folders of ``prefix``."""
         path = self._path(prefix.rstrip("/"))
         try:
-            entries = self._retry(f"list {self.where(prefix)}", lambda: self.fs.ls(path, detail=True))
+            entries = self._retry(f"list {self.where(prefix)}", lambda: self.fs.ls(path, detail=True, **self._deadline))
         except FileNotFoundError:
             return []
         return sorted(
@@ -301,4 +313,4 @@ class Store(abc.ABC):
         """Remove an object (garbage collection only); a missing one is fine."""
         path = self._path(key)
         with contextlib.suppress(FileNotFoundError):
-            self._call(f"delete {self.where(key)}", lambda: self.fs.rm_file(path))
+            self._call(f"delete {self.where(key)}", lambda: self.fs.rm_file(path, **self._deadline))

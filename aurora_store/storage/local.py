@@ -33,20 +33,30 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def _makedirs_durable(folder: str) -> None:
-    """``os.makedirs(folder, exist_ok=True)``, with each new folder's entry fsynced in its parent."""
-    missing: list[str] = []
-    f = os.path.abspath(folder)
-    while not os.path.isdir(f):
-        missing.append(f)
-        parent = os.path.dirname(f)
-        if parent == f:
-            break
-        f = parent
-    for d in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # another writer made it first: fsync its entry all the same
-            os.mkdir(d)
-        _fsync_dir(os.path.dirname(d))
+def _makedirs_durable(folder: str, attempts: int = 3) -> None:
+    """``os.makedirs(folder, exist_ok=True)``, with each new folder's entry fsynced in its parent.
+
+    Retention removes folders it emptied; one removed between our check and
+    our ``mkdir`` (a parent vanishing under us) is simply made again.
+    """
+    for attempt in range(attempts):
+        missing: list[str] = []
+        f = os.path.abspath(folder)
+        while not os.path.isdir(f):
+            missing.append(f)
+            parent = os.path.dirname(f)
+            if parent == f:
+                break
+            f = parent
+        try:
+            for d in reversed(missing):
+                with contextlib.suppress(FileExistsError):  # another writer made it first: fsync its entry all the same
+                    os.mkdir(d)
+                _fsync_dir(os.path.dirname(d))
+            return
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
 
 
 class LocalStore(Store):

@@ -47,13 +47,18 @@ class S3Store(RemoteStore):
         super().__init__(url, storage_options, config, clock)
         if hasattr(self.fs, "retries"):
             # We retry whole operations ourselves, with back-off; keep s3fs's own short.
-            self.fs.retries = 2
+            self.fs.retries = 1
 
     def _options(self, opts: dict[str, Any]) -> dict[str, Any]:
         ck = dict(opts.pop("config_kwargs", {}) or {})
         ck.setdefault("connect_timeout", self.config.connect_timeout_s)
         ck.setdefault("read_timeout", self.config.read_timeout_s)
         ck.setdefault("max_pool_connections", self.config.max_connections)
+        # botocore retries each request up to 5 times by itself (legacy mode), each
+        # waiting out the read timeout: against a paused server one call then takes
+        # minutes before our own retries (and the outage log line) even begin.
+        # One attempt per call: the back-off is ours (StoreConfig, aurora_store.outage).
+        ck.setdefault("retries", {"total_max_attempts": 1})
         opts["config_kwargs"] = ck
         # Other processes write the run: a cached listing would hide their versions.
         opts.setdefault("use_listings_cache", False)

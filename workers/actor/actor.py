@@ -128,6 +128,9 @@ class Actor:
         self.keys = RunKeys(ep.run)
         self.stop = threading.Event()
         self.lock = threading.Lock()
+        self._weights = threading.Lock()
+        """Held while the engine's weights change, and while (version, digest) is read as a pair:
+        the heartbeat thread must never label one version's digest with another's number."""
         self.staged: deque[tuple[StagedDelta | RemoteStaged | StagedFull, str, float]] = deque()
         """(delta or whole version, its state, seconds it took to stage) in version order."""
         self.staged_version = -1
@@ -370,7 +373,9 @@ class Actor:
             log.warning("%s: heartbeat refused (the ledger lost or reaped this Actor); registering again", self.cfg.actor_id)
             self._register()
             self.ledger.heartbeat(self.cfg.actor_id, active=self.active, staged=self.staged_version, active_state=self.active_state)
-            record_digest(self.redis, self.keys, self.cfg.actor_id, self.active, self.engine.digest())
+            with self._weights:
+                active, digest = self.active, self.engine.digest()
+            record_digest(self.redis, self.keys, self.cfg.actor_id, active, digest)
         q = json.dumps(self.quarantine.versions())
         if q != self._reported and self._report(keys=[self.keys.actor(self.cfg.actor_id)], args=["quarantined", q]):
             self._reported = q
@@ -699,17 +704,18 @@ class Actor:
                 return
             staged, state, stage_s = item
             t0 = time.perf_counter()
-            if isinstance(staged, StagedFull):
-                self._load_full(staged)
-                self.stats.rebootstraps += 1
-                log.info("%s swapped in v%d (snapshot %d and %d delta(s))", self.cfg.actor_id, staged.version, staged.snapshot, staged.version - staged.snapshot)
-            else:
-                self.engine.apply(staged)
-            self.active, self.active_state = staged.version, state
-            act_s = time.perf_counter() - t0
-            self.stats.activations.append((self.active, stage_s, act_s))
-            me, v = self.cfg.actor_id, self.active
-            self._redis(partial(record_digest, self.redis, self.keys, me, v, self.engine.digest()), "record a digest")
+            with self._weights:
+                if isinstance(staged, StagedFull):
+                    self._load_full(staged)
+                    self.stats.rebootstraps += 1
+                    log.info("%s swapped in v%d (snapshot %d and %d delta(s))", self.cfg.actor_id, staged.version, staged.snapshot, staged.version - staged.snapshot)
+                else:
+                    self.engine.apply(staged)
+                self.active, self.active_state = staged.version, state
+                act_s = time.perf_counter() - t0
+                me, v, digest = self.cfg.actor_id, self.active, self.engine.digest()
+            self.stats.activations.append((v, stage_s, act_s))
+            self._redis(partial(record_digest, self.redis, self.keys, me, v, digest), "record a digest")
             self._redis(partial(record_activation, self.redis, self.keys, me, v, stage_s, act_s), "record an activation")
             self._redis(self._heartbeat, "heartbeat")
             log.info("%s activated v%d (staged in %.3fs, applied in %.4fs)", self.cfg.actor_id, self.active, stage_s, act_s)

@@ -55,7 +55,8 @@ class RelayConfig:
     resync_s: float = 60.0
     """Period of a full listing of origin even without a gap (0: only on gaps and failures)."""
     retry_s: float = 5.0
-    """Delay before listing again after a version could not be mirrored."""
+    """Delay before listing again after a version could not be mirrored (or while the run has not
+    appeared at origin); also the first wait of a quarantined version."""
     backoff: Backoff = field(default_factory=Backoff, metadata={"env": False})
     """First and longest delay between attempts to reach Redis or a store while it is away."""
     outage_budget_s: float = DEFAULT_OUTAGE_BUDGET_S

@@ -154,6 +154,8 @@ class Follower:
         self._lock = threading.Lock()
         self.last_id = "0"
         self.synced = threading.Event()
+        self.listings = 0
+        """Listings of origin done, counted once each has ended and the next one is scheduled."""
 
     # -- the loop ----------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -271,6 +273,8 @@ class Follower:
             self.synced.set()
             if self._clean is not None:
                 self._next_clean = self.clock.monotonic() + self.clean_every_s
+        with self._lock:
+            self.listings += 1
 
     def _queue_sync(self) -> None:
         if self.schedule.queue():

@@ -148,4 +148,8 @@ class Heartbeat:
             with translate_redis_errors("Relay.release"):
                 self._release(keys=[self.key, self.held_key], args=[self.value])
         except CoordinationError as e:
-            log.warning("relay %s: could not delete %s (it expires in %.0f s): %s", self.region, self.key, self.ttl_s, e)
+            # Said already if Redis is away (the outage's own line): quietly, then.
+            log.log(
+                logging.DEBUG if self.dep.away else logging.WARNING,
+                "relay %s: could not delete %s (it expires in %.0f s): %s", self.region, self.key, self.ttl_s, e,
+            )

@@ -24,7 +24,7 @@ from concurrent.futures import wait as wait_all
 from aurora_store.clock import Clock
 from aurora_store.coordination.bus import VERSION, Event
 from aurora_store.errors import AuroraError, ObjectNotFound
-from aurora_store.format.manifest import Manifest, manifest_key, version_dir
+from aurora_store.format.manifest import Manifest, manifest_key, parse_version_dir, version_dir
 from aurora_store.lineage.gc import GcPlan, retain, retained, retention_floor
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.storage import Store
@@ -82,8 +82,6 @@ class VersionMirror:
         self._announced: set[VersionId] = set()
         self._inflight: set[int] = set()
         self._waiting = False
-        self.listings = 0
-        """Listings of origin completed."""
         self.removed = 0
         """Objects the mirror's retention deleted."""
 
@@ -224,13 +222,6 @@ class VersionMirror:
         once. Returns whether the mirror now holds every version it should,
         quarantined versions aside (their own attempts are scheduled).
         """
-        try:
-            return self._sync()
-        finally:
-            with self._lock:
-                self.listings += 1
-
-    def _sync(self) -> bool:
         # model/ (docs/WORKERS.md), so the mirror is a run root an Actor can join from.
         # These objects have no digest to check against; they are created once,
         # before v0, and are copied create-only as they are.
@@ -279,7 +270,17 @@ class VersionMirror:
         """
         if not self.keep_snapshots:
             return None
-        plan = retain(self.mirror, self.keep_snapshots, held, grace_s)
+        with self._lock:
+            head = max((v for _, v in self._complete), default=-1)
+
+        def copying(key: str) -> bool:
+            # Objects of versions after the mirror's newest may be cut-through copies landing
+            # right now (the copier marks them present only after they land): never delete one.
+            parts = key.split("/")
+            v = parse_version_dir(parts[1]) if len(parts) > 2 else None
+            return v is None or v > head
+
+        plan = retain(self.mirror, self.keep_snapshots, held, grace_s, spare_orphan=copying)
         gone = set(plan.versions)
         with self._lock:
             self._complete -= gone

@@ -67,6 +67,9 @@ class Relay:
 
     ``clock`` times every wait of its loops (back-off, heartbeat period,
     listing schedule, quarantine), so tests can pass a manual one.
+    ``origin`` and ``mirror`` are the stores as the Relay uses them (every
+    call rides out an outage: ``origin_dep``, ``mirror_dep``);
+    ``origin_store`` and ``mirror_store`` are the stores themselves.
     """
 
     def __init__(
@@ -142,7 +145,7 @@ class Relay:
                 mirrored=self.versions.mirrored(),
                 bytes_by_version=dict(t.by_version),
                 quarantined=quarantined,
-                listings=self.versions.listings,
+                listings=self.follower.listings,
                 removed=self.versions.removed,
             )
 
@@ -161,7 +164,8 @@ class Relay:
 
         Raises :class:`~aurora_store.errors.OutageTooLong` when Redis or a
         store stays away longer than ``outage_budget_s``, and the error of a
-        first listing that origin refuses (credentials, a bad URL).
+        first listing that origin refuses (credentials, a bad URL). ``stop``
+        is set when this returns or raises.
         """
         # The Relay's own threads wait on its halt event; a stop from outside is one more reason to set it.
         def relay_stop() -> None:

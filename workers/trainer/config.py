@@ -60,8 +60,9 @@ class TrainerConfig:
     Env ``AURORA_SEGMENT_MIB``, in MiB."""
     heartbeat_timeout_s: float = 8.0
     """An Actor silent this long is marked gone and its work released."""
-    wait_timeout_s: float = 300.0
-    """Give up on a batch nobody finishes."""
+    progress_s: float = 30.0
+    """While a batch is not complete, log its progress this often (the Trainer waits as long as it
+    takes: leases expire back to the pool and live Actors redo the work)."""
     poll_s: float = 0.05
     """Pause between two reads of a batch's results while it is not complete."""
     weight_transfer: bool = True
@@ -104,10 +105,10 @@ class TrainerConfig:
             raise ConfigError("steps >= 1, batch >= 1 and group >= 2 are required (GRPO needs a group)")
         if self.transfer not in TRANSFERS or self.max_lag < 1:
             raise ConfigError(f"transfer must be delta, full or none and max_lag >= 1 (got {self.transfer!r}, {self.max_lag})")
-        if self.poll_s <= 0 or self.wait_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
+        if self.poll_s <= 0 or self.progress_s <= 0 or self.heartbeat_timeout_s <= 0:
             raise ConfigError(
-                f"poll_s, wait_timeout_s and heartbeat_timeout_s must be > 0 "
-                f"(got {self.poll_s}, {self.wait_timeout_s}, {self.heartbeat_timeout_s})"
+                f"poll_s, progress_s and heartbeat_timeout_s must be > 0 "
+                f"(got {self.poll_s}, {self.progress_s}, {self.heartbeat_timeout_s})"
             )
         self._check_recovery_knobs()
 

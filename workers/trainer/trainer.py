@@ -41,11 +41,13 @@ from aurora_store.codec.extract import fuse_weights, unfuse_weights
 from aurora_store.coordination.bus import COMMIT, VERSION, Bus
 from aurora_store.coordination.ledger import AcceptedResult, Ledger
 from aurora_store.coordination.redisconn import connect
+from aurora_store.coordination.retention import run_held_versions
 from aurora_store.errors import ChainError, ConfigError, FencedOut, VersionConflict
 from aurora_store.lineage.fetch import materialize, read_manifest
+from aurora_store.lineage.gc import retain
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.lineage.publish import PublishConfig, publish_snapshot
-from aurora_store.outage import Dependency, riding
+from aurora_store.outage import Dependency, is_transient, riding
 from aurora_store.storage import Store, open_store
 from workers.common import Endpoints, RunKeys, record_digest, write_model_description
 from workers.model import fusion_plan_for, hf_weights, is_tied, logprobs, tiny_qwen3, warm_start
@@ -141,8 +143,9 @@ class Trainer:
         # call through these rides it out up to the outage budget, logging once.
         self.redis_dep = Dependency("Redis", log, cfg.outage_budget_s, clock)
         self.store_dep = Dependency("the store", log, cfg.outage_budget_s, clock)
-        self.store: Store = riding(open_store(ep.store, dict(ep.storage_options)), self.store_dep, self.stop)
-        raw = connect(ep.redis)
+        self._raw_store = open_store(ep.store, dict(ep.storage_options))
+        self.store: Store = riding(self._raw_store, self.store_dep, self.stop)
+        raw = self._raw_redis = connect(ep.redis)
         self.redis = riding(raw, self.redis_dep, self.stop)
         self.ledger = riding(Ledger(raw, ep.run), self.redis_dep, self.stop)
         self.bus = riding(Bus(raw, ep.run), self.redis_dep, self.stop)
@@ -151,8 +154,7 @@ class Trainer:
         """This Trainer's epoch: 1 for a fresh run, one more than any before it on resume."""
         self.resumed_from: int | None = None
         """Step of the checkpoint this Trainer resumed from (None: a fresh run)."""
-        self.unreturned = 0
-        """Prompts whose batch closed without their result (late Actors, ``min_batch_fraction`` < 1)."""
+
         self.tokenizer = CharTokenizer()
         self.rng = random.Random(cfg.seed)
         self.problems: dict[str, Problem] = {}
@@ -165,6 +167,11 @@ class Trainer:
         self._counts = Collected()
         self.gen_of: dict[int, int] = {}
         """step -> the version its rollouts are generated on (b - K, or newer after a re-issue)."""
+
+    @property
+    def unreturned(self) -> int:
+        """Prompts whose batch closed without their result (``min_batch_fraction`` < 1, a deadline)."""
+        return self._counts.unreturned
 
     @property
     def accepted_twice(self) -> int:
@@ -222,9 +229,9 @@ class Trainer:
         self.plan = fusion_plan_for({n: t.to(torch.bfloat16) for n, t in hf_weights(self.behavior).items()}, tied=tied)
 
     def _check_redis(self) -> None:
-        check = getattr(self.ledger, "check_memory_policy", None)
-        if check is not None:
-            check()
+        """Refuse a Redis that may evict the ledger's keys (its message says how to fix it)."""
+        if self.ledger.check_memory_policy() == "unknown":
+            log.warning("Redis does not say its maxmemory-policy (INFO refused): make sure it is noeviction, or steps and leases may vanish")
 
     def _producer(self, step: int) -> dict[str, Any]:
         """``producer`` of the manifests this Trainer writes: the step and the epoch (FORMAT.md §4)."""
@@ -233,17 +240,17 @@ class Trainer:
     # -- epochs: one Trainer at a time ---------------------------------------------
     def _enter_epoch(self, epoch: int) -> None:
         """Take ``epoch`` in Redis; a newer Trainer holding a higher one fences this one out."""
-        enter = getattr(self.ledger, "enter_epoch", None)
-        if enter is not None:
-            enter(epoch)
+        self.ledger.enter_epoch(epoch)
         self.epoch = epoch
-        self.redis.hset(self.keys.trainer, "epoch", epoch)
+        self._hset(epoch=epoch)
 
     def _check_epoch(self) -> None:
         """Before a write only the current Trainer may make: raise FencedOut if a newer one took over."""
-        check = getattr(self.ledger, "check_epoch", None)
-        if check is not None:
-            check(self.epoch)
+        self.ledger.check_epoch(self.epoch)
+
+    def _hset(self, **fields: Any) -> None:
+        """Write fields of the Trainer's hash, fenced: a Trainer of an older epoch changes nothing."""
+        self.ledger.fenced_hset(self.keys.trainer, fields, epoch=self.epoch)
 
     # -- checkpoint and resume ---------------------------------------------------------
     def _checkpoint_due(self, step: int) -> bool:
@@ -271,7 +278,7 @@ class Trainer:
             "completion_ms": self.completion_ms[-200:],
             "accepted_twice": self._counts.accepted_twice,
             "accepted_wrong_version": self._counts.accepted_wrong_version,
-            "unreturned": self.unreturned,
+            "unreturned": self._counts.unreturned,
             "full_bytes": self.full_bytes,
         }
         nbytes = save_checkpoint(self.store, Checkpoint(step=step, epoch=self.epoch, tensors=tensors, meta=meta))
@@ -307,7 +314,7 @@ class Trainer:
         self._check_redis()
         head = index.latest
         manifest_epoch = max((self._manifest_epoch(v) for v in (head,) if v is not None), default=0)
-        stored = int(self.redis.hget(self.keys.trainer, "epoch") or 0)
+        stored = self.ledger.stored_epoch() or 0
         self._enter_epoch(max(ck.epoch, manifest_epoch, stored) + 1)
         t0 = time.perf_counter()
         self._build_model()
@@ -327,7 +334,7 @@ class Trainer:
         self.completion_ms = [float(x) for x in ck.meta.get("completion_ms", [])]
         self._counts.accepted_twice = int(ck.meta.get("accepted_twice", 0))
         self._counts.accepted_wrong_version = int(ck.meta.get("accepted_wrong_version", 0))
-        self.unreturned = int(ck.meta.get("unreturned", 0))
+        self._counts.unreturned = int(ck.meta.get("unreturned", 0))
         self.full_bytes = int(ck.meta.get("full_bytes", 0))
         # The versions batches still open were generated on, from the store.
         K = self.cfg.max_lag
@@ -344,7 +351,7 @@ class Trainer:
         # Steps: reuse what the ledger still holds, create what it lost, drop what is done.
         for b in self.ledger.open_steps():
             if b < head:
-                self.ledger.close_step(b)
+                self.ledger.close_step(b, epoch=self.epoch)
         for b in range(head, min(head + K + 1, self.cfg.steps)):
             self.batch_prompts[b] = self._batch_prompts(b)
             self.collected.setdefault(b, {})
@@ -355,11 +362,11 @@ class Trainer:
                 # Lost, or closed by the Trainer that died: on the newest version,
                 # which Actors may already hold (they never go back).
                 if held is not None:
-                    self.ledger.close_step(b)
+                    self.ledger.close_step(b, epoch=self.epoch)
                 self._create_batch(b, head)
         if head >= 1:
             self.bus.announce(COMMIT, head)
-            self.redis.hset(self.keys.trainer, "commit", head)
+            self._hset(commit=head)
         log.info(
             "resumed epoch %d from the checkpoint before step %d; head v%d (%d version(s) since it) in %.1fs",
             self.epoch, ck.step, head, head - ck.step, time.perf_counter() - t0,
@@ -383,7 +390,7 @@ class Trainer:
 
     def _after_publish(self, v: int, state: str, kind: str, nbytes: int) -> None:
         record_digest(self.redis, self.keys, "trainer", v, weights_digest(self.published, self.plan))
-        self.redis.hset(self.keys.trainer, mapping={"head": v, "head_state": state, "published_ms": int(time.time() * 1000), "status": "running"})
+        self._hset(head=v, head_state=state, published_ms=int(time.time() * 1000), status="running")
         self.bus.announce(VERSION, v, kind=kind, state=state, bytes=nbytes)
 
     # -- batches ------------------------------------------------------------------
@@ -404,11 +411,12 @@ class Trainer:
                 self.tau[a] = plan.taus[a]
                 self.ledger.set_tau(a, plan.taus[a])
         self.ledger.create_step(
-            b, self.states[gen_version], prompts, quotas, self.cfg.group, step_lease_ms(self.completion_ms, self.cfg.scheduler), version=gen_version
+            b, self.states[gen_version], prompts, quotas, self.cfg.group, step_lease_ms(self.completion_ms, self.cfg.scheduler), version=gen_version,
+            epoch=self.epoch,
         )
         self.gen_of[b] = gen_version
         self.collected.setdefault(b, {})
-        self.redis.hset(self.keys.trainer, "step", b)
+        self._hset(step=b)
         return (list(plan.eligibility.eligible) if plan else [], list(plan.eligibility.excluded) if plan else [])
 
     def _recreate_batch(self, b: int) -> None:
@@ -431,7 +439,9 @@ class Trainer:
             log.warning("step %d: ledger lost; re-creating %d uncollected prompt(s)", b, len(left))
         self._enter_epoch(self.epoch)  # the fence went with the rest of Redis's data
         self.gen_of[b] = gen
-        self.ledger.create_step(b, self.states[gen], left, {}, self.cfg.group, step_lease_ms(self.completion_ms, self.cfg.scheduler), version=gen)
+        self.ledger.create_step(
+            b, self.states[gen], left, {}, self.cfg.group, step_lease_ms(self.completion_ms, self.cfg.scheduler), version=gen, epoch=self.epoch
+        )
         raise _Reissued(b)
 
     def _newest_version(self) -> int:
@@ -443,8 +453,9 @@ class Trainer:
             try:
                 collect_batch(
                     self.ledger, b, self.gen_of[b], len(self.batch_prompts[b]), self.collected[b], self.completion_ms, self._counts,
-                    int(self.cfg.heartbeat_timeout_s * 1000), self.cfg.wait_timeout_s, self.cfg.poll_s, self.stop, self.clock,
+                    int(self.cfg.heartbeat_timeout_s * 1000), self.cfg.progress_s, self.cfg.poll_s, self.stop, self.clock,
                     lambda: self._recreate_batch(b),
+                    batch_deadline_s=self.cfg.batch_deadline_s, min_batch_fraction=self.cfg.min_batch_fraction, epoch=self.epoch,
                 )
                 return
             except _Reissued:
@@ -487,7 +498,6 @@ class Trainer:
         gen_version = self.gen_of[b]
         t_wait = time.perf_counter() - t0
         prompts, comps, rewards, _, tokens, by_actor, bad = self._rollouts(b)
-        self.ledger.close_step(b)
         t1 = time.perf_counter()
         self._grpo(prompts, comps, rewards, gen_version)
         t_train = time.perf_counter() - t1
@@ -507,7 +517,7 @@ class Trainer:
             self.bus.announce(COMMIT, v)
             # Also in the Trainer's hash: an Actor following a Relay's stream
             # that went silent (the Relay died) still learns of the Commit.
-            self.redis.hset(self.keys.trainer, "commit", v)
+            self._hset(commit=v)
         step_s = time.perf_counter() - t0
         entry = StepLog(
             step=b, version=v, gen_version=gen_version, reward=sum(rewards) / max(1, len(rewards)), wait_s=t_wait, train_s=t_train,
@@ -554,7 +564,24 @@ class Trainer:
         return fuse_weights(weights, self.plan)
 
     def _retain(self) -> None:
-        """Retention after a snapshot: keep the newest ``keep_snapshots`` and what live Actors hold."""
+        """Retention after a snapshot: keep the newest ``keep_snapshots`` and everything after the
+        oldest of them, and whatever live Actors and Relays hold or stage (read from Redis first).
+
+        Best effort: with Redis or the store away the round is skipped (never a partial
+        view of who holds what), and the next snapshot tries again.
+        """
+        if self.cfg.keep_snapshots <= 0:
+            return
+        held = run_held_versions(self._raw_redis, self.ep.run, int(self.cfg.heartbeat_timeout_s * 1000))
+        try:
+            plan = retain(self._raw_store, self.cfg.keep_snapshots, held)
+        except Exception as e:  # noqa: BLE001 - sorted right below
+            if not is_transient(e):
+                raise
+            log.warning("retention skipped this round: %s", e)
+            return
+        if plan.versions or plan.orphans:
+            log.info("retention: %s", plan.summary())
 
     def run(self) -> list[StepLog]:
         try:
@@ -570,7 +597,7 @@ class Trainer:
             # in another collective and a message would not match it.
             if getattr(self, "_followers_joined", False):
                 exchange(("stop", None), self.ctx)
-        self.redis.hset(self.keys.trainer, "status", "done")
+        self._hset(status="done")
         return self.logs
 
 

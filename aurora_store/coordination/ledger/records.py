@@ -151,7 +151,7 @@ class StepStatus:
     pending: int
     expired: int
     rejected: int
-    dropped: int = 0
+    duplicates: int = 0
     """Duplicate prompt ids a claim dropped instead of leasing (a partial loss repeated a write)."""
 
 
@@ -201,5 +201,5 @@ def step_status_from_hash(v: int, h: Mapping[Any, Any], leased: int, pending: in
         pending=pending,
         expired=int(g.get("expired", 0)),
         rejected=int(g.get("rejected", 0)),
-        dropped=int(g.get("dropped", 0)),
+        duplicates=int(g.get("duplicates", 0)),
     )

@@ -202,7 +202,7 @@ while got < want do
     got = got + 1
   end
 end
-if dropped > 0 then redis.call('HINCRBY', KEYS[1], 'dropped', dropped) end
+if dropped > 0 then redis.call('HINCRBY', KEYS[1], 'duplicates', dropped) end
 if got > 0 then
   inherit_ttl(KEYS[4], KEYS[1])
   inherit_ttl(KEYS[5], KEYS[1])

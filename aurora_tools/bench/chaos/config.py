@@ -23,16 +23,18 @@ ENV_PREFIX = "AURORA_CHAOS_"
 FAULTS = (
     "redis-aof",
     "actor-kill",
+    "corrupt",
     "s3-pause",
     "trainer-kill",
     "redis-empty",
     "actor-stop",
     "old-trainer",
     "relay-kill",
-    "corrupt",
 )
-"""Every fault, in schedule order. The order matters twice: ``corrupt`` needs a
-snapshot after v0 to exist, and ``old-trainer`` wakes a Trainer that was already resumed once."""
+"""Every fault, in schedule order. The order matters: ``corrupt`` needs a snapshot after
+v0 to exist; ``old-trainer`` wakes a Trainer that was already resumed once; the faults
+during which the run goes on (an Actor or the Relay down) come where the versions they
+let pass still leave room for the rest, ``relay-kill`` last."""
 
 FAULT_TITLES = {
     "redis-aof": "Redis SIGKILLed, restarted from its AOF (everysec)",
@@ -43,7 +45,7 @@ FAULT_TITLES = {
     "actor-stop": "origin Actor SIGSTOPped past its lease",
     "old-trainer": "old-epoch Trainer woken after a --resume",
     "relay-kill": "Relay SIGKILLed, restarted",
-    "corrupt": "origin snapshot shard overwritten; an Actor bootstraps through it",
+    "corrupt": "origin snapshot shard overwritten while an Actor lags; it catches up",
 }
 """One line per fault for the table."""
 
@@ -72,11 +74,12 @@ class ChaosConfig:
     """How long Redis stays down on each restart."""
     actor_down_s: float = 2.0
     """Between an Actor's SIGKILL and its restart."""
-    actor_stop_s: float = 12.0
-    """How long the stopped Actor stays SIGSTOPped (at least its lease plus a second; the
-    default is past the Trainer's heartbeat timeout too, so it is also reaped)."""
-    relay_down_s: float = 8.0
-    """Between the Relay's SIGKILL and its restart (default: past its heartbeat key's TTL)."""
+    actor_stop_s: float = 4.0
+    """How long the stopped Actor stays SIGSTOPped; at least until its last lease has
+    expired, plus a second (past the Trainer's 8 s heartbeat timeout it is also reaped)."""
+    relay_down_s: float = 3.0
+    """Between the Relay's SIGKILL and its restart (its heartbeat key outlives it: its Actors
+    see a mirror that stopped moving, and read origin after their mirror grace)."""
     fence_wait_s: float = 30.0
     """How long the woken old-epoch Trainer is watched before the harness stops it."""
     recover_timeout_s: float = 240.0
@@ -89,9 +92,10 @@ class ChaosConfig:
     """The Trainer's ``--checkpoint-every``."""
     snapshot_every: int = 5
     """The Trainer's ``--snapshot-every``."""
-    actor_slowdown: float = 3.0
-    """The Actors' ``--slowdown``: paces the run (a step of this tiny task takes a fraction
-    of a second) so that faults land in distinct phases; generation waits, it does not spin."""
+    actor_slowdown: float = 12.0
+    """The Actors' ``--slowdown``: paces the run (a step of this tiny task takes a fraction of
+    a second; about 1.5 s with 12 here) so that the versions published while an Actor or the
+    Relay is down leave room in 30 steps for every fault; generation waits, it does not spin."""
     trainer_segment_kib: float = 8.0
     """The Trainer's segment size (``AURORA_SEGMENT_MIB``), small so that a delta is many
     segments and the window between its first segment and its manifest is wide enough to

@@ -27,7 +27,13 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from aurora_tools.bench.chaos.faults import FaultRecord
-from aurora_tools.bench.chaos.fleet import BOOT_RE, STEP_JSON_MARKER, STEP_RE, Incarnation
+from aurora_tools.bench.chaos.fleet import (
+    ACTIVATED_RE,
+    BOOT_RE,
+    STEP_JSON_MARKER,
+    STEP_RE,
+    Incarnation,
+)
 from aurora_tools.bench.chaos.manifests import ManifestLog
 
 if TYPE_CHECKING:
@@ -45,7 +51,7 @@ _ORIGIN_SEEN = re.compile(r"\borigin\b")
 _PROBLEM = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback|error:|fenc", re.IGNORECASE)
 
 
-def clean_line(line: str, width: int = 140) -> str:
+def clean_line(line: str, width: int = 180) -> str:
     """A log line without its time and process name, cut to ``width``."""
     m = _LINE_RE.match(line)
     text = m.group(2) if m else line.strip()
@@ -301,6 +307,9 @@ def _fault_json(run: ChaosRun, rec: FaultRecord, now: float) -> dict[str, Any]:
         out["recovery_s"] = round(max(0.0, t - rec.t_lifted), 2)
         said.append(f"v{after[0][0]} {out['recovery_s']:.1f}s after")
         window_end = t + 5.0
+    elif rec.head_lifted >= run.cfg.steps:
+        said.append(f"the run finished (v{rec.head_lifted}) during the fault")
+        window_end = rec.t_lifted + 5.0
     else:
         said.append("no version after it")
         window_end = now
@@ -323,10 +332,13 @@ def _fault_json(run: ChaosRun, rec: FaultRecord, now: float) -> dict[str, Any]:
             said.append(f"woken Trainer exited rc {old.rc} {old.ended - rec.t_lifted:.1f}s after waking: {_problem_line(old)}")
         elif old.ended_by:
             said.append(f"woken Trainer did not exit by itself ({old.ended_by} by the harness)")
-    if rec.name == "corrupt":
-        for inc in rec.successors:
-            hit = _first(inc.lines_since(inc.started, _CORRUPT_SEEN))
-            said.append(f"{inc.label} saw: {hit}" if hit else f"{inc.label} logged nothing about the corrupted object")
+    if rec.name == "corrupt" and rec.victims:
+        v = rec.victims[0]
+        hit = _first(v.lines_since(rec.t_lifted, _CORRUPT_SEEN))
+        said.append(f"{v.label} saw: {hit}" if hit else f"{v.label} logged nothing about the corrupted object")
+        caught = v.lines_since(rec.t_lifted, ACTIVATED_RE)
+        if caught:
+            said.append(f"{v.label} activated again {caught[0][0] - rec.t_lifted:.1f}s after waking ({clean_line(caught[0][1], 60)})")
     if rec.name == "relay-kill":
         for name in run.relay_actors:
             actor = f.current.get(name)
@@ -334,7 +346,7 @@ def _fault_json(run: ChaosRun, rec: FaultRecord, now: float) -> dict[str, Any]:
                 hit = _first([x for x in actor.lines_since(rec.t_start, _ORIGIN_SEEN) if x[0] <= window_end])
                 if hit:
                     said.append(f"{actor.label}: {hit}")
-    victims = {id(v) for v in rec.victims}
+    victims = {id(v) for v in rec.victims} | {id(v) for v in run.fenced}
     for inc in f.all:
         if id(inc) in victims or inc.ended is None or inc.ended_by is not None or inc in rec.successors:
             continue

@@ -107,42 +107,52 @@ def s3_pause(run: ChaosRun, rec: FaultRecord) -> None:
     rec.notes.append(f"paused {run.cfg.s3_pause_s:g}s")
 
 
-def corrupt(run: ChaosRun, rec: FaultRecord) -> None:
-    """Overwrite bytes of one shard of the newest snapshot after v0 at origin, then restart the
-    origin Actor (SIGTERM, start again) so that its bootstrap reads that snapshot."""
+def corrupt(run: ChaosRun, rec: FaultRecord, behind: int = 3) -> None:
+    """Overwrite bytes of a snapshot shard at origin that a lagging Actor's catch-up will read.
+
+    The origin Actor is SIGSTOPped; once the run has published a snapshot at
+    least ``behind`` versions past what it holds (its cheapest way back is
+    then that snapshot, not a replay of every delta), one shard of that
+    snapshot is overwritten at origin (same length, 16 bytes flipped past the
+    safetensors header: the file still parses, only its hash tells), and the
+    Actor is woken. It must refuse the shard (never apply it) and catch up
+    by another path; a snapshot, unlike a delta, is never the only path.
+    """
+    name = run.origin_actors[0]
+    victim = run.fleet.current[name]
+    every = run.cfg.snapshot_every
     _begin(run, rec)
-    s3 = run.s3_client()
-    prefix = f"{run.run}/snapshots/"
-    versions = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=run.bucket, Prefix=prefix):
-        for obj in page.get("Contents", []):
-            parts = obj["Key"][len(prefix):].split("/")
-            if len(parts) == 2 and parts[1] == "manifest.json" and parts[0].startswith("v"):
-                versions.append(int(parts[0][1:]))
-    later = [v for v in versions if v > 0]
-    if not later:
-        rec.error = "no snapshot after v0 to corrupt yet"
+    h = run.fleet.head
+    target = -(-(h + behind) // every) * every if every > 0 else -1
+    if target <= 0 or target > run.cfg.steps:
+        rec.error = f"no snapshot left after v{h + behind} in {run.cfg.steps} steps (snapshot every {every})"
         return
-    v = max(later)
-    body = s3.get_object(Bucket=run.bucket, Key=f"{run.run}/{manifest_key('snapshot', v)}")["Body"].read()
-    segments = json.loads(body)["segments"]
-    seg = segments[run.rng.randrange(len(segments))]
-    key = f"{run.run}/snapshots/v{v:010d}/{seg['key']}"
-    data = bytearray(s3.get_object(Bucket=run.bucket, Key=key)["Body"].read())
-    # Past the safetensors header: a file that still parses, with wrong bytes (only the hash tells).
-    header = 8 + int.from_bytes(data[:8], "little") if len(data) > 8 else 0
-    lo = min(header, len(data) - 1)
-    for _ in range(16):
-        i = run.rng.randrange(lo, len(data))
-        data[i] ^= 0xFF
-    s3.put_object(Bucket=run.bucket, Key=key, Body=bytes(data))
-    rec.notes.append(f"overwrote 16 byte(s) of snapshots/v{v:010d}/{seg['key']} ({len(data)} B) at origin")
-    victim = run.fleet.current[run.origin_actors[0]]
-    run.fleet.terminate(victim)
+    run.fleet.signal(victim, signal.SIGSTOP)
     rec.victims.append(victim)
-    rec.successors.append(run.start_actor(victim.name))
+    try:
+        run.fleet.wait_for(lambda: run.fleet.head >= target or run.fleet.trainer_done(), timeout_s=run.cfg.recover_timeout_s)
+        if run.fleet.head < target:
+            rec.error = f"the run did not reach snapshot v{target}"
+            return
+        s3 = run.s3_client()
+        body = s3.get_object(Bucket=run.bucket, Key=f"{run.run}/{manifest_key('snapshot', target)}")["Body"].read()
+        segments = json.loads(body)["segments"]
+        seg = segments[run.rng.randrange(len(segments))]
+        key = f"{run.run}/snapshots/v{target:010d}/{seg['key']}"
+        data = bytearray(s3.get_object(Bucket=run.bucket, Key=key)["Body"].read())
+        header = 8 + int.from_bytes(data[:8], "little") if len(data) > 8 else 0
+        lo = min(header, len(data) - 1)
+        for _ in range(16):
+            i = run.rng.randrange(lo, len(data))
+            data[i] ^= 0xFF
+        s3.put_object(Bucket=run.bucket, Key=key, Body=bytes(data))
+        rec.notes.append(
+            f"{name} SIGSTOPped at v{h}; at v{run.fleet.head} overwrote 16 byte(s) of snapshots/v{target:010d}/{seg['key']} "
+            f"({len(data)} B) at origin; {name} woken"
+        )
+    finally:
+        run.fleet.signal(victim, signal.SIGCONT)
     _lift(run, rec)
-    rec.notes.append(f"{victim.name} restarted to bootstrap at head v{run.fleet.head} (newest snapshot v{v})")
 
 
 # -- Actors and the Relay ----------------------------------------------------------------
@@ -210,16 +220,25 @@ def trainer_kill(run: ChaosRun, rec: FaultRecord, tries: int = 5) -> None:
         rec.error = "no Trainer running"
         return
     bus = Bus(run.redis_client(block_s=3.0), run.run)
-    last = bus.tail_id()
+    last = "$"
     missed = 0
+    tried = -1
     phase = ""
-    while missed < tries and victim.alive and not phase:
-        if time.monotonic() > run.fleet.deadline:
-            break
-        for ev in bus.read(last, block_ms=1000):
+    give_up = min(run.fleet.deadline, time.monotonic() + run.cfg.recover_timeout_s)
+    while missed < tries and victim.alive and not phase and time.monotonic() < give_up:
+        try:
+            if last == "$":
+                last = bus.tail_id()
+            events = bus.read(last, block_ms=1000)
+        except Exception:  # noqa: BLE001 - a gap or a Redis hiccup: look again from the newest entry
+            last = "$"
+            time.sleep(0.2)
+            continue
+        for ev in events:
             last = ev.id
-            if ev.type != SEGMENT or ev.version <= run.fleet.head:
+            if ev.type != SEGMENT or ev.version <= max(run.fleet.head, tried):
                 continue
+            tried = ev.version
             run.fleet.signal(victim, signal.SIGSTOP)
             key = f"{run.run}/{manifest_key('delta', ev.version)}"
             if run.s3_exists(key):
@@ -230,7 +249,10 @@ def trainer_kill(run: ChaosRun, rec: FaultRecord, tries: int = 5) -> None:
             segs = run.s3_count(f"{run.run}/deltas/v{ev.version:010d}/")
             phase = f"mid-publish of v{ev.version}: {segs} segment(s) durable, no manifest"
             break
-    rec.phase = phase or f"after v{run.fleet.head} (mid-publish window missed {missed} time(s))"
+    if not phase:
+        why = f"the manifest was there first {missed} time(s)" if missed else "no segment announced"
+        phase = f"after v{run.fleet.head} (not mid-publish: {why})"
+    rec.phase = phase
     _begin(run, rec)
     run.fleet.kill(victim)
     rec.victims.append(victim)

@@ -30,7 +30,7 @@ from typing import Any
 
 from aurora_store.testing.servers import RedisServer
 
-__all__ = ["AofRedis", "Incarnation", "Fleet", "Expired", "STEP_RE", "STEP_JSON_MARKER"]
+__all__ = ["AofRedis", "Incarnation", "Fleet", "Expired", "STEP_RE", "STEP_JSON_MARKER", "BOOT_RE", "ACTIVATED_RE"]
 
 STEP_RE = re.compile(r"\bstep (\d+) -> v(\d+)\b")
 """The Trainer's per-step log line (``workers/trainer/trainer.py``)."""
@@ -188,9 +188,15 @@ class Fleet:
         elif sig == signal.SIGCONT:
             inc.stopped_since = None
 
+    def _gone(self, inc: Incarnation) -> bool:
+        """Whether it already ended (noted now if it exited since the last poll)."""
+        if inc.ended is None and inc.proc.poll() is not None:
+            self.poll()
+        return inc.ended is not None
+
     def kill(self, inc: Incarnation) -> None:
         """SIGKILL and reap."""
-        if inc.ended is None:
+        if not self._gone(inc):
             inc.ended_by = "SIGKILL"
             self.signal(inc, signal.SIGKILL)
             inc.proc.wait()
@@ -198,7 +204,7 @@ class Fleet:
 
     def terminate(self, inc: Incarnation, timeout_s: float = 20.0) -> None:
         """SIGTERM (a graceful leave), SIGKILL after ``timeout_s``."""
-        if inc.ended is not None:
+        if self._gone(inc):
             return
         inc.ended_by = "SIGTERM"
         if inc.stopped_since is not None:
@@ -215,7 +221,7 @@ class Fleet:
     def close(self, timeout_s: float = 20.0) -> None:
         """Every live incarnation: SIGCONT, SIGTERM, SIGKILL after ``timeout_s``."""
         with self.lock:
-            live = [i for i in self.all if i.ended is None]
+            live = [i for i in self.all if not self._gone(i)]
         for inc in live:
             if inc.stopped_since is not None:
                 self.signal(inc, signal.SIGCONT)

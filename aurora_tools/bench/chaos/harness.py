@@ -84,6 +84,7 @@ class ChaosRun:
         self._timers: list[threading.Timer] = []
         self._s3_paused = False
         self._s3_client: Any = None
+        self._redis_clients: dict[float, Any] = {}
         self.manifests: ManifestLog | None = None
         self.redis = AofRedis()
         self.s3 = S3Server(process=True)
@@ -102,6 +103,8 @@ class ChaosRun:
         self.fleet.env = dict(
             os.environ, **self.s3.env_vars, AURORA_TORCH_THREADS="1", PYTHONUNBUFFERED="1",
             AURORA_OUTAGE_BUDGET_S=str(self.cfg.outage_budget_s),
+            # A stalled run ends with every worker's threads dumped into its log (SIGABRT, :meth:`_dump_stalled`).
+            PYTHONFAULTHANDLER="1",
         )
 
     def pause_s3(self) -> None:
@@ -136,10 +139,15 @@ class ChaosRun:
 
     # -- Redis, as the harness reads it -------------------------------------------------------
     def redis_client(self, block_s: float | None = None) -> Any:
+        """A client of the run's Redis with short timeouts (one per blocking read length, kept)."""
         import redis
 
         timeout = 2.0 + (block_s or 0.0)
-        return redis.Redis(host="127.0.0.1", port=self.redis.port, socket_timeout=timeout, socket_connect_timeout=2.0)
+        client = self._redis_clients.get(timeout)
+        if client is None:
+            client = redis.Redis(host="127.0.0.1", port=self.redis.port, socket_timeout=timeout, socket_connect_timeout=2.0)
+            self._redis_clients[timeout] = client
+        return client
 
     def count_keys(self) -> tuple[int, int]:
         """(keys of the run, bytes of memory Redis uses); (-1, -1) when Redis does not answer."""
@@ -365,9 +373,25 @@ class ChaosRun:
             if self.aborted:
                 self.say(f"  {self.aborted}: the rest of the schedule is skipped")
 
+    def _dump_stalled(self) -> None:
+        """A run that stopped publishing: SIGABRT every live worker, whose faulthandler then
+        writes each thread's stack into its log (the only way to see where it hangs)."""
+        for inc in list(self.fleet.all):
+            if inc.ended is None and inc.proc.poll() is None:
+                inc.ended_by = "SIGABRT (stack dump: the run stalled)"
+                if inc.stopped_since is not None:
+                    self.fleet.signal(inc, signal.SIGCONT)
+                self.fleet.signal(inc, signal.SIGABRT)
+        for inc in list(self.fleet.all):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                inc.proc.wait(10)
+        self.fleet.poll()
+
     def _teardown(self) -> None:
         for t in self._timers:
             t.cancel()
+        if self.fleet.head < self.cfg.steps and (self.timed_out or (self.aborted or "").startswith("no version")):
+            self._dump_stalled()
         self.resume_s3()
         if self.redis.proc is None and self.redis.port:
             with contextlib.suppress(Exception):
