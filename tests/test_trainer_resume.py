@@ -117,3 +117,49 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
         if who == "a0":
             assert d == tdig[v], f"v{v}: the Actor's weights differ from the Trainer's"
     assert "Traceback" not in alog.read_text(errors="replace")
+
+
+def test_an_old_epoch_trainer_woken_after_a_resume_is_fenced_out(tmp_path: Path, redis_url: str) -> None:  # noqa: F811
+    store_url = f"file://{tmp_path}/run"
+    store = open_store(store_url)
+    r = connect(redis_url)
+    old_log, new_log, alog = tmp_path / "old.log", tmp_path / "new.log", tmp_path / "actor.log"
+    old = _trainer(store_url, redis_url, old_log)
+    new = actor = None
+    try:
+        _wait(lambda: r.hget(RunKeys(RUN).trainer, "head") is not None, old, old_log, "v0")
+        actor = subprocess.Popen(
+            [sys.executable, "-m", "aurora_tools.cli", "actor", "--store", store_url, "--redis", redis_url, "--run", RUN, "--id", "a0"],
+            env=_env(), stdout=open(alog, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        )
+        _wait(lambda: (scan_versions(store).latest or 0) >= 2, old, old_log, "v2")
+        old.send_signal(signal.SIGSTOP)  # a partition, a paused VM: it thinks it is still the Trainer
+        stopped_at = scan_versions(store).latest or 0
+        new = _trainer(store_url, redis_url, new_log, "--resume")
+        _wait(lambda: (scan_versions(store).latest or 0) >= stopped_at + 2, new, new_log, "the resumed Trainer to publish")
+        old.send_signal(signal.SIGCONT)
+        rc_old = old.wait(timeout=120)
+        assert new.wait(timeout=420) == 0, new_log.read_text(errors="replace")[-3000:]
+    finally:
+        for p in (old, new):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+        if actor is not None:
+            actor.send_signal(signal.SIGTERM)
+            try:
+                actor.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                actor.kill()
+    text = old_log.read_text(errors="replace")
+    assert rc_old != 0 and "newer Trainer" in text and "Traceback" not in text, text[-3000:]
+    # The woken Trainer changed nothing: one chain, epoch 1 then epoch 2, nothing of epoch 1 after it.
+    prev = read_manifest(store, "snapshot", 0).state
+    epochs = []
+    for v in range(1, 10):
+        m = read_manifest(store, "delta", v)
+        assert m.base_state == prev, f"v{v} forks the chain"
+        prev = m.state
+        epochs.append(m.producer.get("epoch"))
+    assert epochs == sorted(epochs) and epochs[-1] == 2, epochs
+    assert int(r.hget(RunKeys(RUN).trainer, "epoch")) == 2 and r.hget(RunKeys(RUN).trainer, "status") == b"done"
