@@ -20,6 +20,7 @@ for a dependency to come back (store retries, Relay and stager loops).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import socket
@@ -171,7 +172,14 @@ class Backoff:
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
         """The delay before retry number ``attempt`` (0 for the first retry)."""
-        d = min(self.max_s, self.initial_s * self.factor ** max(0, attempt))
+        # Grow in log space and stop at the cap: ``factor ** attempt`` alone overflows a
+        # float after a few thousand attempts (an Actor idle for minutes).
+        if self.initial_s <= 0:
+            return 0.0
+        n = max(0, attempt)
+        if self.factor > 1.0:
+            n = min(n, math.ceil(math.log(max(self.max_s / self.initial_s, 1.0)) / math.log(self.factor)) + 1)
+        d = min(self.max_s, self.initial_s * self.factor**n)
         r = (rng or random).random()
         return d * (1.0 - self.jitter * r)
 

@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from aurora_store.errors import ConfigError
+from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV
 
-__all__ = ["add_store_args", "add_storage_option", "add_redis_args", "add_common_args", "storage_options"]
+__all__ = ["add_store_args", "add_storage_option", "add_redis_args", "add_common_args", "add_outage_budget_arg", "storage_options"]
 
 STORE_HELP = "run root: s3://bucket/prefix/run, file:///path, or a path"
 STORAGE_OPTION_HELP = "fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000"
@@ -87,3 +88,12 @@ def add_common_args(
     """The block shared by every worker: store, Redis and run name."""
     add_store_args(p, store_help=store_help)
     add_redis_args(p, run_default, run_help=run_help)
+
+
+def add_outage_budget_arg(p: argparse.ArgumentParser, what: str = "Redis or the store") -> None:
+    """``--outage-budget-s S``, the same for every worker (:mod:`aurora_store.outage`)."""
+    p.add_argument(
+        "--outage-budget-s", type=float, default=None, metavar="S",
+        help=f"give up (exit 1, one line) once {what} has been unreachable this long "
+        f"(default: ${OUTAGE_BUDGET_ENV}, else {DEFAULT_OUTAGE_BUDGET_S:.0f})",
+    )

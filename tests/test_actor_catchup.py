@@ -17,6 +17,7 @@ import pytest
 from actor_fixtures import TinyRun
 from redis_fixtures import redis_client, redis_server, run_name  # noqa: F401
 
+from aurora_store.coordination.status import collect_status, render
 from aurora_store.format.manifest import manifest_key, version_dir
 from aurora_store.lineage.gc import run_gc
 from aurora_store.storage import Store, open_store
@@ -168,6 +169,7 @@ def test_a_corrupt_version_is_quarantined_with_back_off_reported_and_staged_once
         assert attempts() == 1, "a quarantined version must not be fetched on every loop"
         a._heartbeat()
         assert trainer.redis.hget(trainer.keys.actor("a"), "quarantined") == b"[1]"
+        assert "quarantined: v1 (a)" in render(collect_status(trainer.redis, trainer.run))  # what `aurora status` shows
         clock.advance(a.cfg.quarantine.initial_s)  # the first back-off is over
         a._stage_available()
         assert attempts() == 2 and a.staged_version == 0

@@ -219,3 +219,21 @@ def test_aurora_actor_past_its_outage_budget_exits_non_zero_with_one_line(
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("aurora: error: Redis unreachable for") and "outage budget 1s" in last, proc.stderr[-2000:]
     run.close()
+
+
+def test_an_actor_restarted_with_the_same_id_releases_what_its_dead_process_held(
+    origin: Store, redis_server: RedisServer, run_name: str  # noqa: F811
+) -> None:
+    run = TinyRun(origin, redis_server.url, run_name)
+    run.start()
+    run.open_step(0, 0, prompts=6, lease_ms=3_600_000, group=1)
+    # The dead process: registered, holding leases that would not expire for an hour.
+    run.ledger.register("a")
+    run.ledger.heartbeat("a", active=0, staged=0)
+    status, leases = run.ledger.claim("a", 0, 4)
+    assert status == "ok" and len(leases) == 4
+    a = Actor(Endpoints(origin.url, run.redis_url, run_name), _cfg(), clock=SYSTEM_CLOCK)
+    with running(a) as r:
+        wait_for(lambda: run.settled(0) == 6, what="every prompt settled by the new process, its predecessor's leases included")
+        assert r["error"] is None
+    run.close()

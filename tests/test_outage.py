@@ -136,3 +136,13 @@ def test_budget_from_argument_environment_or_default() -> None:
         outage_budget_s(None, {OUTAGE_BUDGET_ENV: "soon"})
     with pytest.raises(ConfigError):
         outage_budget_s(0)
+
+
+def test_backoff_never_overflows_and_stays_capped() -> None:
+    from aurora_store.config import Backoff
+
+    idle = Backoff(initial_s=0.05, max_s=0.25, factor=1.5, jitter=0.0)  # the Actor's idle back-off
+    assert idle.delay(0) == 0.05 and idle.delay(2) == pytest.approx(0.1125)
+    # An Actor idle for hours makes millions of waits: factor ** attempt would overflow a float.
+    assert idle.delay(10**7) == 0.25
+    assert Backoff(initial_s=0.0, max_s=5.0).delay(10**9) == 0.0

@@ -16,11 +16,13 @@ import pytest
 from redis_fixtures import redis_server, redis_url  # noqa: F401
 
 from aurora_store.coordination.redisconn import connect
+from aurora_store.format.manifest import version_dir
 from aurora_store.lineage.fetch import read_manifest
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.storage import open_store
 from workers.common import RunKeys, read_digests
 from workers.trainer.checkpoint import list_checkpoints
+from workers.trainer.crash import CRASH_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -31,12 +33,12 @@ def _env() -> dict[str, str]:
     return {**os.environ, "AURORA_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _trainer(store: str, redis_url: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:  # noqa: F811
+def _trainer(store: str, redis_url: str, log: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:  # noqa: F811
     cmd = [
         sys.executable, "-m", "aurora_tools.cli", "trainer", "--store", store, "--redis", redis_url, "--run", RUN,
         "--steps", "9", "--batch", "8", "--group", "4", "--snapshot-every", "0", "--checkpoint-every", "2", *extra,
     ]
-    return subprocess.Popen(cmd, env=_env(), stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    return subprocess.Popen(cmd, env={**_env(), **(env or {})}, stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
 
 def _wait(cond, proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: float = 300, poll_s: float = 0.1) -> None:  # type: ignore[no-untyped-def]
@@ -47,12 +49,18 @@ def _wait(cond, proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: 
         time.sleep(poll_s)
 
 
-def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url: str) -> None:  # noqa: F811
+CRASH = 6
+"""Crash points are at version 6: the newest checkpoint is the one before step 4, so every
+crash leaves at least one version published after it."""
+
+
+@pytest.mark.parametrize("crash", [None, "segment", "manifest", "closed"], ids=["mid-batch", "mid-publish", "after-manifest", "after-close"])
+def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url: str, crash: str | None) -> None:  # noqa: F811
     store_url = f"file://{tmp_path}/run"
     store = open_store(store_url)
     r = connect(redis_url)
     tlog, alog = tmp_path / "trainer.log", tmp_path / "actor.log"
-    trainer = _trainer(store_url, redis_url, tlog)
+    trainer = _trainer(store_url, redis_url, tlog, env={CRASH_ENV: f"{crash}@{CRASH}"} if crash else None)
     actor = None
     try:
         _wait(lambda: r.hget(RunKeys(RUN).trainer, "head") is not None, trainer, tlog, "v0")
@@ -65,24 +73,35 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
             h = r.hget(RunKeys(RUN).trainer, "head")
             return -1 if h is None else int(h)
 
-        # Killed with a version published after its newest checkpoint (checkpoints
-        # come every 2 versions, so each odd head opens a window of a whole step).
-        def past_checkpoint() -> bool:
-            h = head()
-            return h >= 3 and h % 2 == 1 and max(list_checkpoints(store), default=-1) < h
+        if crash is None:
+            # Killed while waiting for a batch, with a version published after its newest
+            # checkpoint (every 2 versions, so each odd head opens a window of a whole step).
+            def past_checkpoint() -> bool:
+                h = head()
+                return h >= 3 and h % 2 == 1 and max(list_checkpoints(store), default=-1) < h
 
-        _wait(past_checkpoint, trainer, tlog, "an odd version after a checkpoint", poll_s=0.01)
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait(timeout=30)
+            _wait(past_checkpoint, trainer, tlog, "an odd version after a checkpoint", poll_s=0.01)
+            trainer.send_signal(signal.SIGKILL)
+            assert trainer.wait(timeout=30) == -signal.SIGKILL
+        else:
+            assert trainer.wait(timeout=300) == -signal.SIGKILL, tlog.read_text(errors="replace")[-3000:]
+            assert f"crash point {crash}@{CRASH}" in tlog.read_text(errors="replace")
+            committed = scan_versions(store).latest
+            # What each point leaves behind: no version 6 yet, or one the run does not know of.
+            assert committed == (CRASH if crash == "manifest" else CRASH - 1)
+            assert head() == CRASH - 1
+            if crash == "segment":
+                assert store.list(version_dir("delta", CRASH)), "a segment of it, no manifest"
         killed_head = scan_versions(store).latest
         assert killed_head is not None and killed_head > max(list_checkpoints(store))
 
-        # Without --resume an existing run is refused, with one line and no traceback.
-        refused = tmp_path / "refused.log"
-        p = _trainer(store_url, redis_url, refused)
-        assert p.wait(timeout=120) != 0
-        text = refused.read_text(errors="replace")
-        assert "--resume" in text and "Traceback" not in text, text[-2000:]
+        if crash is None:
+            # Without --resume an existing run is refused, with one line and no traceback.
+            refused = tmp_path / "refused.log"
+            p = _trainer(store_url, redis_url, refused)
+            assert p.wait(timeout=120) != 0
+            text = refused.read_text(errors="replace")
+            assert "--resume" in text and "Traceback" not in text, text[-2000:]
 
         trainer = _trainer(store_url, redis_url, tlog, "--resume")
         assert trainer.wait(timeout=420) == 0, tlog.read_text(errors="replace")[-3000:]

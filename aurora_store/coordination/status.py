@@ -83,6 +83,7 @@ def collect_status(redis: Any, run: str, now_ms: int | None = None) -> dict[str,
             "settled": a.settled,
             "heartbeat_ms": a.heartbeat_ms,
             "heartbeat_age_s": round((now_ms - a.heartbeat_ms) / 1000.0, 3) if a.heartbeat_ms else None,
+            "quarantined": list(a.quarantined),
         })
 
     # Open steps
@@ -168,6 +169,13 @@ def render(status: dict[str, Any]) -> str:
                 for a in actors
             ],
         )
+        # Versions refused as invalid (a corrupted object, a bad mirror): the operator's to repair.
+        bad: dict[int, list[str]] = {}
+        for a in actors:
+            for v in a.get("quarantined") or ():
+                bad.setdefault(int(v), []).append(a["id"])
+        for v, who in sorted(bad.items()):
+            lines.append(f"  quarantined: v{v} ({', '.join(who)}): failed validation; retried with back-off (repair the object at origin)")
 
     steps = status.get("steps", [])
     lines.append(f"Open steps ({len(steps)}):")

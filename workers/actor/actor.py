@@ -274,6 +274,12 @@ class Actor:
         self._redis(lambda: record_digest(self.redis, self.keys, self.cfg.actor_id, self.active, self.engine.digest()), "record a digest")
         log.info("%s bootstrapped at v%d in %.2fs%s", self.cfg.actor_id, self.active, time.perf_counter() - t0, " (the run appeared)" if self._waiting_said else "")
         self._redis(self._register, "register")
+        # A process that reuses the id of one that died (restarted before the Trainer
+        # reaped it): the dead one's leases and unclaimed assignments go back to the
+        # pool now, not when their leases expire (its tokens are not ours to settle).
+        released = self._redis(lambda: self.ledger.release_actor(self.cfg.actor_id), "release a previous incarnation's work")
+        if released:
+            log.info("%s: released %d prompt(s) held by a previous process with this id", self.cfg.actor_id, released)
         self._redis(self._heartbeat, "heartbeat")
 
     def _reach_newest(self) -> tuple[int, str] | None:

@@ -6,8 +6,8 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-from aurora_store.options import add_common_args
-from aurora_store.outage import OUTAGE_BUDGET_ENV, outage_budget_s
+from aurora_store.options import add_common_args, add_outage_budget_arg
+from aurora_store.outage import outage_budget_s
 from workers.actor.actor import Actor
 from workers.actor.config import ActorConfig
 from workers.common import Endpoints
@@ -35,10 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--streams", type=int, default=None, metavar="S",
         help=f"parallel connections per fetched version (default: $AURORA_STREAMS, else {d['streams'].default})",
     )
-    p.add_argument(
-        "--outage-budget-s", type=float, default=None, metavar="S",
-        help=f"give up (exit non-zero) once Redis or the store has been unreachable this long (default ${OUTAGE_BUDGET_ENV}, else {d['outage_budget_s'].default:.0f})",
-    )
+    add_outage_budget_arg(p, "Redis or the store")
     p.add_argument(
         "--max-staged-mib", type=float, default=None, metavar="MIB",
         help=f"most staged data held beside the active weights (default $AURORA_ACTOR_MAX_STAGED_MIB, else {ActorConfig().max_staged_bytes >> 20})",

@@ -9,8 +9,13 @@ import threading
 from collections.abc import Sequence
 
 from aurora_store.errors import AuroraError
-from aurora_store.options import add_redis_args, add_store_args, storage_options
-from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV, outage_budget_s
+from aurora_store.options import (
+    add_outage_budget_arg,
+    add_redis_args,
+    add_store_args,
+    storage_options,
+)
+from aurora_store.outage import outage_budget_s
 from workers.relay.config import RelayConfig, relay_config_from_env
 from workers.relay.relay import run_relay
 
@@ -35,10 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"concurrent copies (default: AURORA_STREAMS or {d['streams'].default})",
     )
     p.add_argument("--resync-s", type=float, default=d["resync_s"].default, help="list origin this often even without a gap; 0: never (default %(default)s)")
-    p.add_argument(
-        "--outage-budget-s", type=float, default=None, metavar="S",
-        help=f"give up when Redis, origin or the mirror stays unreachable this long (default: {OUTAGE_BUDGET_ENV} or {DEFAULT_OUTAGE_BUDGET_S:.0f})",
-    )
+    add_outage_budget_arg(p, "Redis, origin or the mirror")
     p.add_argument(
         "--keep-snapshots", type=int, default=d["keep_snapshots"].default, metavar="K",
         help="mirror retention: keep the newest K snapshots and everything after the oldest, plus what the region's live Actors hold; 0: keep everything (default %(default)s)",

@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from aurora_store.options import add_common_args
+from aurora_store.options import add_common_args, add_outage_budget_arg
 from workers.common import Endpoints
 from workers.trainer.config import TrainerConfig
 
@@ -43,10 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--keep-snapshots", type=int, default=None, metavar="K",
         help=f"retention: keep the newest K snapshots and what follows them, 0 keeps everything (default {d.keep_snapshots})",
     )
-    p.add_argument(
-        "--outage-budget-s", type=float, default=None, metavar="S",
-        help=f"give up after Redis or the store is unreachable this long (default {d.outage_budget_s:.0f}, env AURORA_OUTAGE_BUDGET_S)",
-    )
+    add_outage_budget_arg(p, "Redis or the store")
     p.add_argument(
         "--min-batch-fraction", type=float, default=None, metavar="F",
         help="close a batch with this fraction of its prompts in once --batch-deadline-s passed (default 1.0: every prompt)",

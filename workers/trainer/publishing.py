@@ -27,6 +27,7 @@ from aurora_store.lineage.publish import (
     publish_snapshot,
 )
 from aurora_store.storage import Store
+from workers.trainer.crash import crash_point
 
 __all__ = ["Published", "announce_segments", "publish_version", "unshipped_state"]
 
@@ -81,9 +82,13 @@ def publish_version(
     """
     producer = {"step": step, **(producer or {})}
     if transfer == "delta":
-        m = publish_delta(
-            store, run, v, extract(plan, old, new), base_state, config, on_segment=announce_segments(bus), producer=producer
-        )
+        announce = announce_segments(bus)
+
+        def on_segment(ev: SegmentEvent) -> None:
+            announce(ev)
+            crash_point("segment", v)
+
+        m = publish_delta(store, run, v, extract(plan, old, new), base_state, config, on_segment=on_segment, producer=producer)
         return Published(m.state, "delta", m.total_bytes, m.nnz)
     if transfer == "full":
         m = publish_snapshot(store, run, v, snapshot_tensors(new), None, config, producer=producer)

@@ -62,6 +62,7 @@ from workers.trainer.checkpoint import (
     save_checkpoint,
 )
 from workers.trainer.config import TrainerConfig
+from workers.trainer.crash import crash_point
 from workers.trainer.fsdp import (
     SINGLE,
     DistContext,
@@ -495,6 +496,7 @@ class Trainer:
     def train_step(self, b: int) -> StepLog:
         t0 = time.perf_counter()
         self._wait_batch(b)
+        crash_point("closed", b + 1)
         gen_version = self.gen_of[b]
         t_wait = time.perf_counter() - t0
         prompts, comps, rewards, _, tokens, by_actor, bad = self._rollouts(b)
@@ -549,6 +551,7 @@ class Trainer:
             )
         except VersionConflict as e:
             raise FencedOut(f"version {v} was published by another Trainer; this one (epoch {self.epoch}) stops: {e}") from e
+        crash_point("manifest", v)
         self.published = new
         self.versions_bf16[v] = new
         self.versions_bf16.pop(v - 2, None)

@@ -140,6 +140,19 @@ class ActorRecord:
     heartbeat_ms: int
     settled: int
     leases: int
+    quarantined: tuple[int, ...] = ()
+    """Versions the Actor refused as invalid and will try again only after a back-off."""
+
+
+def _versions(raw: Any) -> tuple[int, ...]:
+    """A JSON list of version numbers written by an Actor: untrusted, so anything else is no versions."""
+    try:
+        got = json.loads(as_str(raw or b"[]"))
+    except ValueError:
+        return ()
+    if not isinstance(got, list):
+        return ()
+    return tuple(sorted({v for v in got[:1000] if isinstance(v, int) and not isinstance(v, bool) and v >= 0}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +192,7 @@ def actor_from_hash(actor: str, h: Mapping[Any, Any], leases: int) -> ActorRecor
         heartbeat_ms=as_int(g.get("heartbeat_ms"), 0) or 0,
         settled=as_int(g.get("settled"), 0) or 0,
         leases=leases,
+        quarantined=_versions(g.get("quarantined")),
     )
 
 

@@ -92,9 +92,9 @@ class ChaosConfig:
     """The Trainer's ``--checkpoint-every``."""
     snapshot_every: int = 5
     """The Trainer's ``--snapshot-every``."""
-    actor_slowdown: float = 12.0
+    actor_slowdown: float = 24.0
     """The Actors' ``--slowdown``: paces the run (a step of this tiny task takes a fraction of
-    a second; about 1.5 s with 12 here) so that the versions published while an Actor or the
+    a second; about 1.1 s with 24 here) so that the versions published while an Actor or the
     Relay is down leave room in 30 steps for every fault; generation waits, it does not spin."""
     trainer_segment_kib: float = 8.0
     """The Trainer's segment size (``AURORA_SEGMENT_MIB``), small so that a delta is many

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 from aurora_tools.bench.chaos.faults import FaultRecord
 from aurora_tools.bench.chaos.fleet import (
-    ACTIVATED_RE,
     BOOT_RE,
     STEP_JSON_MARKER,
     STEP_RE,
@@ -334,11 +333,8 @@ def _fault_json(run: ChaosRun, rec: FaultRecord, now: float) -> dict[str, Any]:
             said.append(f"woken Trainer did not exit by itself ({old.ended_by} by the harness)")
     if rec.name == "corrupt" and rec.victims:
         v = rec.victims[0]
-        hit = _first(v.lines_since(rec.t_lifted, _CORRUPT_SEEN))
+        hit = _first(v.lines_since(rec.t_start, _CORRUPT_SEEN))
         said.append(f"{v.label} saw: {hit}" if hit else f"{v.label} logged nothing about the corrupted object")
-        caught = v.lines_since(rec.t_lifted, ACTIVATED_RE)
-        if caught:
-            said.append(f"{v.label} activated again {caught[0][0] - rec.t_lifted:.1f}s after waking ({clean_line(caught[0][1], 60)})")
     if rec.name == "relay-kill":
         for name in run.relay_actors:
             actor = f.current.get(name)

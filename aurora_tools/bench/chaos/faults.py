@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from aurora_store.coordination.bus import SEGMENT, Bus
 from aurora_store.format.manifest import manifest_key
 from aurora_tools.bench.chaos.config import FAULT_TITLES
-from aurora_tools.bench.chaos.fleet import Incarnation
+from aurora_tools.bench.chaos.fleet import ACTIVATED_RE, Incarnation
 
 if TYPE_CHECKING:
     from aurora_tools.bench.chaos.harness import ChaosRun
@@ -107,16 +107,19 @@ def s3_pause(run: ChaosRun, rec: FaultRecord) -> None:
     rec.notes.append(f"paused {run.cfg.s3_pause_s:g}s")
 
 
-def corrupt(run: ChaosRun, rec: FaultRecord, behind: int = 3) -> None:
-    """Overwrite bytes of a snapshot shard at origin that a lagging Actor's catch-up will read.
+def corrupt(run: ChaosRun, rec: FaultRecord, behind: int = 2, catch_up_s: float = 30.0) -> None:
+    """Overwrite bytes of a snapshot shard at origin that a lagging Actor's catch-up will read; repair it after.
 
     The origin Actor is SIGSTOPped; once the run has published a snapshot at
-    least ``behind`` versions past what it holds (its cheapest way back is
-    then that snapshot, not a replay of every delta), one shard of that
-    snapshot is overwritten at origin (same length, 16 bytes flipped past the
-    safetensors header: the file still parses, only its hash tells), and the
-    Actor is woken. It must refuse the shard (never apply it) and catch up
-    by another path; a snapshot, unlike a delta, is never the only path.
+    least ``behind`` versions past what it holds, and one version more (the
+    version the run then needs is past that snapshot, and replaying every
+    delta costs more bytes than the snapshot: its catch-up reads the
+    snapshot), one shard of that snapshot is overwritten at origin (same
+    length, 16 bytes flipped past the safetensors header: the file still
+    parses, only its hash tells) and the Actor is woken. It must refuse the
+    shard (never apply it) and catch up by another path: a snapshot, unlike
+    a delta, is never the only one. Once it has activated a version past the
+    snapshot (or after ``catch_up_s``) the shard is repaired at origin.
     """
     name = run.origin_actors[0]
     victim = run.fleet.current[name]
@@ -124,34 +127,53 @@ def corrupt(run: ChaosRun, rec: FaultRecord, behind: int = 3) -> None:
     _begin(run, rec)
     h = run.fleet.head
     target = -(-(h + behind) // every) * every if every > 0 else -1
-    if target <= 0 or target > run.cfg.steps:
-        rec.error = f"no snapshot left after v{h + behind} in {run.cfg.steps} steps (snapshot every {every})"
+    if target <= 0 or target + 1 > run.cfg.steps:
+        rec.error = f"no snapshot after v{h + behind} with a version after it in {run.cfg.steps} steps (snapshot every {every})"
         return
     run.fleet.signal(victim, signal.SIGSTOP)
     rec.victims.append(victim)
+    s3 = run.s3_client()
+    original: tuple[str, bytes] | None = None
+    woken = 0.0
     try:
-        run.fleet.wait_for(lambda: run.fleet.head >= target or run.fleet.trainer_done(), timeout_s=run.cfg.recover_timeout_s)
-        if run.fleet.head < target:
-            rec.error = f"the run did not reach snapshot v{target}"
+        run.fleet.wait_for(lambda: run.fleet.head > target or run.fleet.trainer_done(), timeout_s=run.cfg.recover_timeout_s)
+        if run.fleet.head <= target:
+            rec.error = f"the run did not get past snapshot v{target}"
             return
-        s3 = run.s3_client()
         body = s3.get_object(Bucket=run.bucket, Key=f"{run.run}/{manifest_key('snapshot', target)}")["Body"].read()
         segments = json.loads(body)["segments"]
         seg = segments[run.rng.randrange(len(segments))]
         key = f"{run.run}/snapshots/v{target:010d}/{seg['key']}"
-        data = bytearray(s3.get_object(Bucket=run.bucket, Key=key)["Body"].read())
+        good = s3.get_object(Bucket=run.bucket, Key=key)["Body"].read()
+        data = bytearray(good)
         header = 8 + int.from_bytes(data[:8], "little") if len(data) > 8 else 0
         lo = min(header, len(data) - 1)
         for _ in range(16):
             i = run.rng.randrange(lo, len(data))
             data[i] ^= 0xFF
         s3.put_object(Bucket=run.bucket, Key=key, Body=bytes(data))
+        original = (key, good)
         rec.notes.append(
-            f"{name} SIGSTOPped at v{h}; at v{run.fleet.head} overwrote 16 byte(s) of snapshots/v{target:010d}/{seg['key']} "
-            f"({len(data)} B) at origin; {name} woken"
+            f"{name} SIGSTOPped at v{h}; at v{run.fleet.head} 16 byte(s) of snapshots/v{target:010d}/{seg['key']} "
+            f"({len(data)} B) overwritten at origin; {name} woken"
         )
     finally:
         run.fleet.signal(victim, signal.SIGCONT)
+        woken = time.monotonic()
+    try:
+        caught = run.fleet.wait_for(
+            lambda: any(int(m.group(1)) >= target for _, ln in victim.lines_since(woken, ACTIVATED_RE) if (m := ACTIVATED_RE.search(ln)))
+            or not victim.alive,
+            timeout_s=catch_up_s,
+        )
+        rec.notes.append(
+            f"{name} past v{target} {time.monotonic() - woken:.1f}s after waking" if caught and victim.alive
+            else f"{name} not past v{target} {catch_up_s:g}s after waking"
+        )
+    finally:
+        if original is not None:
+            s3.put_object(Bucket=run.bucket, Key=original[0], Body=original[1])
+            rec.notes.append("shard repaired at origin")
     _lift(run, rec)
 
 

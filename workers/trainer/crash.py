@@ -1,0 +1,41 @@
+"""Crash points: kill the Trainer at an exact place, to prove a resume from there.
+
+``AURORA_CRASH_AT=point@version[,point@version…]`` makes the Trainer SIGKILL
+itself when it reaches ``point`` for ``version`` (tests and ``aurora bench
+chaos``; nothing sets it in a real run). The points are the places where a
+crash leaves the most half-done state behind:
+
+- ``segment``: a segment of the version is durable, its manifest is not
+  written (a publish cut short: orphans, no version);
+- ``manifest``: the manifest is written, the version is neither recorded in
+  Redis nor announced (committed in the store, unknown to the run);
+- ``closed``: the batch that makes the version is collected and closed in the
+  ledger, the update is not taken yet (its results exist only in memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+__all__ = ["CRASH_ENV", "POINTS", "crash_point"]
+
+CRASH_ENV = "AURORA_CRASH_AT"
+POINTS = ("segment", "manifest", "closed")
+
+log = logging.getLogger("aurora.trainer")
+
+
+def crash_point(point: str, version: int) -> None:
+    """SIGKILL this process if :data:`CRASH_ENV` names ``point@version``."""
+    spec = os.environ.get(CRASH_ENV)
+    if not spec:
+        return
+    for item in spec.split(","):
+        name, _, v = item.strip().partition("@")
+        if name == point and v.strip() == str(version):
+            log.warning("crash point %s@%d reached: SIGKILL (%s)", point, version, CRASH_ENV)
+            for h in logging.getLogger().handlers:
+                h.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
