@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from aurora_store.format.manifest import Manifest
 from aurora_tools.bench.chaos import FAULTS, ChaosConfig, add_arguments, run_chaos
 from aurora_tools.bench.chaos.report import METRICS, table
 from aurora_tools.cli.main import build_parser
@@ -45,7 +48,7 @@ def test_cli_declares_chaos() -> None:
 @pytest.mark.server
 def test_chaos_smoke(tmp_path: Path) -> None:
     cfg = ChaosConfig(
-        steps=14, faults=SMOKE_FAULTS, s3_pause_s=2.0, redis_down_s=1.0, actor_down_s=1.0, actor_stop_s=4.0,
+        steps=16, faults=SMOKE_FAULTS, s3_pause_s=2.0, redis_down_s=1.0, actor_down_s=1.0, actor_stop_s=4.0,
         actor_slowdown=3.0, recover_timeout_s=90.0, timeout_s=240.0, outage_budget_s=60.0,
     )
     res = run_chaos(cfg, str(tmp_path))
@@ -56,7 +59,7 @@ def test_chaos_smoke(tmp_path: Path) -> None:
     why = f"{res['evidence_missing']} {res['unexpected_exits']} {res['chain_problems']} (logs in {logs})\n{table(res)}"
     assert not res["timed_out"], why
     assert res["faults_injected"] == res["faults_planned"] == len(SMOKE_FAULTS), why
-    assert res["steps_completed"] == res["steps_requested"] == 14, why
+    assert res["steps_completed"] == res["steps_requested"] == 16, why
     assert res["trainer_resumes"] >= 1, why
     # Zero loss: nothing lost, nothing twice, nothing on a wrong version or state.
     assert res["prompts_lost"] == 0, why
@@ -69,3 +72,60 @@ def test_chaos_smoke(tmp_path: Path) -> None:
     assert not res["unexpected_exits"], why
     assert res["epoch_regressions"] == 0 and len(res["epochs"]) >= 2, why
     assert res["max_stall_s"] is not None and res["max_stall_s"] > 0
+
+
+class _Stub:
+    """Attributes only: the parts of a run the evidence functions read."""
+
+    def __init__(self, **kw: object) -> None:
+        self.__dict__.update(kw)
+
+
+def _manifest(kind: str, v: int, state: str, base: str | None = None, epoch: int = 1) -> Manifest:
+    return Manifest(
+        kind=kind, run="chaos", version=v, segments=(), params={}, state=state,
+        base_version=v - 1 if kind == "delta" else None, base_state=base, producer={"step": v - 1, "epoch": epoch},
+    )
+
+
+def _evidence_run(records: list[dict[str, object]], steps: int = 2) -> Any:
+    deltas = {1: _manifest("delta", 1, "s1", "s0"), 2: _manifest("delta", 2, "s2", "s1", epoch=2)}
+    manifests = _Stub(lock=threading.Lock(), deltas=deltas, snapshots={0: _manifest("snapshot", 0, "s0")},
+                      states=lambda: {0: "s0", 1: "s1", 2: "s2"})
+    fleet = _Stub(step_records=lambda: [(None, r) for r in records])
+    return _Stub(manifests=manifests, fleet=fleet, open_prompts={}, cfg=ChaosConfig(steps=steps, faults=()))
+
+
+def test_prompt_evidence_from_step_lines() -> None:
+    from aurora_tools.bench.chaos.evidence import _chain, _prompts
+
+    records = [
+        {"step": 0, "version": 1, "gen_version": 0, "state": "s1", "prompts": ["a", "b", "c"],
+         "used": [["a", "eu-0", 1, 0, "s0"], ["b", "us-0", 2, 0, "s0"]], "unreturned": ["c"], "accepted_twice": 0, "accepted_wrong_version": 0},
+        # A record of a Trainer killed before its manifest: another state, ignored.
+        {"step": 1, "version": 2, "gen_version": 1, "state": "sX", "prompts": ["d", "e", "f"], "used": [], "unreturned": []},
+        {"step": 1, "version": 2, "gen_version": 1, "state": "s2", "prompts": ["d", "e", "f", "g"],
+         "used": [["d", "eu-0", 3, 1, "s1"], ["d", "eu-1", 4, 1, "s1"], ["e", "eu-0", 5, 0, "s1"], ["g", "eu-1", 6, 1, "sZ"]],
+         "unreturned": [], "accepted_twice": 1, "accepted_wrong_version": 0},
+    ]
+    run = _evidence_run(records)
+    chain = _chain(run)
+    assert chain["completed"] == 2 and chain["problems"] == [] and chain["epoch_regressions"] == 0
+    got = _prompts(run, chain["completed"])
+    assert got["prompts_lost"] == 1  # f: neither used nor unreturned
+    assert got["prompts_unreturned"] == 1  # c
+    assert got["accepted_twice"] == 2  # d twice, plus the Trainer's own count
+    assert got["accepted_wrong_version"] == 1  # e, generated on v0 for a batch on v1
+    assert got["accepted_wrong_state"] == 1  # g carried another state than v1's
+    assert got["steps_unaccounted"] == 0
+
+
+def test_prompt_evidence_missing_is_none_not_zero() -> None:
+    from aurora_tools.bench.chaos.evidence import _prompts
+
+    got = _prompts(_evidence_run([]), 2)
+    assert got["prompts_lost"] is None and got["accepted_twice"] is None and got["accepted_wrong_state"] is None
+    # Step lines without the state each result carried: that one metric is unknown.
+    rec = {"step": 0, "version": 1, "gen_version": 0, "state": "s1", "prompts": ["a"], "used": [["a", "eu-0", 1, 0]], "unreturned": []}
+    got = _prompts(_evidence_run([rec]), 1)
+    assert got["prompts_lost"] == 0 and got["accepted_wrong_state"] is None

@@ -24,7 +24,7 @@ from aurora_store.testing.servers import RedisServer, S3Server
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 RUN = "outages"
-STEPS = 8
+STEPS = 10
 
 
 def _wait(cond: Callable[[], bool], procs: list[subprocess.Popen[bytes]], logs: list[Path], what: str, timeout_s: float = 240) -> None:
@@ -84,9 +84,15 @@ def test_trainer_and_actor_ride_out_redis_and_s3_outages(tmp_path: Path) -> None
                 _wait(lambda: said(tlog, "the store unreachable"), procs, logs, "the Trainer to notice the store is away")
             finally:
                 os.kill(s3.pid, signal.SIGCONT)  # type: ignore[arg-type]
-            # 3. Redis restarted without its data: steps, leases, the Actor's record, the fence.
+            # 3. Redis restarted without its data (steps, leases, the Actor's record, the fence)
+            # while the Actor is stopped, so the Trainer is sure to be waiting on a lost step.
             _wait(lambda: head() >= 6, procs, logs, "v6")
-            rs.restart()
+            os.kill(actor.pid, signal.SIGSTOP)
+            try:
+                rs.restart()
+                _wait(lambda: said(tlog, "ledger lost"), [trainer], [tlog], "the Trainer to re-issue the lost step")
+            finally:
+                os.kill(actor.pid, signal.SIGCONT)
             assert trainer.wait(timeout=300) == 0, tlog.read_text(errors="replace")[-3000:]
         finally:
             for p in procs:

@@ -26,7 +26,6 @@ from workers.trainer.crash import CRASH_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
-RUN = "resume"
 
 
 def _env() -> dict[str, str]:
@@ -34,8 +33,9 @@ def _env() -> dict[str, str]:
 
 
 def _trainer(store: str, redis_url: str, log: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:  # noqa: F811
+    run = Path(store.removeprefix("file://")).parent.name  # one run name per test (the Redis server is shared)
     cmd = [
-        sys.executable, "-m", "aurora_tools.cli", "trainer", "--store", store, "--redis", redis_url, "--run", RUN,
+        sys.executable, "-m", "aurora_tools.cli", "trainer", "--store", store, "--redis", redis_url, "--run", run,
         "--steps", "9", "--batch", "8", "--group", "4", "--snapshot-every", "0", "--checkpoint-every", "2", *extra,
     ]
     return subprocess.Popen(cmd, env={**_env(), **(env or {})}, stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
@@ -59,6 +59,7 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
     store_url = f"file://{tmp_path}/run"
     store = open_store(store_url)
     r = connect(redis_url)
+    RUN = tmp_path.name  # noqa: N806 - the run name _trainer derives from the store URL
     tlog, alog = tmp_path / "trainer.log", tmp_path / "actor.log"
     trainer = _trainer(store_url, redis_url, tlog, env={CRASH_ENV: f"{crash}@{CRASH}"} if crash else None)
     actor = None
@@ -142,6 +143,7 @@ def test_an_old_epoch_trainer_woken_after_a_resume_is_fenced_out(tmp_path: Path,
     store_url = f"file://{tmp_path}/run"
     store = open_store(store_url)
     r = connect(redis_url)
+    RUN = tmp_path.name  # noqa: N806 - the run name _trainer derives from the store URL
     old_log, new_log, alog = tmp_path / "old.log", tmp_path / "new.log", tmp_path / "actor.log"
     old = _trainer(store_url, redis_url, old_log)
     new = actor = None

@@ -190,7 +190,9 @@ class Trainer:
         if scan_versions(self.store).latest is not None:
             raise ConfigError(f"{self.store.url} already holds versions of a run: pass --resume to continue it, or use a fresh run root")
         self._check_redis()
-        self._enter_epoch(1)
+        # A fresh run root; a Redis that still holds an epoch for this run name (an older run
+        # of the same name) is outranked, not obeyed: this Trainer is the run now.
+        self._enter_epoch((self.ledger.stored_epoch() or 0) + 1)
         t0 = time.perf_counter()
         self._build_model()
         warm = make_problems(2000, seed=self.cfg.seed + 1, difficulty=self.cfg.difficulty)

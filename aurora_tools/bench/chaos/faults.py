@@ -10,21 +10,51 @@ the :class:`FaultRecord`: the phase the run was in, and notes.
 from __future__ import annotations
 
 import json
+import random
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from aurora_store.coordination.bus import SEGMENT, Bus
 from aurora_store.format.manifest import manifest_key
-from aurora_tools.bench.chaos.config import FAULT_TITLES
-from aurora_tools.bench.chaos.fleet import ACTIVATED_RE, Incarnation
+from aurora_tools.bench.chaos.config import FAULT_TITLES, ChaosConfig
+from aurora_tools.bench.chaos.fleet import ACTIVATED_RE, AofRedis, Fleet, Incarnation
 
-if TYPE_CHECKING:
-    from aurora_tools.bench.chaos.harness import ChaosRun
+__all__ = ["FaultRecord", "INJECTORS", "ChaosRun"]
 
-__all__ = ["FaultRecord", "INJECTORS"]
+
+class ChaosRun(Protocol):
+    """What an injector may touch of a run (:class:`aurora_tools.bench.chaos.harness.ChaosRun`):
+    its servers and workers, and the few helpers that read Redis and the store for it."""
+
+    cfg: ChaosConfig
+    fleet: Fleet
+    rng: random.Random
+    redis: AofRedis
+    run: str
+    """The run's name."""
+    bucket: str
+    """The origin bucket (the run root is ``s3://bucket/run``)."""
+    relay_name: str
+    relay_actors: list[str]
+    origin_actors: list[str]
+
+    def phase(self) -> str: ...
+    def count_keys(self) -> tuple[int, int]: ...
+    def pause_s3(self) -> None: ...
+    def resume_s3(self) -> None: ...
+    def s3_client(self) -> Any: ...
+    def s3_exists(self, key: str) -> bool: ...
+    def s3_count(self, prefix: str) -> int: ...
+    def redis_client(self, block_s: float | None = None) -> Any: ...
+    def leases_of(self, actor: str) -> int | None: ...
+    def lease_expiry(self, actor: str) -> tuple[int, float]: ...
+    def start_trainer(self, resume: bool = False) -> Incarnation: ...
+    def start_actor(self, name: str) -> Incarnation: ...
+    def start_relay(self) -> Incarnation: ...
+    def watch_fenced(self, old: Incarnation, rec: FaultRecord) -> None: ...
 
 
 @dataclass
@@ -197,7 +227,10 @@ def actor_stop(run: ChaosRun, rec: FaultRecord) -> None:
     name = run.origin_actors[0]
     victim = run.fleet.current[name]
     # Past its lease only means something while it holds one: wait (a little) for that.
-    run.fleet.wait_for(lambda: bool(run.leases_of(name)), timeout_s=15.0)
+    run.fleet.wait_for(lambda: bool(run.leases_of(name)) or run.fleet.head >= run.cfg.steps, timeout_s=5.0)
+    if run.fleet.head >= run.cfg.steps:
+        rec.error = f"not injected: the run finished (v{run.fleet.head}) first"
+        return
     _begin(run, rec)
     run.fleet.signal(victim, signal.SIGSTOP)
     leases, left_ms = run.lease_expiry(name)
