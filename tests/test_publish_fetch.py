@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from aurora_store.codec.extract import extract, fuse_weights, spec_of
 from aurora_store.codec.fusion import FusionPlan
 from aurora_store.errors import ChainError, IntegrityError, ObjectNotFound, VersionConflict
 from aurora_store.format.manifest import manifest_key, version_dir
-from aurora_store.lineage.fetch import fetch_delta, materialize
+from aurora_store.lineage.fetch import fetch_delta, materialize, read_manifest
 from aurora_store.lineage.gc import run_gc
 from aurora_store.lineage.plan import plan_chain, scan_versions
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
@@ -348,3 +349,21 @@ def test_memory_store_is_isolated_per_root() -> None:
     b = open_store(f"memory://aurora-{uuid.uuid4().hex}/run")
     a.put("x", b"1")
     assert not b.exists("x") and a.list() == ["x"]
+
+
+def test_materialize_plans_around_a_damaged_snapshot(tmp_path: Path) -> None:
+    store = open_store(f"file://{tmp_path}/run")
+    run = Run(store)
+    run.step(3)
+    run.snapshot(3)
+    run.step(1)
+    m = read_manifest(store, "snapshot", 3)
+    shard = tmp_path / "run" / version_dir("snapshot", 3) / m.segments[0].key
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.chmod(0o644)
+    shard.write_bytes(bytes(data))
+    notes: list[str] = []
+    tensors, state = materialize(store, 4, progress=notes.append)
+    assert state == run.states[4] and weights_digest(tensors) == run.digest(4)
+    assert any("snapshot 3 is unusable" in n for n in notes) and any(n.startswith("snapshot 0:") for n in notes)

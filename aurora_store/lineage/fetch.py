@@ -21,6 +21,7 @@ from aurora_store.codec.entries import ParamSpec
 from aurora_store.config import DEFAULT_STREAMS
 from aurora_store.errors import (
     ChainError,
+    FormatError,
     IntegrityError,
     ManifestError,
     ObjectNotFound,
@@ -216,15 +217,29 @@ def materialize(
     """Full fused weights of version ``target``: newest usable snapshot, then deltas.
 
     Returns (tensors, state). Each delta is checked against the state of the
-    version it lands on before it is applied.
+    version it lands on before it is applied. A snapshot that fails its
+    checks (damaged bytes, a bad manifest) is set aside with a ``progress``
+    note and the chain is planned again without it: an older snapshot and
+    more deltas reach the same version. A damaged delta is not skipped (no
+    other path crosses it) and its error propagates.
     """
     from aurora_store.apply.sink import FusedWeights, apply_delta
 
     index = scan_versions(store)
-    plan = plan_chain(index, target)
-    if plan.snapshot is None:
-        raise ChainError(f"version {target} is unreachable: no snapshot at or below it")
-    sm, tensors = fetch_snapshot(store, plan.snapshot, streams)
+    refused: set[tuple[str, int]] = set()
+    while True:
+        plan = plan_chain(index.without(refused), target)
+        if plan.snapshot is None:
+            why = f" (snapshot(s) {sorted(v for _, v in refused)} failed their checks)" if refused else ""
+            raise ChainError(f"version {target} is unreachable: no usable snapshot at or below it{why}")
+        try:
+            sm, tensors = fetch_snapshot(store, plan.snapshot, streams)
+        except (FormatError, IntegrityError) as e:
+            refused.add(("snapshot", plan.snapshot))
+            if progress:
+                progress(f"snapshot {plan.snapshot} is unusable ({e}); planning around it")
+            continue
+        break
     if progress:
         progress(f"snapshot {plan.snapshot}: {len(tensors)} tensors, {sm.total_bytes} bytes")
     state = sm.state

@@ -25,6 +25,7 @@ synthetic workload of ``aurora bench wan`` replaces training and rollouts).
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import random
 import threading
@@ -392,7 +393,10 @@ class Trainer:
         return gather_bf16(list(self.model.named_parameters(remove_duplicate=False)), self.ctx)
 
     def _after_publish(self, v: int, state: str, kind: str, nbytes: int) -> None:
-        record_digest(self.redis, self.keys, "trainer", v, weights_digest(self.published, self.plan))
+        digest = weights_digest(self.published, self.plan)
+        # On the raw client inside the outage guard: record_digest runs a script, which a
+        # riding proxy's register_script would hand back unguarded.
+        self.redis_dep.call(lambda: record_digest(self._raw_redis, self.keys, "trainer", v, digest), "record a digest", self.stop)
         self._hset(head=v, head_state=state, published_ms=int(time.time() * 1000), status="running")
         self.bus.announce(VERSION, v, kind=kind, state=state, bytes=nbytes)
 
@@ -497,6 +501,7 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------
     def train_step(self, b: int) -> StepLog:
         t0 = time.perf_counter()
+        twice0, wrong0 = self._counts.accepted_twice, self._counts.accepted_wrong_version
         self._wait_batch(b)
         crash_point("closed", b + 1)
         gen_version = self.gen_of[b]
@@ -533,10 +538,25 @@ class Trainer:
             "step %d -> v%d: reward %.3f, %d tokens (%.0f tok/s), wait %.2fs train %.2fs extract+publish %.2fs, delta %d B (%.1f%% of full), eligible %s excluded %s",
             b, v, entry.reward, tokens, entry.tokens_per_s, t_wait, t_train, t_pub, delta_bytes, 100 * delta_bytes / max(1, self.full_bytes), eligible, excluded,
         )
+        self._log_step_json(b, v, gen_version, twice0, wrong0)
         if self.on_step:
             self.on_step(entry)
         self._checkpoint(v)
         return entry
+
+    def _log_step_json(self, b: int, v: int, gen_version: int, twice0: int, wrong0: int) -> None:
+        """One machine-readable line per published version (``step-json {…}``): what the
+        step trained on, prompt by prompt, for audits and ``aurora bench chaos``."""
+        results = self.collected.get(b, {})
+        ids = [pid for pid, _ in self.batch_prompts.get(b, [])]
+        log.info("step-json %s", json.dumps({
+            "step": b, "version": v, "epoch": self.epoch, "gen_version": gen_version, "state": self.states.get(v),
+            "published_ms": int(time.time() * 1000), "prompts": ids,
+            "used": [[r.prompt, r.actor, r.token, r.version, r.state] for r in results.values()],
+            "unreturned": [pid for pid in ids if pid not in results],
+            "accepted_twice": self._counts.accepted_twice - twice0,
+            "accepted_wrong_version": self._counts.accepted_wrong_version - wrong0,
+        }, separators=(",", ":")))
 
     def _publish_version(self, v: int, b: int, new: dict[str, torch.Tensor]) -> tuple[int, int]:
         """Ship version ``v`` as ``cfg.transfer`` says; returns (bytes written, changed elements).

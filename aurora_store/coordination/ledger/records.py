@@ -89,6 +89,8 @@ class AcceptedResult:
     payload: bytes
     seq: int = 0
     """Order of acceptance within the step (1, 2, …; 0 when unknown)."""
+    state: str = ""
+    """The weights digest the Actor settled with (the predicate made it equal the job's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,10 +200,11 @@ def actor_from_hash(actor: str, h: Mapping[Any, Any], leases: int) -> ActorRecor
 
 def accepted_from_redis(head: Any, payload: Any) -> AcceptedResult:
     """One ``step:{v}:results`` entry (JSON ``[prompt, actor, token, version, settled_ms,
-    leased_ms, seq]``) and its ``results:payload`` entry."""
+    leased_ms, seq, state]``) and its ``results:payload`` entry."""
     p, actor, token, version, settled, leased, *rest = json.loads(head)
     seq = int(rest[0]) if rest else 0
-    return AcceptedResult(str(p), str(actor), int(token), int(version), int(settled), int(leased), bytes(payload), seq)
+    state = str(rest[1]) if len(rest) > 1 else ""
+    return AcceptedResult(str(p), str(actor), int(token), int(version), int(settled), int(leased), bytes(payload), seq, state)
 
 
 def step_status_from_hash(v: int, h: Mapping[Any, Any], leased: int, pending: int) -> StepStatus:
