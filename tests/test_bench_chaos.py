@@ -48,7 +48,7 @@ def test_cli_declares_chaos() -> None:
 @pytest.mark.server
 def test_chaos_smoke(tmp_path: Path) -> None:
     cfg = ChaosConfig(
-        steps=16, faults=SMOKE_FAULTS, s3_pause_s=2.0, redis_down_s=1.0, actor_down_s=1.0, actor_stop_s=4.0,
+        steps=20, faults=SMOKE_FAULTS, s3_pause_s=2.0, redis_down_s=1.0, actor_down_s=1.0, actor_stop_s=4.0,
         actor_slowdown=3.0, recover_timeout_s=90.0, timeout_s=240.0, outage_budget_s=60.0,
     )
     res = run_chaos(cfg, str(tmp_path))
@@ -59,7 +59,7 @@ def test_chaos_smoke(tmp_path: Path) -> None:
     why = f"{res['evidence_missing']} {res['unexpected_exits']} {res['chain_problems']} (logs in {logs})\n{table(res)}"
     assert not res["timed_out"], why
     assert res["faults_injected"] == res["faults_planned"] == len(SMOKE_FAULTS), why
-    assert res["steps_completed"] == res["steps_requested"] == 16, why
+    assert res["steps_completed"] == res["steps_requested"] == 20, why
     assert res["trainer_resumes"] >= 1, why
     # Zero loss: nothing lost, nothing twice, nothing on a wrong version or state.
     assert res["prompts_lost"] == 0, why

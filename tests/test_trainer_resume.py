@@ -6,6 +6,7 @@ bit for bit, and a run root that holds versions is refused without ``--resume``.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,7 +62,10 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
     r = connect(redis_url)
     RUN = tmp_path.name  # noqa: N806 - the run name _trainer derives from the store URL
     tlog, alog = tmp_path / "trainer.log", tmp_path / "actor.log"
-    trainer = _trainer(store_url, redis_url, tlog, env={CRASH_ENV: f"{crash}@{CRASH}"} if crash else None)
+    # A step whose groups all scored alike changes no weight and publishes no segment:
+    # "segment" crashes at the first version from CRASH on that has one.
+    spec = f"{crash}@{CRASH}+" if crash == "segment" else f"{crash}@{CRASH}"
+    trainer = _trainer(store_url, redis_url, tlog, env={CRASH_ENV: spec} if crash else None)
     actor = None
     try:
         _wait(lambda: r.hget(RunKeys(RUN).trainer, "head") is not None, trainer, tlog, "v0")
@@ -86,13 +90,15 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
             assert trainer.wait(timeout=30) == -signal.SIGKILL
         else:
             assert trainer.wait(timeout=300) == -signal.SIGKILL, tlog.read_text(errors="replace")[-3000:]
-            assert f"crash point {crash}@{CRASH}" in tlog.read_text(errors="replace")
+            hit = re.search(rf"crash point {crash}@(\d+) reached", tlog.read_text(errors="replace"))
+            assert hit, tlog.read_text(errors="replace")[-3000:]
+            at = int(hit.group(1))
             committed = scan_versions(store).latest
-            # What each point leaves behind: no version 6 yet, or one the run does not know of.
-            assert committed == (CRASH if crash == "manifest" else CRASH - 1)
-            assert head() == CRASH - 1
+            # What each point leaves behind: no version `at` yet, or one the run does not know of.
+            assert committed == (at if crash == "manifest" else at - 1)
+            assert head() == at - 1
             if crash == "segment":
-                assert store.list(version_dir("delta", CRASH)), "a segment of it, no manifest"
+                assert store.list(version_dir("delta", at)), "a segment of it, no manifest"
         killed_head = scan_versions(store).latest
         assert killed_head is not None and killed_head > max(list_checkpoints(store))
 

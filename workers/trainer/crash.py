@@ -1,7 +1,9 @@
 """Crash points: kill the Trainer at an exact place, to prove a resume from there.
 
 ``AURORA_CRASH_AT=point@version[,point@version…]`` makes the Trainer SIGKILL
-itself when it reaches ``point`` for ``version`` (tests and ``aurora bench
+itself when it reaches ``point`` for ``version`` (``point@version+``: for the
+first version at or after it that reaches the point; a step that changed no
+weight publishes no segment) (tests and ``aurora bench
 chaos``; nothing sets it in a real run). The points are the places where a
 crash leaves the most half-done state behind:
 
@@ -34,7 +36,13 @@ def crash_point(point: str, version: int) -> None:
         return
     for item in spec.split(","):
         name, _, v = item.strip().partition("@")
-        if name == point and v.strip() == str(version):
+        v = v.strip()
+        at_or_after = v.endswith("+")
+        try:
+            want = int(v.rstrip("+"))
+        except ValueError:
+            continue
+        if name == point and (version >= want if at_or_after else version == want):
             log.warning("crash point %s@%d reached: SIGKILL (%s)", point, version, CRASH_ENV)
             for h in logging.getLogger().handlers:
                 h.flush()
