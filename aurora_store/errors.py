@@ -22,6 +22,7 @@ __all__ = [
     "SegmentError",
     "EntryError",
     "ManifestError",
+    "SignatureError",
     "ModelMismatchError",
     "IntegrityError",
     "VersionNotFound",
@@ -110,6 +111,22 @@ class ManifestError(FormatError):
         self.where = where
         self.reason = reason
         super().__init__(f"manifest {where}: {reason}")
+
+
+class SignatureError(ManifestError):
+    """A reader with trust keys refused a manifest: unsigned, signed by a key it does not
+    trust, or badly signed (FORMAT.md §4.1). Raised before any segment is decoded or used.
+
+    A :class:`ManifestError`, so every path that routes around or quarantines a bad
+    manifest does the same with this one. ``key_id`` is None when there is no usable
+    signature.
+    """
+
+    def __init__(self, where: str, kind: str, version: int, key_id: str | None, reason: str) -> None:
+        self.kind = kind
+        self.version = version
+        self.key_id = key_id
+        super().__init__(where, f"{kind} {version}: {reason}")
 
 
 class ModelMismatchError(FormatError):

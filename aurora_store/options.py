@@ -15,17 +15,37 @@ the origin); the flag itself stays the same everywhere.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from aurora_store.credentials import REDIS_PASSWORD_FILE_ENV, REDIS_URL_ENV
 from aurora_store.errors import ConfigError
 from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV
 
-__all__ = ["add_store_args", "add_storage_option", "add_redis_args", "add_common_args", "add_outage_budget_arg", "storage_options"]
+__all__ = [
+    "add_store_args",
+    "add_storage_option",
+    "add_redis_args",
+    "add_common_args",
+    "add_outage_budget_arg",
+    "storage_options",
+    "SIGN_KEY_ENV",
+    "TRUST_KEYS_ENV",
+    "add_sign_key_args",
+    "add_trust_key_arg",
+    "sign_key_path",
+    "trust_key_paths",
+]
+
+SIGN_KEY_ENV = "AURORA_SIGN_KEY"
+"""File of the key writers sign manifests with (``--sign-key``)."""
+TRUST_KEYS_ENV = "AURORA_TRUST_KEYS"
+"""Comma-separated files of the keys readers accept signatures from (``--trust-key``)."""
 
 STORE_HELP = "run root: s3://bucket/prefix/run, file:///path, or a path"
 STORAGE_OPTION_HELP = "fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000"
-REDIS_HELP = "redis://[user:password@]host:port/db or rediss://…"
+REDIS_HELP = "redis://[user@]host:port/db or rediss://… (default: $AURORA_REDIS_URL; a password belongs in --redis-password-file, not here)"
 RUN_HELP = "run name (keys and streams are namespaced by it)"
 
 
@@ -73,9 +93,43 @@ def add_redis_args(
     redis_help: str = REDIS_HELP,
     run_help: str = RUN_HELP,
 ) -> None:
-    """``--redis URL`` and ``--run NAME`` (required unless ``run_default`` is given)."""
-    p.add_argument("--redis", required=True, metavar="URL", help=redis_help)
+    """``--redis URL``, ``--redis-password-file FILE`` and ``--run NAME`` (required unless ``run_default`` is given).
+
+    ``--redis`` defaults to ``$AURORA_REDIS_URL`` (required only when that is
+    unset), so a URL with a password need never be on a command line, which
+    every user of the machine can read (``ps``). A URL without a password
+    takes the one in ``--redis-password-file`` or ``$AURORA_REDIS_PASSWORD_FILE``
+    (its first line); ``args.redis`` then holds the URL with the password
+    folded in, for this process only (reprs and logs mask it).
+    """
+    env_url = os.environ.get(REDIS_URL_ENV) or None
+    p.add_argument(
+        "--redis", required=env_url is None, default=env_url, metavar="URL", action=_RedisUrlAction,
+        help=redis_help,
+    )
+    p.add_argument(
+        "--redis-password-file", default=None, metavar="FILE", action=_RedisUrlAction,
+        help=f"file whose first line is the Redis password (default: ${REDIS_PASSWORD_FILE_ENV})",
+    )
     p.add_argument("--run", required=run_default is None, default=run_default, metavar="NAME", help=run_help)
+
+
+class _RedisUrlAction(argparse.Action):
+    """``--redis`` and ``--redis-password-file``, in either order: ``namespace.redis`` ends as the URL
+    with the file's password folded in (:func:`~aurora_store.coordination.redisconn.resolve_redis_url`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        url = getattr(namespace, "redis", None)
+        pfile = getattr(namespace, "redis_password_file", None)
+        if not url or not pfile:
+            return
+        from aurora_store.credentials import resolve_redis_url
+
+        try:
+            namespace.redis = resolve_redis_url(url, pfile)
+        except ConfigError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
 
 
 def add_common_args(
@@ -85,9 +139,26 @@ def add_common_args(
     store_help: str = STORE_HELP,
     run_help: str = RUN_HELP,
 ) -> None:
-    """The block shared by every worker: store, Redis and run name."""
+    """The block shared by every worker: store, Redis, run name and ``--debug-logger``."""
     add_store_args(p, store_help=store_help)
     add_redis_args(p, run_default, run_help=run_help)
+    add_debug_logger_arg(p)
+
+
+DEBUG_LOGGERS_ENV = "AURORA_DEBUG_LOGGERS"
+
+
+def add_debug_logger_arg(p: argparse.ArgumentParser) -> None:
+    """Repeatable ``--debug-logger NAME``: a vendor logger (``botocore``, ``s3fs``…) to turn to DEBUG.
+
+    ``-v`` turns Aurora's own loggers to DEBUG, never the vendors': botocore's
+    debug lines carry request headers, session tokens among them. Asking for
+    one by name is a choice made knowingly (its lines are still masked).
+    """
+    p.add_argument(
+        "--debug-logger", action="append", default=None, metavar="NAME",
+        help=f"also log this vendor logger at DEBUG, e.g. botocore (repeatable; default: ${DEBUG_LOGGERS_ENV}, comma-separated)",
+    )
 
 
 def add_outage_budget_arg(p: argparse.ArgumentParser, what: str = "Redis or the store") -> None:
@@ -97,3 +168,45 @@ def add_outage_budget_arg(p: argparse.ArgumentParser, what: str = "Redis or the 
         help=f"give up (exit 1, one line) once {what} has been unreachable this long "
         f"(default: ${OUTAGE_BUDGET_ENV}, else {DEFAULT_OUTAGE_BUDGET_S:.0f})",
     )
+
+
+def add_sign_key_args(p: argparse.ArgumentParser) -> None:
+    """``--sign-key FILE`` and ``--key-id NAME``: sign every manifest written (FORMAT.md §4.1).
+
+    FILE is an Ed25519 private key (``aurora keygen``) or an hmac-sha256
+    secret file of at least 32 bytes; ``--key-id`` names an HMAC key.
+    """
+    p.add_argument(
+        "--sign-key", default=None, metavar="FILE",
+        help=f"sign every manifest with this key: Ed25519 private key PEM (aurora keygen) or an "
+        f"hmac-sha256 secret file of >= 32 bytes (default: ${SIGN_KEY_ENV}; none: unsigned)",
+    )
+    p.add_argument(
+        "--key-id", default=None, metavar="NAME",
+        help="key id of an hmac-sha256 --sign-key (default: first 16 hex digits of the secret's sha256)",
+    )
+
+
+def add_trust_key_arg(p: argparse.ArgumentParser) -> None:
+    """Repeatable ``--trust-key [KEY_ID=]FILE``: accept only versions signed by these keys."""
+    p.add_argument(
+        "--trust-key", action="append", default=None, metavar="[KEY_ID=]FILE",
+        help=f"accept only versions signed by this key (repeatable, for a key rotation): an Ed25519 "
+        f"public key PEM, or an hmac-sha256 secret file (KEY_ID= names it) "
+        f"(default: ${TRUST_KEYS_ENV}, comma-separated; none: signatures are not checked)",
+    )
+
+
+def sign_key_path(arg: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The ``--sign-key`` value, else ``AURORA_SIGN_KEY``; None: write unsigned."""
+    env = os.environ if environ is None else environ
+    return arg or env.get(SIGN_KEY_ENV) or None
+
+
+def trust_key_paths(args: Sequence[str] | None, environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The ``--trust-key`` values, else ``AURORA_TRUST_KEYS`` (comma-separated); None: no check."""
+    if args:
+        return list(args)
+    env = os.environ if environ is None else environ
+    listed = [s.strip() for s in env.get(TRUST_KEYS_ENV, "").split(",") if s.strip()]
+    return listed or None

@@ -26,10 +26,11 @@ from aurora_store.codec.extract import extract, fuse_weights
 from aurora_store.coordination.ledger import Ledger
 from aurora_store.coordination.redisconn import connect
 from aurora_store.format.manifest import Manifest
+from aurora_store.lineage.binding import ModelFile
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.storage import Store
 from workers.actor import Actor
-from workers.common import RunKeys, write_model_description
+from workers.common import RunKeys, record_expected_state, write_model_description
 from workers.model import fusion_plan_for, hf_weights, is_tied, tiny_qwen3
 from workers.tokenizer import CharTokenizer
 
@@ -56,6 +57,9 @@ class TinyRun:
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
         self.states: dict[int, str] = {}
         self.manifests: dict[tuple[str, int], Manifest] = {}
+        self.model_files: list[ModelFile] | None = None
+        self.record_states = False
+        """Record each version's state in Redis when the head reaches it (the Trainer does)."""
         self._w0 = self._copy(hf)
         self._gen = torch.Generator().manual_seed(seed + 1)
 
@@ -71,11 +75,11 @@ class TinyRun:
 
     # -- the store ----------------------------------------------------------------
     def describe(self) -> None:
-        """The model description (``model/``): the first thing a Trainer writes."""
-        write_model_description(self.store, self.model.config.to_json_string(), self.tokenizer.to_json())
+        """The model description (``model/``): the first thing a Trainer writes (v0's manifest lists it)."""
+        self.model_files = write_model_description(self.store, self.model.config.to_json_string(), self.tokenizer.to_json())
 
     def publish_v0(self, announce_head: bool = True) -> None:
-        m = publish_snapshot(self.store, self.run, 0, fuse_weights(self._w0, self.plan), None, CFG)
+        m = publish_snapshot(self.store, self.run, 0, fuse_weights(self._w0, self.plan), None, CFG, model=self.model_files)
         self.weights[0], self.states[0] = self._w0, m.state
         self.manifests[("snapshot", 0)] = m
         if announce_head:
@@ -99,7 +103,7 @@ class TinyRun:
                 k = max(1, int(flat.numel() * density))
                 idx = torch.randperm(flat.numel(), generator=self._gen)[:k]
                 flat[idx] = (flat[idx].float() + 0.05 * torch.randn(k, generator=self._gen) + 0.01).to(flat.dtype)
-            m = publish_delta(self.store, self.run, v, extract(self.plan, old, new), self.states[v - 1], CFG)
+            m = publish_delta(self.store, self.run, v, extract(self.plan, old, new), self.states[v - 1], CFG, weights_digest=weights_digest(new, self.plan))
             self.weights[v], self.states[v] = new, m.state
             self.manifests[("delta", v)] = m
             if announce_head:
@@ -115,6 +119,8 @@ class TinyRun:
 
     # -- Redis ----------------------------------------------------------------------
     def set_head(self, v: int) -> None:
+        if self.record_states:  # as the Trainer does, before the head names the version
+            record_expected_state(self.redis, self.keys, v, self.states[v])
         self.redis.hset(self.keys.trainer, mapping={"head": v, "head_state": self.states[v]})
 
     def open_step(self, step: int, version: int, prompts: int = 40, lease_ms: int = 120_000, group: int = 2) -> list[str]:

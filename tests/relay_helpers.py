@@ -82,7 +82,7 @@ class Trainer:
                 after(ev)
 
         new = self.master.step(lr=2.5e-7)
-        m = publish_delta(self.store, self.run, v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], CFG, on_segment=on_segment)
+        m = publish_delta(self.store, self.run, v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], CFG, on_segment=on_segment, weights_digest=weights_digest(new, self.plan))
         self.weights[v], self.states[v] = new, m.state
         self._committed(m, announce)
         return m

@@ -86,7 +86,7 @@ def _actor(
     name = f"t{time.monotonic_ns()}"
     a = _Recorder(
         Endpoints(f"file://{tmp}/origin", run["redis"], name),
-        ActorConfig(actor_id="a", region="r1", mirror_grace_s=grace),
+        ActorConfig(actor_id="a", region="r1", mirror_grace_s=grace, mirror=f"file://{tmp}/mirror"),
         clock=clock or ManualClock(),
     )
     a.origin = _Origin(a.origin)  # type: ignore[assignment]
@@ -212,7 +212,7 @@ def test_a_corrupt_mirror_object_falls_back_to_origin(run: dict[str, Any]) -> No
 def test_relay_wait_returns_when_the_relay_appears(run: dict[str, Any]) -> None:
     a = _actor(run, relay=False, clock=None)
     a.clock = SYSTEM_CLOCK  # the Relay appears on wall time here
-    a.cfg = ActorConfig(actor_id="a", region="r1", relay_wait_s=30.0)
+    a.cfg = ActorConfig(actor_id="a", region="r1", relay_wait_s=30.0, mirror="file:///nowhere")
     key = RunKeys(a.ep.run).relay("r1")
     import threading
 

@@ -479,7 +479,7 @@ def test_adjacent_ranges_do_not_overlap() -> None:
         ({"aurora.kind": "snapshot"}, "aurora.kind is 'snapshot'"),
         ({"aurora.version": "x1"}, "'aurora.version' is not a decimal integer"),
         ({"aurora.base_version": "-1"}, "'aurora.base_version' is not a decimal integer"),
-        ({"aurora.entries": "{not json"}, "aurora.entries is not JSON"),
+        ({"aurora.entries": "{not json"}, "aurora.entries is not valid UTF-8 JSON"),
         ({"aurora.entries": '{"a": 1}'}, "aurora.entries is not a JSON list"),
         (
             {"aurora.version": "2", "aurora.base_version": "1"},

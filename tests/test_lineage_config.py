@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from aurora_store.apply.sink import weights_digest
 from aurora_store.codec.extract import extract, fuse_weights, plan_of
 from aurora_store.errors import ConfigError
 from aurora_store.lineage.fetch import materialize
@@ -120,7 +121,7 @@ class Run:
         for _ in range(n):
             v = max(self.weights) + 1
             new = self.master.step(lr=lr)
-            m = publish_delta(self.store, "t", v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], self.cfg)
+            m = publish_delta(self.store, "t", v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], self.cfg, weights_digest=weights_digest(new, self.plan))
             self.weights[v], self.states[v] = new, m.state
 
     def snapshot(self, v: int) -> None:
@@ -180,7 +181,8 @@ def chain() -> Run:
 
 def test_gc_without_held_versions_is_unchanged(chain: Run) -> None:
     removed, kept = _gc_plan(chain.store, None)
-    assert removed == [("delta", 1), ("delta", 2), ("delta", 3), ("delta", 4), ("snapshot", 0), ("snapshot", 2)]
+    # Delta 4 stays: it binds snapshot 4 (FORMAT.md §4.1).
+    assert removed == [("delta", 1), ("delta", 2), ("delta", 3), ("snapshot", 0), ("snapshot", 2)]
     assert kept == []
     assert _gc_plan(chain.store, Held()) == (removed, [])
     assert _gc_plan(chain.store, Held(4, 5)) == (removed, [])  # inside what retention keeps anyway
@@ -188,11 +190,11 @@ def test_gc_without_held_versions_is_unchanged(chain: Run) -> None:
 
 def test_gc_keeps_the_chain_of_a_held_version(chain: Run) -> None:
     removed, kept = _gc_plan(chain.store, Held(3))
-    assert removed == [("delta", 1), ("delta", 2), ("snapshot", 0)]
-    assert kept == [("delta", 3), ("delta", 4), ("snapshot", 2)]
+    assert removed == [("delta", 1), ("snapshot", 0)]
+    assert kept == [("delta", 2), ("delta", 3), ("snapshot", 2)]  # delta 2 binds snapshot 2
     removed, kept = _gc_plan(chain.store, Held(1))
     assert removed == [("snapshot", 2)]
-    assert kept == [("delta", 1), ("delta", 2), ("delta", 3), ("delta", 4), ("snapshot", 0)]
+    assert kept == [("delta", 1), ("delta", 2), ("delta", 3), ("snapshot", 0)]
     assert _gc_plan(chain.store, Held(0)) == (removed, kept)
     assert _gc_plan(chain.store, Held(9)) == _gc_plan(chain.store, None)  # not committed: nothing after it
 
@@ -208,7 +210,7 @@ def test_gc_with_held_version_leaves_it_reachable_and_catching_up() -> None:
     run_gc(run.store, keep_snapshots=1, apply=True, min_orphan_age_s=0, say=lines.append, held=Held(3))
     assert any("live Actors still need" in line for line in lines)
     index = scan_versions(run.store)
-    assert index.snapshots == {2, 4} and index.deltas == {3, 4, 5}
+    assert index.snapshots == {2, 4} and index.deltas == {2, 3, 4, 5}
     assert plan_chain(index, 5, held=3).deltas == (4, 5)
     _, state = materialize(run.store, 3)
     assert state == run.states[3]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from aurora_store.apply.sink import weights_digest
 from aurora_store.codec.extract import extract, fuse_weights, spec_of
 from aurora_store.codec.fusion import FusionPlan
 from aurora_store.format.manifest import new_attempt_id, version_dir
@@ -57,7 +58,7 @@ def make_run(url: str) -> None:
         elif v == 6:
             frozen = ("model.embed_tokens.weight",)
         new = master.step(lr=(1 + v % 3) * 2e-7, frozen=frozen)
-        m = publish_delta(store, "nb", v, extract(plan, current, new), state, cfg)
+        m = publish_delta(store, "nb", v, extract(plan, current, new), state, cfg, weights_digest=weights_digest(new, plan))
         state, current = m.state, new
         if v == SNAPSHOT_AT:
             publish_snapshot(store, "nb", v, _fused(plan, current), state, cfg)

@@ -60,7 +60,7 @@ class Run:
         for _ in range(n):
             v = max(self.weights) + 1
             new = self.master.step(lr=2.5e-7)
-            m = publish_delta(self.store, "t", v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], CFG)
+            m = publish_delta(self.store, "t", v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], CFG, weights_digest=weights_digest(new, self.plan))
             self.weights[v], self.states[v] = new, m.state
 
     def snapshot(self, v: int) -> None:
@@ -287,11 +287,12 @@ def test_gc_keeps_what_retained_chains_need(any_store: Store) -> None:
     run.snapshot(4)
     run.step(1)
     plan = run_gc(any_store, keep_snapshots=1, apply=False, min_orphan_age_s=0, say=lambda s: None)
-    assert sorted(plan.versions) == [("delta", 1), ("delta", 2), ("delta", 3), ("delta", 4), ("snapshot", 0), ("snapshot", 2)]
+    # Delta 4 stays: it binds snapshot 4 (FORMAT.md §4.1).
+    assert sorted(plan.versions) == [("delta", 1), ("delta", 2), ("delta", 3), ("snapshot", 0), ("snapshot", 2)]
     assert scan_versions(any_store).deltas == {1, 2, 3, 4, 5}  # dry run removed nothing
     run_gc(any_store, keep_snapshots=2, apply=True, min_orphan_age_s=0, say=lambda s: None)
     index = scan_versions(any_store)
-    assert index.snapshots == {2, 4} and index.deltas == {3, 4, 5}
+    assert index.snapshots == {2, 4} and index.deltas == {2, 3, 4, 5}
     tensors, state = materialize(any_store, 5)
     assert state == run.states[5] and weights_digest(tensors) == run.digest(5)
     assert verify_run(any_store).ok

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from redis_fixtures import dead_redis_url, redis_client, redis_server, run_name  # noqa: F401
 
+from aurora_store.apply.sink import weights_digest
 from aurora_store.codec.extract import extract, fuse_weights, plan_of
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger
@@ -65,7 +66,7 @@ class Run:
         for _ in range(n):
             v = max(self.weights) + 1
             new = self.master.step(lr=2.5e-7)
-            m = publish_delta(self.store, "t", v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], CFG)
+            m = publish_delta(self.store, "t", v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], CFG, weights_digest=weights_digest(new, self.plan))
             self.weights[v], self.states[v] = new, m.state
 
     def snapshot(self, v: int) -> None:
@@ -113,7 +114,7 @@ def test_the_floor_and_what_it_keeps() -> None:
     with pytest.raises(ConfigError):
         retention_floor([0], 0)
     assert retained("snapshot", 6, 6) and retained("delta", 7, 6)
-    assert not retained("delta", 6, 6)  # the snapshot there starts every chain instead
+    assert retained("delta", 6, 6)  # its weights_digest binds the snapshot there (FORMAT.md §4.1)
     assert not retained("snapshot", 3, 6) and retained("delta", 1, None)
 
 
@@ -121,8 +122,9 @@ def test_force_removes_what_holders_need_and_says_so(tmp_path: Path) -> None:
     run = chain(tmp_path)
     lin = read_lineage(run.store)
     kept = plan_gc(lin, 1, lambda key: 0.0, 0.0, frozenset({4}))
-    assert kept.kept_for_held == [("delta", 4), ("delta", 5), ("delta", 6), ("snapshot", 3)]
-    assert kept.versions == [("delta", 1), ("delta", 2), ("delta", 3), ("snapshot", 0)]
+    # Delta 3 binds snapshot 3 (FORMAT.md §4.1); delta 6 binds the floor snapshot, so the rule keeps it.
+    assert kept.kept_for_held == [("delta", 3), ("delta", 4), ("delta", 5), ("snapshot", 3)]
+    assert kept.versions == [("delta", 1), ("delta", 2), ("snapshot", 0)]
     forced = plan_gc(lin, 1, lambda key: 0.0, 0.0, frozenset({4}), force=True)
     assert forced.forced == kept.kept_for_held and forced.kept_for_held == []
     assert sorted(forced.versions) == sorted(kept.versions + kept.kept_for_held)
@@ -221,14 +223,14 @@ def test_gc_keeps_what_a_live_actor_holds_until_forced(
     assert versions(run.store) == ({0, 3, 6}, set(range(1, 8)))
 
     assert main([*gc, "--apply"]) == 0
-    # a1 still reaches 4 and 5 (snapshot 3 + deltas) and catches up delta by delta.
-    assert versions(run.store) == ({3, 6}, {4, 5, 6, 7})
+    # a1 still reaches 4 and 5 (snapshot 3, bound by delta 3, + deltas) and catches up delta by delta.
+    assert versions(run.store) == ({3, 6}, {3, 4, 5, 6, 7})
     for v in (4, 5, 7):
         _, state = materialize(run.store, v)
         assert state == run.states[v]
 
     assert main([*gc, "--apply", "--force"]) == 0
-    assert versions(run.store) == ({6}, {7})
+    assert versions(run.store) == ({6}, {6, 7})  # delta 6 binds snapshot 6
     assert "--force" in capsys.readouterr().out
 
 
@@ -252,7 +254,7 @@ def test_gc_keeps_what_a_live_relay_mirrors_until_its_heartbeat_is_gone(
         beat.release()  # a graceful stop deletes the key
     assert RelayHeldVersions(redis_client, run_name).held_versions() == frozenset()
     assert main(gc) == 0
-    assert versions(run.store) == ({6}, {7})
+    assert versions(run.store) == ({6}, {6, 7})  # delta 6 binds snapshot 6
     capsys.readouterr()
 
 
@@ -308,6 +310,6 @@ def test_retain_is_safe_to_run_beside_a_publish(tmp_path: Path) -> None:
     assert done.is_set()
     (plan,) = plans
     assert plan.young_orphans >= 1 and plan.orphans == []
-    assert versions(run.store) == ({2}, {3})
+    assert versions(run.store) == ({2}, {2, 3})  # delta 2 binds snapshot 2
     _, state = materialize(run.store, 3)
     assert state is not None

@@ -14,7 +14,7 @@ import importlib.util
 import shutil
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +127,8 @@ class Run:
     """The Trainer's weights_digest of each version."""
     states: dict[int, str]
     skeleton: torch.nn.Module
+    weights: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """The Trainer's weights (Hugging Face names) of each version."""
 
 
 def make_run(root: Path) -> Run:
@@ -137,13 +139,14 @@ def make_run(root: Path) -> Run:
     plan = fusion_plan_for(model)
     base = {n: t.clone() for n, t in hf_weights(model).items()}
     snap = publish_snapshot(store, "t", 0, fused_weights(base, plan), None, CFG)
-    digests, states = {0: weights_digest(base, plan)}, {0: snap.state}
+    digests, states, weights = {0: weights_digest(base, plan)}, {0: snap.state}, {0: base}
     for v in range(1, VERSIONS + 1):
         model = trainer_step(model, lr=1e-2 if v == BIG_STEP else 1e-5, seed=v)
         new = {n: t.clone() for n, t in hf_weights(model).items()}
         m = publish_delta(store, "t", v, extract(plan, base, new), states[v - 1], CFG)
         digests[v], states[v], base = weights_digest(new, plan), m.state, new
-    return Run(store, root, plan, digests, states, tiny_qwen3(TOK.vocab_size, seed=0, head_dim=HEAD_DIM))
+        weights[v] = new
+    return Run(store, root, plan, digests, states, tiny_qwen3(TOK.vocab_size, seed=0, head_dim=HEAD_DIM), weights)
 
 
 @pytest.fixture(scope="module")
@@ -322,3 +325,37 @@ def test_vllm_repeated_activations_keep_memory_flat(engine, run: Run) -> None:  
     rss1 = engine.probe()[0]["rss"]
     assert _ptrs(engine) == ptrs
     assert rss1 - rss0 < 48 << 20, f"worker RSS grew by {(rss1 - rss0) >> 20} MiB over 60 activations"
+
+
+@needs_vllm
+def test_vllm_workers_hold_what_the_actor_checked_not_a_second_read(engine, run: Run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A mirror serves the true manifest of v2 to the Actor, then a forged one (same base_state) to anyone after.
+
+    The workers are handed the Actor's manifests and never read them again:
+    they stage and reach the true weights; a rank asked to activate another
+    state than it staged refuses before writing.
+    """
+    root = tmp_path / "mirror"
+    shutil.copytree(run.root, root)
+    mirror = open_store(f"file://{root}")
+    checked = [read_manifest(mirror, "snapshot", 0), read_manifest(mirror, "delta", 1), read_manifest(mirror, "delta", 2)]
+    forged_w = {n: t.clone() for n, t in run.weights[1].items()}
+    name = next(n for n in sorted(forged_w) if n.endswith("mlp.down_proj.weight"))
+    forged_w[name].view(-1)[:64] += 0.5
+    forge = open_store(f"file://{tmp_path / 'forge'}")
+    fm = publish_delta(forge, "t", 2, extract(run.plan, run.weights[1], forged_w), run.states[1], CFG)
+    shutil.copytree(tmp_path / "forge" / version_dir("delta", 2), root / version_dir("delta", 2), dirs_exist_ok=True)
+    assert read_manifest(mirror, "delta", 2).state == fm.state != run.states[2]  # a second read gets the forgery
+
+    assert engine.bootstrap_from_store(mirror, {}, 2, 2, manifests=checked) == (2, run.states[2])
+    assert engine.digest() == run.digests[2] and engine.held(digest=True) == (2, run.states[2], run.digests[2])
+
+    engine.bootstrap_from_store(run.store, {}, 1, 2)
+    m, staged = engine.stage_from_store(mirror, {}, 2, run.states[1], 2, manifest=checked[2])
+    assert isinstance(staged, RemoteStaged) and m.state == staged.state == run.states[2]
+    forged = RemoteStaged(2, 1, fm.state, staged.nnz)
+    with pytest.raises(IntegrityError, match="nothing applied"):
+        engine.apply(forged)  # the ranks staged the checked state, not this one
+    assert engine.digest() == run.digests[1] and engine.version == 1
+    engine.apply(_stage(engine, run, 2))
+    assert engine.digest() == run.digests[2]

@@ -6,12 +6,13 @@ See docs/WORKERS.md for the contract these helpers implement.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,9 @@ import torch
 
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.versioned import record_versioned
-from aurora_store.errors import ConfigError, ObjectNotFound
+from aurora_store.errors import ConfigError, IntegrityError, ObjectNotFound
+from aurora_store.lineage.binding import ModelFile
+from aurora_store.redact import redacted_repr
 from aurora_store.storage import Store
 
 __all__ = [
@@ -28,9 +31,13 @@ __all__ = [
     "RunKeys",
     "write_model_description",
     "read_model_description",
+    "model_files_listed",
+    "check_model_files",
     "DIGEST_LOG_ENV",
     "record_digest",
     "record_activation",
+    "record_expected_state",
+    "read_expected_state",
     "read_digests",
     "install_stop_handlers",
     "limit_torch_threads",
@@ -56,28 +63,120 @@ class Endpoints:
     """Run name (the Redis key namespace)."""
     storage_options: Mapping[str, Any] = field(default_factory=dict)
 
-
-def write_model_description(store: Store, config_json: str, tokenizer_json: str) -> None:
-    """Create-only: a run's model is fixed for its whole life."""
-    store.put(MODEL_CONFIG_KEY, config_json.encode("utf-8"), mode="create")
-    store.put(TOKENIZER_KEY, tokenizer_json.encode("utf-8"), mode="create")
+    __repr__ = redacted_repr  # the Redis URL may hold a password, the options keys and tokens
 
 
-def read_model_description(store: Store) -> tuple[Any, Any]:
-    """(model skeleton in bf16 with random weights, tokenizer) from ``model/`` in the store."""
+def write_model_description(store: Store, config_json: str, tokenizer_json: str) -> list[ModelFile]:
+    """Create-only: a run's model is fixed for its whole life.
+
+    Returns the files as version 0's snapshot manifest lists them (FORMAT.md
+    §1): the Trainer passes them to ``publish_snapshot(model=...)``, so they
+    are covered by that manifest's hashes (and signature), and readers check
+    them before use (:func:`read_model_description`).
+    """
+    files = []
+    for key, text in ((MODEL_CONFIG_KEY, config_json), (TOKENIZER_KEY, tokenizer_json)):
+        data = text.encode("utf-8")
+        store.put(key, data, mode="create")
+        files.append(ModelFile(key, len(data), hashlib.sha256(data).hexdigest()))
+    return files
+
+
+def model_files_listed(store: Store) -> tuple[dict[str, ModelFile] | None, str]:
+    """(the model files the run lists, the manifest that lists them); (None, why) for a run that lists none.
+
+    Version 0's snapshot manifest is the list (FORMAT.md §1). Where retention
+    removed version 0, the newest snapshot *bound to the chain* (FORMAT.md
+    §4.1) that carries a list stands in: the Trainer lists the files in every
+    snapshot it writes, and a planted snapshot is never bound.
+    """
+    from aurora_store.format.manifest import manifest_key
+    from aurora_store.lineage.binding import model_files
+    from aurora_store.lineage.fetch import ManifestReader
+    from aurora_store.lineage.plan import scan_versions
+
+    reader = ManifestReader(store)
+    snapshots = [0] if reader.get("snapshot", 0) is not None else sorted(scan_versions(store).snapshots, reverse=True)
+    for v in snapshots:
+        m = reader.get("snapshot", v)
+        if m is None or reader.unbound(v) is not None:
+            continue
+        where = store.where(manifest_key("snapshot", v))
+        files = model_files(m.extra, where)
+        if files is not None:
+            return files, where
+        if v == 0:
+            break
+    return None, "no snapshot manifest lists the model files (a run written before they were listed)"
+
+
+def _checked_model_file(store: Store, key: str, listed: Mapping[str, ModelFile] | None, where: str) -> bytes:
+    """The bytes of ``key``, checked against ``listed`` (size and sha256) when the run lists its files."""
+    data = store.get(key)
+    if listed is None:
+        return data
+    f = listed.get(key)
+    if f is None:
+        raise IntegrityError(f"{store.where(key)}: not among the model files {where} lists")
+    if len(data) != f.bytes or hashlib.sha256(data).hexdigest() != f.sha256:
+        raise IntegrityError(f"{store.where(key)}: does not match {where} (size or sha256): the model description was changed after version 0")
+    return data
+
+
+_unlisted_said: set[str] = set()
+
+
+def _say_unlisted(store: Store, why: str) -> None:
+    if store.url not in _unlisted_said:
+        _unlisted_said.add(store.url)
+        log.warning("%s: the model files are not checked: %s", store.url, why)
+
+
+def check_model_files(store: Store, used: Mapping[str, str]) -> None:
+    """Check files already read (key -> sha256 of the bytes used) against the run's list, now that it exists.
+
+    For a reader that built its model while the Trainer was still setting up
+    (the files are written just before version 0, which lists them).
+    """
+    listed, where = model_files_listed(store)
+    if listed is None:
+        _say_unlisted(store, where)
+        return
+    for key, sha in used.items():
+        f = listed.get(key)
+        if f is None or f.sha256 != sha:
+            raise IntegrityError(f"{store.where(key)}: does not match {where}: the model description was changed after version 0")
+
+
+def read_model_description(store: Store, used: dict[str, str] | None = None, unlisted_ok: bool = False) -> tuple[Any, Any]:
+    """(model skeleton in bf16 with random weights, tokenizer) from ``model/`` in the store.
+
+    Each file is checked against the list in version 0's manifest first
+    (:func:`model_files_listed`): a file changed after version 0 raises
+    :class:`~aurora_store.errors.IntegrityError`. A run whose manifests list
+    no files (written before they were listed) is read as before, with a
+    warning; ``unlisted_ok``: without it (the caller checks later, with
+    :func:`check_model_files`, once version 0 exists). ``used`` receives
+    key -> sha256 of the bytes read.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from workers.tokenizer import CharTokenizer
 
+    listed, where = model_files_listed(store)
+    if listed is None and not unlisted_ok:
+        _say_unlisted(store, where)
     try:
-        cfg_raw = store.get(MODEL_CONFIG_KEY)
-        tok_raw = store.get(TOKENIZER_KEY)
+        cfg_raw = _checked_model_file(store, MODEL_CONFIG_KEY, listed, where)
+        tok_raw = _checked_model_file(store, TOKENIZER_KEY, listed, where)
     except ObjectNotFound as e:
         raise ConfigError(f"{e}: the run has no model description yet (has the Trainer started?)") from None
+    if used is not None:
+        used.update({MODEL_CONFIG_KEY: hashlib.sha256(cfg_raw).hexdigest(), TOKENIZER_KEY: hashlib.sha256(tok_raw).hexdigest()})
     try:
         cfg_dict = json.loads(cfg_raw)
         model_type = cfg_dict.pop("model_type")
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, AttributeError, TypeError) as e:
         raise ConfigError(f"{store.where(MODEL_CONFIG_KEY)}: not a model config: {e}") from None
     cfg = AutoConfig.for_model(model_type, **cfg_dict)
     with torch.random.fork_rng(devices=[]):
@@ -129,6 +228,27 @@ def record_digest(redis: Any, keys: RunKeys, who: str, version: int, digest: str
         record_versioned(redis, keys, keys.actor_digests, f"{who}|{version}", digest, version, keep_versions)
 
 
+def record_expected_state(redis: Any, keys: RunKeys, version: int, state: str, keep_versions: int | None = None) -> None:
+    """The Trainer's record of the ``state`` of ``version`` (``state:trainer``), trimmed like the digests.
+
+    Written before the head names the version, so an Actor that stages a
+    version the head reached finds its record.
+    """
+    record_versioned(redis, keys, keys.trainer_states, str(version), state, version, keep_versions)
+
+
+def read_expected_state(redis: Any, keys: RunKeys, version: int) -> str | None:
+    """The state the Trainer recorded for ``version``; None when there is no record
+    (a Trainer of an older release, a Redis that lost its data, a version trimmed away)."""
+    raw = redis.hget(keys.trainer_states, str(version))
+    if raw is None:
+        return None
+    try:
+        return raw.decode("ascii") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError:
+        return ""  # a record that cannot be a state: matches no manifest
+
+
 def record_activation(
     redis: Any, keys: RunKeys, who: str, version: int, stage_s: float, activate_s: float, keep_versions: int | None = None
 ) -> None:
@@ -169,11 +289,33 @@ def limit_torch_threads(default: int = 1) -> None:
         torch.set_num_threads(n)
 
 
-def setup_logging(name: str, verbose: bool = False) -> logging.Logger:
-    """Configure the root logger for a worker process (never at import time)."""
+def setup_logging(name: str, verbose: bool = False, debug_loggers: Iterable[str] | None = None) -> logging.Logger:
+    """Configure the root logger for a worker process (never at import time).
+
+    The root stays at INFO; ``verbose`` turns Aurora's own loggers (``aurora.*``,
+    ``aurora_store``, ``workers``) to DEBUG, never a vendor's: botocore's debug
+    lines carry request headers, session tokens among them. A vendor logger
+    goes to DEBUG only when named in ``debug_loggers`` (``--debug-logger``) or
+    ``$AURORA_DEBUG_LOGGERS`` (comma-separated). Every record passes a
+    :class:`~aurora_store.redact.RedactingFilter`: URL passwords and the values
+    of known secrets (AWS secret key and session token, Redis passwords) are
+    masked whatever logger wrote them.
+    """
+    from aurora_store.redact import VENDOR_LOGGERS, install_redaction
+
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.INFO,
         format=f"%(asctime)s {name} %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
+    install_redaction()
+    asked = {n.strip() for n in (debug_loggers or ()) if n.strip()}
+    asked |= {n.strip() for n in os.environ.get("AURORA_DEBUG_LOGGERS", "").split(",") if n.strip()}
+    for vendor in VENDOR_LOGGERS:
+        if vendor not in asked:
+            logging.getLogger(vendor).setLevel(logging.INFO)
+    for own in ("aurora", "aurora_store", "workers", "aurora_tools"):
+        logging.getLogger(own).setLevel(logging.DEBUG if verbose else logging.NOTSET)
+    for n in asked:
+        logging.getLogger(n).setLevel(logging.DEBUG)
     return logging.getLogger(f"aurora.{name}")

@@ -9,6 +9,7 @@ first write, so a delta that does not fit changes nothing.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Protocol, runtime_checkable
 
@@ -205,17 +206,26 @@ def apply_delta(staged: StagedDelta, sink: WeightSink) -> None:
 
 
 def _iter_bytes(t: torch.Tensor) -> Iterator[memoryview]:
+    """The tensor's raw bytes in C order, little-endian whatever the host (FORMAT.md §4.1)."""
     flat = bits_view(t.detach().contiguous())
     step = 1 << 24
     for lo in range(0, flat.numel(), step):
-        yield flat[lo : lo + step].cpu().numpy().view(np.uint8).data
+        chunk = flat[lo : lo + step].cpu().numpy()
+        if chunk.dtype.byteorder == ">" or (chunk.dtype.byteorder == "=" and sys.byteorder == "big"):
+            chunk = chunk.astype(chunk.dtype.newbyteorder("<"))
+        yield chunk.view(np.uint8).data
 
 
 def weights_digest(tensors: Mapping[str, torch.Tensor], plan: FusionPlan | None = None) -> str:
-    """sha256 over the fused view of the weights: names, shapes, dtypes, bits.
+    """``weights_digest`` of FORMAT.md §4.1 over the fused view of the weights.
 
-    Equal for fused and split holders of the same weights, so an engine and
-    the Trainer can compare what they hold.
+    For each fused parameter in ascending order of its name: the UTF-8 bytes
+    of ``name|[d0, d1, …]|dtype\n`` (``[]`` for a scalar; ``dtype`` as in a
+    manifest's ``params``), then its raw little-endian bytes in C order (a
+    fused tensor's bytes are its blocks' bytes one after the other: dim-0
+    concatenation of row-major tensors). Equal for fused and split holders
+    of the same weights, so an engine, a snapshot and the Trainer can
+    compare what they hold; it is the digest snapshot manifests carry.
     """
     h = hashlib.sha256()
     if plan is None:

@@ -29,6 +29,8 @@ __all__ = [
     "DecodedEntry",
     "encode_entry",
     "decode_entry",
+    "decoded_cost",
+    "Claim",
 ]
 
 
@@ -365,16 +367,34 @@ def _field(meta: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) ->
     return v
 
 
+#: ``claim(param, start, stop, nnz, cost)``: called once an entry's metadata is
+#: valid and before any of its streams is decompressed; ``cost`` is the bytes
+#: the decoded entry will hold (values, plus int64 indices unless dense). It
+#: raises :class:`StreamError` to refuse the entry (an overlap, a budget spent).
+Claim = Callable[[str, int, int, int, int], None]
+
+
+def decoded_cost(spec: ParamSpec, encoding: str, start: int, stop: int, nnz: int) -> int:
+    """Bytes a decoded entry holds: its values, and int64 indices unless dense."""
+    width = DTYPES[spec.dtype].width
+    if encoding == "dense":
+        return (stop - start) * width
+    return nnz * (width + 8)
+
+
 def decode_entry(
     meta: Mapping[str, Any],
     tensor: Callable[[str], tuple[str, tuple[int, ...], memoryview]],
     model: Mapping[str, ParamSpec] | None,
+    claim: Claim | None = None,
 ) -> DecodedEntry:
     """Validate one entry's metadata and streams; raises :class:`StreamError`.
 
     ``tensor(name)`` returns (safetensors dtype code, shape, bytes) of a tensor
     of the segment, raising :class:`StreamError` if there is none. ``model``
     maps fused names to specs; when given, the entry must match it.
+    ``claim`` (see :data:`Claim`) lets a caller bound a whole version: it
+    sees the entry before a byte of it is decompressed.
     """
     if not isinstance(meta, Mapping):
         raise StreamError("entry is not a JSON object")
@@ -416,6 +436,8 @@ def decode_entry(
         if c not in enc.CODECS:
             raise StreamError(f"unknown {name} {c!r}")
     info = DTYPES[dtype]
+    if claim is not None:
+        claim(param, start, stop, nnz, decoded_cost(spec, encoding, start, stop, nnz))
 
     count = span if encoding == "dense" else nnz
     indices: np.ndarray | None = None

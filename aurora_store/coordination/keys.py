@@ -103,6 +103,11 @@ class RunKeys:
         return f"{self.prefix}digest:trainer"
 
     @property
+    def trainer_states(self) -> str:
+        """hash: version -> the ``state`` the Trainer published at it (an Actor refuses any other)."""
+        return f"{self.prefix}state:trainer"
+
+    @property
     def actor_digests(self) -> str:
         """hash: ``actor|version`` -> weights digest the Actor computed after activating it."""
         return f"{self.prefix}digest:actors"

@@ -26,11 +26,24 @@ import redis.exceptions as rx
 
 from aurora_store.config import from_env
 from aurora_store.coordination.keys import key_prefix, validate_run_name
+from aurora_store.credentials import (
+    REDIS_PASSWORD_FILE_ENV,
+    REDIS_URL_ENV,
+    read_password_file,
+    redis_child_env,
+    resolve_redis_url,
+)
 from aurora_store.errors import ConfigError, CoordinationError, RedisUnavailable
+from aurora_store.redact import redact_url
 
 __all__ = [
     "RedisConfig",
     "REDIS_ENV_PREFIX",
+    "REDIS_URL_ENV",
+    "REDIS_PASSWORD_FILE_ENV",
+    "read_password_file",
+    "resolve_redis_url",
+    "redis_child_env",
     "connect",
     "key_prefix",
     "validate_run_name",
@@ -60,24 +73,30 @@ class RedisConfig:
             raise ConfigError(f"RedisConfig: timeouts must be positive ({self})")
 
 
-def connect(url: str, config: RedisConfig | None = None, block_s: float | None = None) -> Any:
-    """A redis-py client for ``redis://`` or ``rediss://`` URLs (user and password in the URL).
+def connect(url: str | None = None, config: RedisConfig | None = None, block_s: float | None = None) -> Any:
+    """A redis-py client for ``redis://``, ``rediss://`` or ``unix://`` URLs.
 
+    ``url``: None takes ``$AURORA_REDIS_URL``; a URL without a password takes
+    the one in ``$AURORA_REDIS_PASSWORD_FILE`` (:func:`resolve_redis_url`).
     ``config``: default :class:`RedisConfig` from the environment.
     ``block_s``: the longest blocking read this client will issue; its read
     timeout is set above it.
     """
+    url = resolve_redis_url(url)
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"Redis URL must start with redis://, rediss:// or unix://, got {url.split('@')[-1]!r}")
+        raise ConfigError(f"Redis URL must start with redis://, rediss:// or unix://, got {redact_url(url)!r}")
     cfg = config or from_env(RedisConfig, REDIS_ENV_PREFIX)
     timeout = cfg.command_timeout_s if block_s is None else block_s + cfg.block_margin_s
-    return redis.Redis.from_url(
-        url,
-        socket_connect_timeout=cfg.connect_timeout_s,
-        socket_timeout=timeout,
-        health_check_interval=cfg.health_check_interval_s,
-        decode_responses=False,
-    )
+    try:
+        return redis.Redis.from_url(
+            url,
+            socket_connect_timeout=cfg.connect_timeout_s,
+            socket_timeout=timeout,
+            health_check_interval=cfg.health_check_interval_s,
+            decode_responses=False,
+        )
+    except ValueError as e:  # redis-py's URL parser: its message may quote the URL
+        raise ConfigError(f"Redis URL {redact_url(url)!r}: {redact_url(str(e))}") from None
 
 
 # Errors that mean "the server is away for now": refused, dropped, timed out,

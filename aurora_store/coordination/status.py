@@ -51,6 +51,10 @@ def collect_status(redis: Any, run: str, now_ms: int | None = None) -> dict[str,
         # Present once a Trainer with the recovery features wrote them.
         if "unreturned" in th:
             trainer["unreturned"] = as_int(th.get("unreturned"), lenient=True)
+        # Whether the Trainer signs its manifests (FORMAT.md §4.1), and with which key.
+        if "signed" in th:
+            trainer["signed"] = as_int(th.get("signed"), lenient=True) == 1
+            trainer["key_id"] = as_str(th.get("key_id", b""), "replace")[:64] or None
         epoch = as_int(redis.get(keys.epoch), lenient=True)
         if epoch is not None:
             trainer["epoch"] = epoch
@@ -143,6 +147,8 @@ def render(status: dict[str, Any]) -> str:
             when = time.strftime("%H:%M:%S", time.localtime(t["published_ms"] / 1000))
             pub = f"{when}, {_age(t['published_age_s'])} ago"
         extra = "".join(f", {k} {t[k]}" for k in ("epoch", "unreturned") if t.get(k) is not None)
+        if "signed" in t:
+            extra += f", signed by key {t.get('key_id')}" if t["signed"] else ", unsigned"
         lines.append(
             f"Trainer: head v{_v(t['head'])}{state} published {pub}; status {_v(t['status'])}, step {_v(t['step'])}{extra}"
         )

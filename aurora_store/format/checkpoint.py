@@ -21,6 +21,7 @@ from aurora_store.codec.entries import (
 )
 from aurora_store.codec.extract import ParamDelta
 from aurora_store.errors import ChainError, EntryError, SegmentError
+from aurora_store.format.limits import MAX_ENTRIES_PER_SEGMENT, MAX_HEADER_BYTES, VersionGuard
 from aurora_store.format.segment import Segment, decode_segment, encode_segment
 
 __all__ = [
@@ -34,6 +35,17 @@ __all__ = [
 #: Target size of one segment object (FORMAT.md / ARCHITECTURE.md: about 16 MiB).
 DEFAULT_SEGMENT_BYTES = 16 << 20
 _MIN_PIECE_NNZ = 4096
+# A segment is cut before its header could pass half the readers' limit, or it
+# has as many entries as they accept (format/limits.py): many small parameters
+# make a header large while the payload stays small. An entry's share of the
+# header is its metadata (escaped inside a JSON string) and its two tensors' rows.
+_HEADER_ROOM = MAX_HEADER_BYTES // 2
+
+
+def _header_share(e: EncodedEntry) -> int:
+    # 8 per UTF-8 byte of the name covers its worst escaping: a control character is
+    # \u0001 in aurora.entries, then \\u0001 in the header that holds that string.
+    return 800 + 8 * len(e.param.encode("utf-8", "surrogatepass")) + 24 * len(e.spec.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,15 +79,16 @@ def encode_segments(
     opts = options or EncodeOptions()
     current: list[EncodedEntry] = []
     size = 0
+    header = 0
     index = 0
     bytes_per_elem = 3.0  # refined by measurement as entries are encoded
     enc_bytes = enc_elems = 0
 
     def flush() -> EncodedSegment:
-        nonlocal current, size, index
+        nonlocal current, size, header, index
         seg = EncodedSegment(index, encode_segment(current, version, version - 1), tuple(current))
         index += 1
-        current, size = [], 0
+        current, size, header = [], 0, 0
         return seg
 
     for d in deltas:
@@ -108,10 +121,16 @@ def encode_segments(
             enc_bytes += entry.nbytes
             enc_elems += entry.nnz
             bytes_per_elem = max(0.05, enc_bytes / max(1, enc_elems))
-            if current and size + entry.nbytes > segment_bytes:
+            share = _header_share(entry)
+            if current and (
+                size + entry.nbytes > segment_bytes
+                or header + share > _HEADER_ROOM
+                or len(current) >= MAX_ENTRIES_PER_SEGMENT
+            ):
                 yield flush()
             current.append(entry)
             size += entry.nbytes
+            header += share
             lo, range_start = hi, range_stop
     if current:
         yield flush()
@@ -137,16 +156,25 @@ def stage_segments(
     segments: Sequence[tuple[str, bytes]],
     version: int,
     model: Mapping[str, ParamSpec] | None,
+    guard: VersionGuard | None = None,
 ) -> StagedDelta:
-    """Decode and validate all segments ``(name, bytes)`` of delta ``version``."""
-    return assemble_staged([(where, decode_segment(data, where, model)) for where, data in segments], version)
+    """Decode and validate all segments ``(name, bytes)`` of delta ``version``.
+
+    ``guard`` bounds the version as its entries arrive (overlaps, entry
+    count, decode budget); by default :meth:`VersionGuard.for_model`, whose
+    budget covers a delta that touches every parameter of ``model``.
+    """
+    g = guard if guard is not None else VersionGuard.for_model(model)
+    return assemble_staged([(where, decode_segment(data, where, model, g)) for where, data in segments], version)
 
 
 def assemble_staged(segments: Sequence[tuple[str, Segment]], version: int) -> StagedDelta:
     """Checks across the decoded segments of one version, then the staged delta.
 
     Every segment belongs to this version and its base, and no two entries of
-    one parameter overlap (within a segment or across segments).
+    one parameter overlap (within a segment or across segments). Decoding
+    through one :class:`VersionGuard` refuses an overlap as it arrives; this
+    check stays for segments decoded without a shared one.
     """
     if not version >= 1:
         raise ChainError(f"delta version {version} must be >= 1")

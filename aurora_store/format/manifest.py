@@ -19,6 +19,7 @@ from typing import Any
 from aurora_store.codec.encodings import DTYPES
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.errors import ManifestError
+from aurora_store.format.limits import MAX_MANIFEST_BYTES, load_json
 
 __all__ = [
     "SegmentRef",
@@ -167,13 +168,14 @@ class Manifest:
     # ------------------------------------------------------------------
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Manifest:
-        """Parse and validate an untrusted manifest, including its digests."""
-        try:
-            d = json.loads(data.decode("utf-8"))
-        except (ValueError, RecursionError) as e:
-            # ValueError covers bad UTF-8, bad JSON and an integer of more than
-            # 4300 digits (Python's int-conversion limit); RecursionError deep nesting.
-            raise ManifestError(where, f"not valid UTF-8 JSON: {e}") from None
+        """Parse and validate an untrusted manifest, including its digests.
+
+        Refused before parsing: more than :data:`~aurora_store.format.limits.MAX_MANIFEST_BYTES`;
+        while parsing: an integer of more than 20 digits (format/limits.py).
+        """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(where, f"{len(data)} bytes, past the reader's limit of {MAX_MANIFEST_BYTES}")
+        d = load_json(data, lambda why: ManifestError(where, why))
         if not isinstance(d, dict):
             raise ManifestError(where, "not a JSON object")
 

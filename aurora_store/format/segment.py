@@ -18,6 +18,12 @@ from typing import Any
 from aurora_store.codec.encodings import StreamError
 from aurora_store.codec.entries import DecodedEntry, EncodedEntry, ParamSpec, decode_entry
 from aurora_store.errors import EntryError, SegmentError
+from aurora_store.format.limits import (
+    MAX_ENTRIES_PER_SEGMENT,
+    MAX_HEADER_BYTES,
+    VersionGuard,
+    load_json,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -26,12 +32,12 @@ __all__ = [
     "encode_segment",
     "decode_segment",
     "parse_safetensors",
+    "check_header_length",
 ]
 
 FORMAT_VERSION = "1"
-#: A header larger than this is refused before it is read (the safetensors
-#: library uses the same 100 MB ceiling).
-MAX_HEADER_BYTES = 100_000_000
+# MAX_HEADER_BYTES (format/limits.py): a header larger than this is refused
+# from its 8-byte length, before a byte of it is parsed.
 
 _ITEMSIZE = {
     "U8": 1,
@@ -107,22 +113,8 @@ def parse_safetensors(
     safetensors specification requires: no gaps, overlaps or trailing bytes.
     """
     buf = memoryview(data)
-    if len(buf) < 8:
-        raise SegmentError(where, f"{len(buf)} bytes is too short for a safetensors header")
-    (n,) = struct.unpack_from("<Q", buf, 0)
-    if n > MAX_HEADER_BYTES:
-        raise SegmentError(where, f"header length {n} is absurdly large (limit {MAX_HEADER_BYTES})")
-    if 8 + n > len(buf):
-        raise SegmentError(
-            where,
-            f"header length {n} points past the end of the {len(buf)}-byte object (truncated?)",
-        )
-    try:
-        header = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        # ValueError covers bad UTF-8, bad JSON and an integer of more than
-        # 4300 digits (Python's int-conversion limit); RecursionError deep nesting.
-        raise SegmentError(where, f"header is not valid UTF-8 JSON: {e}") from None
+    n = check_header_length(buf, where)
+    header = load_json(bytes(buf[8 : 8 + n]), lambda why: SegmentError(where, f"header is {why}"))
     if not isinstance(header, dict):
         raise SegmentError(where, "header is not a JSON object")
     meta = header.pop("__metadata__", {})
@@ -176,6 +168,28 @@ def parse_safetensors(
     return meta, tensors
 
 
+def check_header_length(data: bytes | memoryview, where: str) -> int:
+    """The header length of a safetensors object, refused past :data:`MAX_HEADER_BYTES`.
+
+    Looks at the first 8 bytes (and the object's length) only, so an object
+    announcing a 90 MB header is refused without a byte of that header
+    parsed; the first 8 bytes alone (a ranged read) are enough to refuse it.
+    Snapshot shards, which the safetensors library reads, are checked with
+    it first too.
+    """
+    if len(data) < 8:
+        raise SegmentError(where, f"{len(data)} bytes is too short for a safetensors header")
+    (n,) = struct.unpack_from("<Q", data, 0)
+    if n > MAX_HEADER_BYTES:
+        raise SegmentError(where, f"header length {n} is absurdly large (the reader's limit is {MAX_HEADER_BYTES} bytes)")
+    if 8 + n > len(data):
+        raise SegmentError(
+            where,
+            f"header length {n} points past the end of the {len(data)}-byte object (truncated?)",
+        )
+    return int(n)
+
+
 def _int_meta(meta: Mapping[str, str], key: str, where: str) -> int:
     raw = meta.get(key)
     if raw is None:
@@ -189,9 +203,21 @@ def _int_meta(meta: Mapping[str, str], key: str, where: str) -> int:
 
 
 def decode_segment(
-    data: bytes | memoryview, where: str, model: Mapping[str, ParamSpec] | None = None
+    data: bytes | memoryview,
+    where: str,
+    model: Mapping[str, ParamSpec] | None = None,
+    guard: VersionGuard | None = None,
 ) -> Segment:
-    """Parse and validate every entry of a segment. Changes nothing anywhere."""
+    """Parse and validate every entry of a segment. Changes nothing anywhere.
+
+    ``guard`` is shared by every segment of one version (they may decode in
+    parallel threads): each entry is checked against the others of the
+    version (overlaps, entry count, decode budget) before any of its streams
+    is decompressed. Without one, a segment is checked on its own: its
+    entries may not overlap each other.
+    """
+    if guard is None:
+        guard = VersionGuard(None)
     meta, tensors = parse_safetensors(data, where)
     if meta.get("aurora.format") != FORMAT_VERSION:
         raise SegmentError(
@@ -202,12 +228,11 @@ def decode_segment(
         raise SegmentError(where, f"aurora.kind is {meta.get('aurora.kind')!r}, expected 'delta'")
     version = _int_meta(meta, "aurora.version", where)
     base = _int_meta(meta, "aurora.base_version", where)
-    try:
-        metas = json.loads(meta.get("aurora.entries", ""))
-    except (ValueError, RecursionError) as e:
-        raise SegmentError(where, f"aurora.entries is not JSON: {e}") from None
+    metas = load_json(meta.get("aurora.entries", ""), lambda why: SegmentError(where, f"aurora.entries is {why}"))
     if not isinstance(metas, list):
         raise SegmentError(where, "aurora.entries is not a JSON list")
+    if len(metas) > MAX_ENTRIES_PER_SEGMENT:
+        raise SegmentError(where, f"{len(metas)} entries, more than the reader's limit of {MAX_ENTRIES_PER_SEGMENT}")
 
     def tensor(name: str) -> tuple[str, tuple[int, ...], memoryview]:
         t = tensors.get(name)
@@ -217,8 +242,12 @@ def decode_segment(
 
     out: list[DecodedEntry] = []
     for i, m in enumerate(metas):
+
+        def claim(param: str, start: int, stop: int, nnz: int, cost: int, i: int = i) -> None:
+            guard.claim(where, i, param, start, stop, nnz, cost)
+
         try:
-            out.append(decode_entry(m, tensor, model))
+            out.append(decode_entry(m, tensor, model, claim))
         except StreamError as e:
             param = (
                 m.get("param") if isinstance(m, dict) and isinstance(m.get("param"), str) else None

@@ -13,6 +13,8 @@ decoding and snapshots import their heavy modules when called.
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,21 +30,30 @@ from aurora_store.errors import (
     SegmentError,
     VersionNotFound,
 )
+from aurora_store.format.limits import VersionGuard
 from aurora_store.format.manifest import Manifest, manifest_key, version_dir
-from aurora_store.format.segment import decode_segment
-from aurora_store.lineage.plan import plan_chain, scan_versions
+from aurora_store.format.segment import check_header_length, decode_segment
+from aurora_store.lineage.plan import VersionIndex, plan_chain, scan_versions
 from aurora_store.storage import Store
 
 if TYPE_CHECKING:
     import torch
 
     from aurora_store.format.checkpoint import StagedDelta
+    from aurora_store.format.signing import TrustKeys
+    from aurora_store.lineage.interfaces import CommitRecords
 
 T = TypeVar("T")
+
+log = logging.getLogger("aurora.lineage")
 
 __all__ = [
     "ManifestReader",
     "read_manifest",
+    "check_trusted",
+    "check_commit_record",
+    "bound_index",
+    "check_weights_digest",
     "fetch_objects",
     "fetch_delta",
     "fetch_snapshot",
@@ -50,18 +61,65 @@ __all__ = [
 ]
 
 
-def read_manifest(store: Store, kind: str, version: int) -> Manifest:
+def read_manifest(
+    store: Store, kind: str, version: int, trust: TrustKeys | None = None, commits: CommitRecords | None = None
+) -> Manifest:
+    """The manifest of ``kind`` ``version``, parsed and validated.
+
+    ``trust``: refuse (:class:`~aurora_store.errors.SignatureError`) a
+    manifest that is unsigned, signed by a key not in it, or badly signed
+    (FORMAT.md §4.1); the signature is checked over the object as read.
+    None: signatures are ignored.
+
+    ``commits``: the run commits through Redis (FORMAT.md §1, Redis-commit
+    mode): a manifest with no record is not committed
+    (:class:`~aurora_store.errors.VersionNotFound`), one whose bytes differ
+    from its record is refused (:class:`~aurora_store.errors.ManifestError`),
+    before it is parsed. None: the manifest's existence is the commit.
+    """
     key = manifest_key(kind, version)
     try:
         data = store.get(key)
     except ObjectNotFound:
         raise VersionNotFound(f"{store.where(key)}: {kind} {version} is not committed") from None
+    if commits is not None:
+        check_commit_record(commits, kind, version, data, store.where(key))
     m = Manifest.from_bytes(data, store.where(key))
     if m.kind != kind or m.version != version:
         raise ManifestError(
             store.where(key), f"describes {m.kind} {m.version}, expected {kind} {version}"
         )
+    if trust is not None:
+        # from_bytes just parsed these very bytes as a JSON object.
+        trust.check_json(json.loads(data), store.where(key), kind, version)
     return m
+
+
+def check_commit_record(commits: CommitRecords, kind: str, version: int, data: bytes, where: str) -> None:
+    """Refuse manifest bytes ``data`` that do not match the Redis commit record of ``kind`` ``version``."""
+    want = commits.commit_record(kind, version)
+    if want is None:
+        raise VersionNotFound(
+            f"{where}: {kind} {version} has no Redis commit record (the run commits through Redis): not committed"
+        )
+    got = "sha256:" + hashlib.sha256(data).hexdigest()
+    if got != want:
+        raise ManifestError(
+            where,
+            f"does not match its Redis commit record ({got[:19]}…, record {want[:19]}…): written by a publisher "
+            "that lost the commit, or replaced",
+        )
+
+
+def check_trusted(store: Store, m: Manifest, trust: TrustKeys | None) -> None:
+    """Refuse a manifest already in hand that ``trust`` does not accept (no-op without trust).
+
+    For manifests read elsewhere (a :class:`ManifestReader`, another process):
+    checked as the object re-serializes, which is byte-for-byte what Aurora's
+    writers sign.
+    """
+    if trust is not None:
+        trust.check(m, store.where(manifest_key(m.kind, m.version)))
 
 
 class ManifestReader:
@@ -76,22 +134,111 @@ class ManifestReader:
     comes to one, reads it again and raises the error that names it.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, trust: TrustKeys | None = None, commits: CommitRecords | None = None) -> None:
         self.store = store
+        self.trust = trust
+        """Checked on every manifest read; one refused counts as unreadable (None)."""
+        self.commits = commits
+        """Redis-commit mode's records (:func:`read_manifest`); a manifest that does not match counts as unreadable."""
         self._seen: dict[tuple[str, int], Manifest | None] = {}
+        self._why: dict[tuple[str, int], str] = {}
+        self._unbound: dict[int, str | None] = {}
+        self._has_deltas: bool | None = None
 
     def get(self, kind: str, version: int) -> Manifest | None:
         key = (kind, version)
         if key not in self._seen:
             try:
-                self._seen[key] = read_manifest(self.store, kind, version)
-            except (VersionNotFound, ManifestError):
+                self._seen[key] = read_manifest(self.store, kind, version, self.trust, self.commits)
+            except (VersionNotFound, ManifestError) as e:
                 self._seen[key] = None
+                self._why[key] = str(e)
         return self._seen[key]
+
+    def why(self, kind: str, version: int) -> str | None:
+        """Why :meth:`get` found no usable manifest (absent, malformed, refused by ``trust``), if it did not."""
+        return self._why.get((kind, version))
 
     def cost(self, kind: str, version: int) -> int | None:
         m = self.get(kind, version)
+        if m is not None and kind == "snapshot" and self.unbound(version) is not None:
+            return None  # not bound to the chain (FORMAT.md §4.1): never a path
         return None if m is None else m.total_bytes
+
+    def unbound(self, version: int, run_has_deltas: bool | None = None) -> str | None:
+        """Why snapshot ``version`` must not be used (FORMAT.md §4.1), or None when it may.
+
+        At V > 0 the committed delta manifest of V must carry a
+        ``weights_digest`` equal to the snapshot's; that delta is read here
+        (one small object). ``run_has_deltas``: whether the run holds any
+        delta (a snapshot-only run, ``transfer="full"``, binds nothing);
+        None: the store is listed to find out, only when delta V is absent.
+        Logged once per snapshot and reader: a planted snapshot is worth a line.
+        """
+        if version in self._unbound:
+            return self._unbound[version]
+        why = _unbound_reason(self, version, run_has_deltas)
+        self._unbound[version] = why
+        if why is not None:
+            log.warning("%s: snapshot %d is not used: %s", self.store.url, version, why)
+        return why
+
+
+def _unbound_reason(reader: ManifestReader, version: int, run_has_deltas: bool | None) -> str | None:
+    from aurora_store.lineage.binding import manifest_weights_digest, snapshot_unbound
+
+    if version == 0:
+        return None
+    sm = reader.get("snapshot", version)
+    if sm is None:
+        return f"its manifest is missing or unreadable ({reader.why('snapshot', version)})"
+    where = reader.store.where(manifest_key("snapshot", version))
+    try:
+        s_digest = manifest_weights_digest(sm.extra, where)
+    except ManifestError as e:
+        return str(e)
+    dm = reader.get("delta", version)
+    d_digest = None
+    if dm is not None:
+        try:
+            d_digest = manifest_weights_digest(dm.extra, reader.store.where(manifest_key("delta", version)))
+        except ManifestError as e:
+            return str(e)
+    elif run_has_deltas is None:
+        if reader._has_deltas is None:
+            reader._has_deltas = bool(scan_versions(reader.store).deltas)
+        run_has_deltas = reader._has_deltas
+    return snapshot_unbound(version, s_digest, d_digest, dm is not None, bool(run_has_deltas))
+
+
+def bound_index(index: VersionIndex, reader: ManifestReader) -> VersionIndex:
+    """``index`` without the snapshots that are not bound to the chain (FORMAT.md §4.1).
+
+    Reads the manifest of each snapshot at V > 0 and of the delta at V (small
+    objects, each read once per ``reader``); what a planner without a
+    :data:`~aurora_store.lineage.plan.Cost` must be given.
+    """
+    has = bool(index.deltas)
+    drop = {("snapshot", v) for v in index.snapshots if reader.unbound(v, has) is not None}
+    return index.without(drop)
+
+
+def check_weights_digest(store: Store, m: Manifest, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Refuse weights read from snapshot ``m`` whose digest differs from its ``weights_digest``.
+
+    A snapshot without the field (an older writer) passes: at V > 0 the
+    planner never picks one (it is not bound), and version 0 is the root.
+    """
+    from aurora_store.apply.sink import weights_digest
+    from aurora_store.lineage.binding import manifest_weights_digest
+
+    where = store.where(manifest_key(m.kind, m.version))
+    want = manifest_weights_digest(m.extra, where)
+    if want is None:
+        return
+    got = weights_digest(tensors)
+    if got != want:
+        raise IntegrityError(f"{where}: the shards hold weights with digest {got[:19]}…, the manifest says {want[:19]}…")
 
 
 def fetch_objects(store: Store, m: Manifest, streams: int = DEFAULT_STREAMS, then: Callable[[str, bytes], T] | None = None) -> list[tuple[str, T]]:
@@ -134,23 +281,30 @@ def fetch_delta(
     streams: int = DEFAULT_STREAMS,
     expect_base_state: str | None = None,
     manifest: Manifest | None = None,
+    trust: TrustKeys | None = None,
 ) -> tuple[Manifest, StagedDelta]:
     """Fetch, verify, decode and validate delta ``version``. Applies nothing.
 
     ``manifest``: the version's manifest when the caller already read it
     (a :class:`ManifestReader`); read from the store otherwise.
+    ``trust``: as for :func:`read_manifest`, checked before any segment is read.
     """
     from aurora_store.format.checkpoint import assemble_staged
 
     if manifest is not None and (manifest.kind, manifest.version) != ("delta", version):
         raise ValueError(f"fetch_delta({version}) was handed the manifest of {manifest.kind} {manifest.version}")
-    m = manifest if manifest is not None else read_manifest(store, "delta", version)
+    if manifest is not None:
+        check_trusted(store, manifest, trust)
+    m = manifest if manifest is not None else read_manifest(store, "delta", version, trust)
     if expect_base_state is not None and m.base_state != expect_base_state:
         raise ChainError(
             f"{store.where(manifest_key('delta', version))}: base_state {m.base_state} does not match "
             f"the held version's state {expect_base_state}"
         )
-    segs = fetch_objects(store, m, streams, lambda where, data: decode_segment(data, where, model))
+    # One guard for the whole version: overlaps and the decode budget are checked
+    # as entries arrive, across the segments being decoded in parallel.
+    guard = VersionGuard.for_manifest(m.params, model)
+    segs = fetch_objects(store, m, streams, lambda where, data: decode_segment(data, where, model, guard))
     staged = assemble_staged(segs, version)
     declared = {n: int(p.get("nnz", 0)) for n, p in m.params.items()}
     counted: dict[str, int] = {}
@@ -167,11 +321,15 @@ def fetch_delta(
 
 
 def fetch_snapshot(
-    store: Store, version: int, streams: int = DEFAULT_STREAMS, manifest: Manifest | None = None
+    store: Store,
+    version: int,
+    streams: int = DEFAULT_STREAMS,
+    manifest: Manifest | None = None,
+    trust: TrustKeys | None = None,
 ) -> tuple[Manifest, dict[str, torch.Tensor]]:
     """Fetch and verify a snapshot; returns its fused tensors (on the CPU).
 
-    ``manifest`` as for :func:`fetch_delta`.
+    ``manifest`` and ``trust`` as for :func:`fetch_delta`.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load
@@ -180,10 +338,13 @@ def fetch_snapshot(
 
     if manifest is not None and (manifest.kind, manifest.version) != ("snapshot", version):
         raise ValueError(f"fetch_snapshot({version}) was handed the manifest of {manifest.kind} {manifest.version}")
-    m = manifest if manifest is not None else read_manifest(store, "snapshot", version)
+    if manifest is not None:
+        check_trusted(store, manifest, trust)
+    m = manifest if manifest is not None else read_manifest(store, "snapshot", version, trust)
     tensors: dict[str, torch.Tensor] = {}
     objects: list[tuple[str, bytes]] = fetch_objects(store, m, streams)
     for where, data in objects:
+        check_header_length(data, where)  # before the library parses a header of any size
         try:
             part = load(data)
         except (SafetensorError, ValueError, RuntimeError) as e:
@@ -205,6 +366,7 @@ def fetch_snapshot(
                 store.where(manifest_key("snapshot", version)),
                 f"{name}: shard holds {list(t.shape)} {t.dtype}, params say {list(specs[name].shape)} {specs[name].dtype}",
             )
+    check_weights_digest(store, m, tensors)
     return m, tensors
 
 
@@ -213,6 +375,8 @@ def materialize(
     target: int,
     streams: int = DEFAULT_STREAMS,
     progress: Callable[[str], None] | None = None,
+    trust: TrustKeys | None = None,
+    commits: CommitRecords | None = None,
 ) -> tuple[dict[str, torch.Tensor], str]:
     """Full fused weights of version ``target``: newest usable snapshot, then deltas.
 
@@ -221,11 +385,18 @@ def materialize(
     checks (damaged bytes, a bad manifest) is set aside with a ``progress``
     note and the chain is planned again without it: an older snapshot and
     more deltas reach the same version. A damaged delta is not skipped (no
-    other path crosses it) and its error propagates.
+    other path crosses it) and its error propagates. ``trust``: every
+    manifest used is checked (:func:`read_manifest`); an untrusted snapshot
+    is planned around like a damaged one, an untrusted delta refused.
     """
     from aurora_store.apply.sink import FusedWeights, apply_delta
 
-    index = scan_versions(store)
+    reader = ManifestReader(store, trust, commits)
+    listed = scan_versions(store)
+    index = bound_index(listed, reader)
+    if progress:
+        for s in sorted(listed.snapshots - index.snapshots):
+            progress(f"snapshot {s} is not used: {reader.unbound(s)}")
     refused: set[tuple[str, int]] = set()
     while True:
         plan = plan_chain(index.without(refused), target)
@@ -233,8 +404,11 @@ def materialize(
             why = f" (snapshot(s) {sorted(v for _, v in refused)} failed their checks)" if refused else ""
             raise ChainError(f"version {target} is unreachable: no usable snapshot at or below it{why}")
         try:
-            sm, tensors = fetch_snapshot(store, plan.snapshot, streams)
-        except (FormatError, IntegrityError) as e:
+            known = reader.get("snapshot", plan.snapshot)
+            if known is None and commits is not None:  # refused by its record: say why, never re-read unchecked
+                known = read_manifest(store, "snapshot", plan.snapshot, trust, commits)
+            sm, tensors = fetch_snapshot(store, plan.snapshot, streams, known, trust=trust)
+        except (FormatError, IntegrityError, VersionNotFound) as e:
             refused.add(("snapshot", plan.snapshot))
             if progress:
                 progress(f"snapshot {plan.snapshot} is unusable ({e}); planning around it")
@@ -245,7 +419,8 @@ def materialize(
     state = sm.state
     sink = FusedWeights(tensors)
     for v in plan.deltas:
-        m, staged = fetch_delta(store, v, sink.specs(), streams, expect_base_state=state)
+        known = read_manifest(store, "delta", v, trust, commits) if commits is not None else None
+        m, staged = fetch_delta(store, v, sink.specs(), streams, expect_base_state=state, manifest=known, trust=trust)
         apply_delta(staged, sink)
         state = m.state
         if progress:

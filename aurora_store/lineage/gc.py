@@ -71,11 +71,13 @@ def retention_floor(snapshots: Iterable[int], keep_snapshots: int) -> int | None
 def retained(kind: str, version: int, floor: int | None) -> bool:
     """Whether the rule alone keeps ``kind`` ``version``: the floor snapshot and everything after it.
 
-    The delta *at* the floor goes: the snapshot there replaces it as the start of every chain.
+    The delta *at* the floor stays too: its ``weights_digest`` is what binds the
+    floor snapshot to the chain (FORMAT.md §4.1); without it no reader would use
+    that snapshot.
     """
     if floor is None:
         return True
-    return version > floor or (kind == "snapshot" and version == floor)
+    return version >= floor
 
 
 @dataclass(slots=True)
@@ -143,6 +145,8 @@ def _needed_by(lin: Lineage, held: frozenset[int]) -> set[VersionId]:
         else:
             if chain.snapshot is not None:
                 need.add(("snapshot", chain.snapshot))
+                if ("delta", chain.snapshot) in lin.manifests:
+                    need.add(("delta", chain.snapshot))  # binds that snapshot (FORMAT.md §4.1)
             need.update(("delta", v) for v in chain.deltas)
         need.update(("delta", v) for v in index.deltas if v > h)
     return need

@@ -21,12 +21,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import re
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +47,7 @@ from aurora_store.format.manifest import (
     new_attempt_id,
     version_dir,
 )
+from aurora_store.lineage.binding import MODEL_FIELD, WEIGHTS_DIGEST_FIELD, ModelFile, model_listing
 
 __all__ = [
     "PublishConfig",
@@ -58,6 +60,9 @@ __all__ = [
     "estimate_delta_bytes",
 ]
 
+if TYPE_CHECKING:
+    from aurora_store.format.signing import Signer
+
 log = logging.getLogger("aurora.publish")
 
 
@@ -66,6 +71,7 @@ def _utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 _MIB = 1 << 20
+_WEIGHTS_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 #: Target size of one snapshot shard.
 DEFAULT_SHARD_BYTES = 1 << 30
@@ -208,8 +214,28 @@ def publish_delta(
     producer: Mapping[str, Any] | None = None,
     attempt: str | None = None,
     created_at: str | None = None,
+    signer: Signer | None = None,
+    weights_digest: str | None = None,
+    commit: Callable[[str, int, bytes], None] | None = None,
 ) -> Manifest:
     """Encode, upload and commit delta ``version`` on top of a base with ``base_state``.
+
+    ``weights_digest``: the FORMAT.md §4.1 digest of the weights this delta
+    produces (:func:`aurora_store.apply.sink.weights_digest`). Required at a
+    version that also gets a snapshot (publish the delta first): it is what
+    binds that snapshot to the chain, so readers use the snapshot only if
+    the two digests are equal. Allowed at any other version.
+
+    ``signer``: sign the manifest (FORMAT.md §4.1); None writes it unsigned.
+    Signatures are deterministic, so a retry still writes equal bytes.
+
+    ``commit``: Redis-commit mode (FORMAT.md §1;
+    :meth:`aurora_store.coordination.commit.RedisCommitLog.publish_callback`):
+    called with ``(kind, version, manifest bytes)`` before the manifest is
+    written; it records the commit (first writer wins) or raises
+    :class:`~aurora_store.errors.VersionConflict`. The manifest is then
+    written over whatever the store holds at its key (the record, not the
+    store, decided). None: the create-only manifest write is the commit.
 
     ``attempt`` and ``created_at`` (default: new ones) make a retry of a
     publish whose answer was lost write the very same segment and manifest
@@ -260,9 +286,20 @@ def publish_delta(
         base_state=base_state,
         producer={"name": PRODUCER_NAME, "version": __version__, **(producer or {})},
         created_at=created_at or _utc_now(),
+        extra=_checked_digest(weights_digest),
     )
-    store.put(manifest_key("delta", version), m.to_bytes(), mode="create")
+    if signer is not None:
+        m = signer.sign(m)  # last: the signature covers the manifest exactly as written
+    _commit(store, "delta", version, m.to_bytes(), commit)
     return m
+
+
+def _checked_digest(digest: str | None) -> dict[str, Any]:
+    if digest is None:
+        return {}
+    if not _WEIGHTS_DIGEST.fullmatch(digest):
+        raise ConfigError(f"weights_digest {digest[:80]!r} is not 'sha256:' + 64 hex digits")
+    return {WEIGHTS_DIGEST_FIELD: digest}
 
 
 def publish_snapshot(
@@ -275,15 +312,25 @@ def publish_snapshot(
     producer: Mapping[str, Any] | None = None,
     attempt: str | None = None,
     created_at: str | None = None,
+    signer: Signer | None = None,
+    model: Sequence[ModelFile] | None = None,
+    commit: Callable[[str, int, bytes], None] | None = None,
 ) -> Manifest:
     """Write full weights (fused names) as shards, then the manifest.
 
-    ``attempt`` and ``created_at``: as for :func:`publish_delta` (a retry writes equal bytes).
+    ``attempt``, ``created_at``, ``signer`` and ``commit``: as for :func:`publish_delta` (a retry writes equal bytes).
+
+    The manifest carries the ``weights_digest`` of ``tensors`` (FORMAT.md
+    §4.1); at ``version`` > 0 readers use the snapshot only if the delta of
+    that version, published before, carries the same digest. ``model``: the
+    files under ``model/`` (version 0's manifest lists them, FORMAT.md §1).
 
     ``state`` is the state of the version captured; ``None`` for the first
     snapshot of a run, whose state is its own content digest.
     """
     from safetensors.torch import save
+
+    from aurora_store.apply.sink import weights_digest
 
     cfg = config or PublishConfig()
     attempt = attempt or new_attempt_id()
@@ -331,6 +378,21 @@ def publish_snapshot(
         state=state if state is not None else content_digest(segments),
         producer={"name": PRODUCER_NAME, "version": __version__, **(producer or {})},
         created_at=created_at or _utc_now(),
+        extra={
+            WEIGHTS_DIGEST_FIELD: weights_digest({n: t.detach().cpu().contiguous() for n, t in tensors.items()}),
+            **({MODEL_FIELD: model_listing(model)} if model is not None else {}),
+        },
     )
-    store.put(manifest_key("snapshot", version), m.to_bytes(), mode="create")
+    if signer is not None:
+        m = signer.sign(m)  # last: the signature covers the manifest exactly as written
+    _commit(store, "snapshot", version, m.to_bytes(), commit)
     return m
+
+
+def _commit(store: Any, kind: str, version: int, data: bytes, commit: Callable[[str, int, bytes], None] | None) -> None:
+    """Write the manifest: the commit point (create-only), or after ``commit`` recorded it (Redis-commit mode)."""
+    if commit is None:
+        store.put(manifest_key(kind, version), data, mode="create")
+        return
+    commit(kind, version, data)
+    store.put(manifest_key(kind, version), data, mode="overwrite")

@@ -6,14 +6,18 @@ re-hashes objects. Notebooks and ``aurora lineage`` are built on it.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aurora_store.errors import AuroraError
 from aurora_store.format.manifest import Manifest, parse_version_dir, version_dir
 from aurora_store.storage import Store
+
+if TYPE_CHECKING:
+    from aurora_store.format.signing import TrustKeys
 
 __all__ = ["VersionRow", "Lineage", "read_lineage", "layer_of"]
 
@@ -35,6 +39,9 @@ class VersionRow:
     """Elements of the parameters listed (all of them for a snapshot)."""
     segments: int
     created_at: str
+    key_id: str | None = None
+    """Key id of the manifest's signature (FORMAT.md §4.1), as written; None: unsigned.
+    Verified only when :func:`read_lineage` was given trust keys."""
 
     @property
     def density(self) -> float | None:
@@ -93,8 +100,18 @@ def layer_of(param: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def read_lineage(store: Store) -> Lineage:
-    """Read every manifest of the run and classify every object under it."""
+def _key_id(m: Manifest) -> str | None:
+    sig = m.extra.get("signature")
+    kid = sig.get("key_id") if isinstance(sig, dict) else None
+    return kid if isinstance(kid, str) else None
+
+
+def read_lineage(store: Store, trust: TrustKeys | None = None) -> Lineage:
+    """Read every manifest of the run and classify every object under it.
+
+    ``trust``: a manifest these keys do not accept (unsigned, untrusted or bad
+    signature) is a problem, and left out like an unreadable one.
+    """
     lin = Lineage(store.url)
     keys = store.list()
     by_vdir: dict[tuple[str, int], list[str]] = {}
@@ -111,7 +128,10 @@ def read_lineage(store: Store) -> Lineage:
             lin.orphans.extend(ks)  # never committed: every object is an orphan
             continue
         try:
-            m = Manifest.from_bytes(store.get(mkey), store.where(mkey))
+            data = store.get(mkey)
+            m = Manifest.from_bytes(data, store.where(mkey))
+            if trust is not None:
+                trust.check_json(json.loads(data), store.where(mkey), kind, v)
         except AuroraError as e:
             lin.problems.append(str(e))
             continue
@@ -129,6 +149,7 @@ def read_lineage(store: Store) -> Lineage:
                 numel=m.numel,
                 segments=len(m.segments),
                 created_at=m.created_at,
+                key_id=_key_id(m),
             )
         )
     # Density over the whole model, when a snapshot tells us its size.

@@ -6,16 +6,22 @@ object at fault, so one run tells an operator everything that is wrong.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from aurora_store.codec.entries import ParamSpec
 from aurora_store.config import DEFAULT_STREAMS
-from aurora_store.errors import AuroraError
+from aurora_store.errors import AuroraError, SegmentError
+from aurora_store.format.limits import VersionGuard
 from aurora_store.format.manifest import Manifest, content_digest, manifest_key
 from aurora_store.format.segment import decode_segment
 from aurora_store.lineage.fetch import fetch_objects
 from aurora_store.lineage.report import Lineage, read_lineage
 from aurora_store.storage import Store
+
+if TYPE_CHECKING:
+    from aurora_store.format.signing import TrustKeys
 
 __all__ = ["VerifyReport", "verify_run"]
 
@@ -51,6 +57,7 @@ def verify_run(
     deep: bool = False,
     streams: int = DEFAULT_STREAMS,
     progress: Callable[[str], None] | None = None,
+    trust: TrustKeys | None = None,
 ) -> VerifyReport:
     """Verify versions in ``[first, last]`` (all by default).
 
@@ -59,10 +66,13 @@ def verify_run(
     digest (checked when the manifest is parsed); a snapshot's state equals
     the delta's at the same version, or is its own content digest when it is
     the first version of the run. With ``deep``, every segment is also decoded
-    and validated (FORMAT.md §3) against the run's model.
+    and validated (FORMAT.md §3) against the run's model, the version as a
+    whole too (no overlapping entries, the declared ``nnz``). With ``trust``,
+    every manifest must be signed by one of its keys (FORMAT.md §4.1): one
+    that is not is a problem and none of its objects is read.
     """
     rep = VerifyReport()
-    lin = read_lineage(store)
+    lin = read_lineage(store, trust)
     rep.problems.extend(lin.problems)
     if lin.orphans:
         rep.warnings.append(f"{len(lin.orphans)} orphan object(s) (uncommitted publish attempts); `aurora gc` removes them")
@@ -75,7 +85,7 @@ def verify_run(
     for gap in lin.gaps:
         if lo <= gap <= hi:
             rep.problems.append(f"{store.where(manifest_key('delta', gap))}: version {gap} is missing (no delta and no snapshot)")
-    model = None
+    model: dict[str, ParamSpec] | None = None
     for (kind, v), m in sorted(lin.manifests.items(), key=lambda x: (x[0][1], x[0][0] != "snapshot")):
         if kind == "snapshot":
             model = m.param_specs()
@@ -106,12 +116,27 @@ def verify_run(
     return rep
 
 
-def _check_objects(store: Store, m: Manifest, deep: bool, model: object, streams: int, rep: VerifyReport) -> list[str]:
+def _check_objects(
+    store: Store, m: Manifest, deep: bool, model: Mapping[str, ParamSpec] | None, streams: int, rep: VerifyReport
+) -> list[str]:
+    """Size and sha256 of every object; with ``deep``, what applying the delta would check.
+
+    A deep check decodes every segment through one :class:`VersionGuard`, as
+    ``fetch_delta`` does: entries of one parameter that overlap, across
+    segments or within one, are a problem (apply refuses them), and so are a
+    segment of another version and a per-parameter ``nnz`` that differs from
+    the manifest's. The decoded entries are not kept.
+    """
     out: list[str] = []
+    guard = VersionGuard.for_manifest(m.params, model) if deep else None
 
     def check(where: str, data: bytes) -> int:
-        if deep:
-            decode_segment(data, where, model)  # type: ignore[arg-type]
+        if guard is not None:
+            seg = decode_segment(data, where, model, guard)
+            if seg.version != m.version or seg.base_version != m.version - 1:
+                raise SegmentError(
+                    where, f"belongs to version {seg.version} (base {seg.base_version}), expected {m.version} (base {m.version - 1})"
+                )
         return len(data)
 
     try:
@@ -120,4 +145,13 @@ def _check_objects(store: Store, m: Manifest, deep: bool, model: object, streams
         rep.checked_bytes += sum(n for _, n in sizes)
     except AuroraError as e:
         out.append(str(e))
+        return out
+    if guard is not None:
+        declared = {n: int(p.get("nnz", 0)) for n, p in m.params.items()}
+        for name in sorted(guard.nnz.keys() | declared.keys()):
+            if declared.get(name, 0) != guard.nnz.get(name, 0):
+                out.append(
+                    f"{store.where(manifest_key(m.kind, m.version))}: params[{name!r}].nnz is "
+                    f"{declared.get(name, 0)}, segments carry {guard.nnz.get(name, 0)}"
+                )
     return out

@@ -146,7 +146,9 @@ class Store(abc.ABC):
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **self._options(opts))
         except (ImportError, ValueError, TypeError) as e:
-            raise ConfigError(f"cannot open store {url!r}: {e}") from None
+            from aurora_store.redact import redact_text, redact_url
+
+            raise ConfigError(f"cannot open store {redact_url(url)!r}: {redact_text(str(e))}") from None
         self.root = root.rstrip("/")
         self.protocol = protocol_of(self.fs)
         self._never = threading.Event()  # waited on for back-off delays; never set

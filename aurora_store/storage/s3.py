@@ -2,7 +2,7 @@
 
 The create-only write is :class:`~aurora_store.storage.remote.RemoteStore`'s
 (``PutObject`` with ``If-None-Match: *``; ``412 Precondition Failed``
-arrives as ``FileExistsError``). This module adds what is S3's own: the
+arrives as ``FileExistsError``, whatever the body of the answer says). This module adds what is S3's own: the
 client's timeouts and pool size from :class:`~aurora_store.storage.base.StoreConfig`,
 no listing cache (other processes write the run), one request per object,
 the ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` endpoint, and the one
@@ -101,8 +101,37 @@ class S3Store(RemoteStore):
             raise out from e
 
 
+def _status_412(e: BaseException) -> bool:
+    """``e`` (or an error it was translated from) is an HTTP 412 Precondition Failed answer.
+
+    Why: s3fs turns a 412 into ``FileExistsError`` only when the body's
+    ``Condition`` names ``If-None-Match`` (AWS does; many S3-compatible
+    servers send another body, or none, and botocore then reports the code
+    ``"412"``); otherwise it becomes a plain ``OSError`` that looks transient.
+    The status code is the answer, whatever the body says.
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        response = getattr(cur, "response", None)
+        if isinstance(response, dict):
+            meta = response.get("ResponseMetadata") or {}
+            err = response.get("Error") or {}
+            if meta.get("HTTPStatusCode") == 412 or err.get("Code") in ("PreconditionFailed", "412"):
+                return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def _classify(what: str, e: BaseException) -> BaseException:
     """The error to raise for an (s3fs-translated) error ``e``."""
+    if not isinstance(e, FileExistsError) and _status_412(e):
+        if what.startswith("put "):
+            # Our only conditional request is the create-only put: 412 means "the key exists",
+            # and the verb reads it back (our earlier attempt, or a VersionConflict).
+            return FileExistsError(f"{what}: 412 Precondition Failed (the key exists)")
+        return StoreError(f"{what}: 412 Precondition Failed")
     if isinstance(e, (PermissionError, IsADirectoryError, NotADirectoryError, ValueError)):
         return StoreError(f"{what}: {type(e).__name__}: {e}")
     if isinstance(e, OSError):

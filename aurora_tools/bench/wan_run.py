@@ -199,6 +199,7 @@ def run_config(
         return f
 
     from aurora_store.coordination.keys import RunKeys
+    from aurora_store.coordination.redisconn import redis_child_env
 
     rk = RunKeys(run)
     steps_key = rk.wan("steps")
@@ -214,9 +215,11 @@ def run_config(
             rd_host, rd_port = tb.expose(reg, ("127.0.0.1", srv.redis_port))
             region_env[reg] = srv.env(f"http://{s3_host}:{s3_port}")
             region_redis[reg] = f"redis://{rd_host}:{rd_port}/0"
+            # Redis reaches the workers through their environment, never their argv (which ps shows).
+            region_env[reg].update(redis_child_env(region_redis[reg]))
         start_counters = _stats(tb, s3_up_port)
         trainer_args = [
-            "trainer", "--workload", "synthetic", "--store", origin, "--redis", srv.redis_url, "--run", run,
+            "trainer", "--workload", "synthetic", "--store", origin, "--run", run,
             "--steps", str(cfg.steps), "--batch", str(batch), "--group", str(wl.group), "--streams", str(S),
             "--transfer", spec.transfer, "--max-lag", str(spec.max_lag), "--split", cfg.split, "--params", str(wl.params),
             "--density", str(wl.density), "--gen-s-per-prompt", f"{per_prompt:.6f}", "--train-s", f"{wl.train(params):.6f}",
@@ -227,25 +230,25 @@ def run_config(
             *(["--digests"] if wl.digests else []),
         ]
         # Everything starts at once (imports overlap); Actors wait for the run's description.
-        procs["trainer"] = subprocess.Popen(_cli(*trainer_args), env=srv.env(), stdout=out("trainer"), stderr=subprocess.STDOUT)
+        procs["trainer"] = subprocess.Popen(_cli(*trainer_args), env={**srv.env(), **redis_child_env(srv.redis_url)}, stdout=out("trainer"), stderr=subprocess.STDOUT)
         if cfg.uses_relay:
             for reg in profiles:
                 procs[f"relay-{reg}"] = tb.popen(
-                    reg, _cli("relay", "--store", origin, "--mirror", f"file://{mirror_dir}/{reg}", "--redis", region_redis[reg], "--run", run,
+                    reg, _cli("relay", "--store", origin, "--mirror", f"file://{mirror_dir}/{reg}", "--run", run,
                               "--region", reg, "--streams", str(S)),
                     env=region_env[reg], stdout=out(f"relay-{reg}" if len(profiles) > 1 else "relay"), stderr=subprocess.STDOUT,
                 )
 
         def actor_argv(name: str, reg: str, slow: float, join: int | None = None) -> list[str]:
             a = [
-                "actor", "--workload", "synthetic", "--store", origin, "--redis", region_redis[reg], "--run", run, "--region", reg,
+                "actor", "--workload", "synthetic", "--store", origin, "--run", run, "--region", reg,
                 "--id", name, "--transfer", spec.transfer, "--streams", str(S), "--claim", str(2 * wl.prompts_per_actor),
                 "--slowdown", f"{slow:g}", "--hold-weights", "yes" if hold else "no",
                 *(["--digests"] if wl.digests and hold else []),
             ]
             if cfg.uses_relay:
                 # The region is deployed with a Relay: its Actors stage through it from the first version.
-                a += ["--relay-wait-s", "300"]
+                a += ["--relay-wait-s", "300", "--mirror", f"file://{mirror_dir}/{reg}"]
             if join is not None:
                 a += ["--join-at-version", str(join)]
             return _cli(*a)

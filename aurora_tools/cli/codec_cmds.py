@@ -11,11 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 from aurora_store.errors import ConfigError
-from aurora_store.options import storage_options
+from aurora_store.options import sign_key_path, storage_options
 from aurora_tools.cli.console import say
 
 __all__ = [
     "add_encode_args",
+    "add_commit_args",
     "cmd_snapshot_create",
     "cmd_delta_create",
     "cmd_delta_apply",
@@ -79,6 +80,62 @@ def _publish_config(args: argparse.Namespace) -> Any:
     return PublishConfig.from_env(streams=args.streams, segment_bytes=seg, options=opts)
 
 
+def add_commit_args(p: argparse.ArgumentParser) -> None:
+    """``--commit-via {store,redis}`` and the ``--redis URL`` that Redis-commit mode needs (FORMAT.md §1)."""
+    p.add_argument(
+        "--commit-via", choices=("store", "redis"), default="store",
+        help="store (default): the create-only manifest write commits a version, and the store is first "
+        "checked to honour create-only writes; redis: a Redis record commits it, for S3-compatible servers "
+        "that ignore conditional writes (needs --redis and --run; Redis must persist its data)",
+    )
+    p.add_argument(
+        "--redis", default=None, metavar="URL",
+        help="the run's Redis, with --commit-via redis (default: $AURORA_REDIS_URL)",
+    )
+
+
+def _commit(args: argparse.Namespace, store: Any) -> tuple[Any, Any]:
+    """``(commit callback, commit records)`` of this publish; ``(None, None)`` when the store commits.
+
+    Runs the checks of :func:`~aurora_store.coordination.commit.prepare_commit`
+    before any weight is read or byte uploaded: a store that does not honour
+    create-only writes is refused (unless ``--commit-via redis``), and so is
+    a Redis that does not persist its data. Sets ``args.run`` to its default
+    (``run``) when the store commits.
+    """
+    via = getattr(args, "commit_via", "store")
+    if via != "redis":
+        from aurora_store.storage.probe import require_create_only
+
+        require_create_only(store)
+        if args.run is None:
+            args.run = "run"
+        return None, None
+    if args.run is None:
+        raise ConfigError("--commit-via redis needs --run NAME (the commit records live under the run's Redis keys)")
+    url = getattr(args, "redis", None) or os.environ.get("AURORA_REDIS_URL")
+    if not url:
+        raise ConfigError("--commit-via redis needs --redis URL (or AURORA_REDIS_URL)")
+    from aurora_store.coordination.commit import RedisCommitLog, prepare_commit
+    from aurora_store.coordination.redisconn import connect
+
+    client = connect(url)  # closed when the command's process ends
+    return prepare_commit(store, client, args.run, "redis"), RedisCommitLog(client, args.run)
+
+
+def _signer(args: argparse.Namespace) -> Any:
+    """The Signer of ``--sign-key`` / ``AURORA_SIGN_KEY`` (None: write unsigned)."""
+    from aurora_store.format.signing import signer_from_option
+
+    return signer_from_option(sign_key_path(getattr(args, "sign_key", None)), getattr(args, "key_id", None))
+
+
+def _trust(args: argparse.Namespace) -> Any:
+    from aurora_tools.cli.store_cmds import trust_of
+
+    return trust_of(args)
+
+
 def _load_weights(path: str) -> dict[str, Any]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -99,12 +156,14 @@ def cmd_snapshot_create(args: argparse.Namespace) -> int:
     from aurora_store.storage import open_store
 
     store = open_store(args.store, storage_options(args.storage_option))
+    signer = _signer(args)  # a bad key fails before any work
+    commit, commits = _commit(args, store)  # so does a store that cannot commit
     w = _load_weights(args.weights)
     fused = fuse_weights(w, plan_of(w, args.tied_lm_head, args.weights))
     index = scan_versions(store)
     v = args.version
     if v in index.deltas:
-        state = read_manifest(store, "delta", v).state
+        state = read_manifest(store, "delta", v, commits=commits).state
     elif index.latest is None or v == 0:
         state = None  # first version of the run: its own content digest
     else:
@@ -113,7 +172,7 @@ def cmd_snapshot_create(args: argparse.Namespace) -> int:
             "a snapshot must capture a version the chain reaches (or be the first of the run)"
         )
     t0 = time.perf_counter()
-    m = publish_snapshot(store, args.run, v, fused, state, _publish_config(args))
+    m = publish_snapshot(store, args.run, v, fused, state, _publish_config(args), signer=signer, commit=commit)
     say(
         f"snapshot {v}: {len(m.segments)} shard(s), {m.total_bytes} bytes, state {m.state[:19]}… in {time.perf_counter() - t0:.2f}s -> {store.url}"
     )
@@ -128,14 +187,16 @@ def cmd_delta_create(args: argparse.Namespace) -> int:
     from aurora_store.storage import open_store
 
     store = open_store(args.store, storage_options(args.storage_option))
+    signer = _signer(args)  # a bad key fails before any work
     v = args.version
     if v < 1:
         raise ConfigError(f"delta {v}: version must be >= 1")
+    commit, commits = _commit(args, store)  # a store that cannot commit fails before any work
     index = scan_versions(store)
     if v - 1 in index.deltas:
-        base_m = read_manifest(store, "delta", v - 1)
+        base_m = read_manifest(store, "delta", v - 1, commits=commits)
     elif v - 1 in index.snapshots:
-        base_m = read_manifest(store, "snapshot", v - 1)
+        base_m = read_manifest(store, "snapshot", v - 1, commits=commits)
     else:
         raise ConfigError(f"delta {v}: its base version {v - 1} is not committed in {store.url}")
     base, new = _load_weights(args.base), _load_weights(args.new)
@@ -153,8 +214,12 @@ def cmd_delta_create(args: argparse.Namespace) -> int:
                 f"delta {v}: {args.base} does not describe the run's model (first differences: {diff})"
             )
     t0 = time.perf_counter()
+    from aurora_store.apply.sink import weights_digest
+
+    # The digest of the new weights binds a snapshot of this version (`aurora snapshot create`, FORMAT.md §4.1).
     m = publish_delta(
-        store, args.run, v, extract(plan, base, new), base_m.state, _publish_config(args)
+        store, args.run, v, extract(plan, base, new), base_m.state, _publish_config(args), signer=signer,
+        commit=commit, weights_digest=weights_digest(new, plan),
     )
     numel = plan_numel = sum(p.spec.numel for p in plan)
     say(
@@ -201,7 +266,8 @@ def cmd_delta_apply(args: argparse.Namespace) -> int:
     if os.path.isdir(args.out):
         raise ConfigError(f"--out {args.out}: is a folder; give a file name")
     store = open_store(args.store, storage_options(args.storage_option))
-    tensors, state = materialize(store, args.version, progress=say)
+    trust = _trust(args)
+    tensors, state = materialize(store, args.version, progress=say, trust=trust)
     meta = {"aurora.version": str(args.version), "aurora.state": state}
 
     def write(tmp: str) -> None:

@@ -19,7 +19,13 @@ from collections.abc import Callable, Sequence
 
 from aurora_store import __version__
 from aurora_store.errors import AuroraError
-from aurora_store.options import add_redis_args, add_storage_option, add_store_args
+from aurora_store.options import (
+    add_redis_args,
+    add_sign_key_args,
+    add_storage_option,
+    add_store_args,
+    add_trust_key_arg,
+)
 from aurora_tools.cli import bench_cmds, codec_cmds, run_cmds, store_cmds
 
 __all__ = ["build_parser", "main"]
@@ -55,7 +61,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     sc = snap.add_parser("create", help="write WEIGHTS as snapshot V (fused names)")
     sc.add_argument("weights", metavar="WEIGHTS.safetensors")
     sc.add_argument("--version", type=int, required=True)
-    sc.add_argument("--run", default="run")
+    sc.add_argument("--run", default=None, help="run name (default: run; required with --commit-via redis)")
     sc.add_argument(
         "--tied-lm-head",
         action="store_true",
@@ -63,6 +69,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     add_store_args(sc)
     codec_cmds.add_encode_args(sc)
+    add_sign_key_args(sc)
+    codec_cmds.add_commit_args(sc)
     sc.set_defaults(func=codec_cmds.cmd_snapshot_create)
 
     delta = sub.add_parser("delta", help="sparse delta versions").add_subparsers(
@@ -72,21 +80,25 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     dc.add_argument("base", metavar="BASE.safetensors")
     dc.add_argument("new", metavar="NEW.safetensors")
     dc.add_argument("--version", type=int, required=True)
-    dc.add_argument("--run", default="run")
+    dc.add_argument("--run", default=None, help="run name (default: run; required with --commit-via redis)")
     dc.add_argument("--tied-lm-head", action="store_true")
     add_store_args(dc)
     codec_cmds.add_encode_args(dc)
+    add_sign_key_args(dc)
+    codec_cmds.add_commit_args(dc)
     dc.set_defaults(func=codec_cmds.cmd_delta_create)
     da = delta.add_parser("apply", help="materialize version V: newest snapshot <= V, then deltas")
     da.add_argument("--version", type=int, required=True)
     da.add_argument("--out", required=True, metavar="FILE.safetensors")
     add_store_args(da)
+    add_trust_key_arg(da)
     da.set_defaults(func=codec_cmds.cmd_delta_apply)
 
     ln = sub.add_parser("lineage", help="one row per version; orphans and gaps called out")
     ln.add_argument("url", metavar="URL")
     ln.add_argument("--json", action="store_true")
     add_storage_option(ln, help=None)
+    add_trust_key_arg(ln)
     ln.set_defaults(func=store_cmds.cmd_lineage)
 
     vf = sub.add_parser("verify", help="re-hash every object, check chain continuity and state digests")
@@ -96,7 +108,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     vf.add_argument("--deep", action="store_true", help="also decode and validate every segment")
     vf.add_argument("-v", "--verbose", action="store_true")
     add_storage_option(vf, help=None)
+    add_trust_key_arg(vf)
     vf.set_defaults(func=store_cmds.cmd_verify)
+
+    kg = sub.add_parser("keygen", help="a new Ed25519 signing key: DIR/signing-key.pem (private, 0600) and DIR/signing-key.pub.pem")
+    kg.add_argument("--out", required=True, metavar="DIR", help="folder to write the two PEM files into (created if missing)")
+    kg.add_argument("--force", action="store_true", help="replace existing key files (a run signed with them can no longer be extended)")
+    kg.set_defaults(func=store_cmds.cmd_keygen)
 
     gc = sub.add_parser("gc", help="remove orphans and versions no retained chain needs (dry run by default)")
     store_cmds.add_gc_arguments(gc)
@@ -166,7 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except (AuroraError, OSError, ValueError) as e:
-        print(f"aurora: error: {e}", file=sys.stderr)
+        from aurora_store.redact import redact_text
+
+        print(f"aurora: error: {redact_text(str(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("aurora: interrupted", file=sys.stderr)

@@ -89,6 +89,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from aurora_store.coordination.redisconn import connect
     from aurora_store.coordination.status import collect_status, render
+    from aurora_store.redact import redact_text
 
     if args.watch is not None and args.watch <= 0:
         raise ConfigError(f"--watch {args.watch}: the refresh period must be positive")
@@ -106,6 +107,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 if args.watch is None:
                     raise ConfigError(f"Redis at {where}: {reason}") from None
                 text = f"Redis at {where}: {reason} (retrying)"
+            text = redact_text(text)  # a mirror URL read from Redis may carry credentials
             if args.watch is not None and tty and not args.json:
                 text = "\x1b[H\x1b[2J" + text
             elif args.watch is not None and not first and not args.json:

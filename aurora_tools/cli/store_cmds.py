@@ -4,19 +4,43 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from aurora_store.errors import ConfigError
-from aurora_store.options import add_storage_option, storage_options
+from aurora_store.options import add_storage_option, storage_options, trust_key_paths
 from aurora_tools.cli.console import say
 
-__all__ = ["add_gc_arguments", "cmd_lineage", "cmd_verify", "cmd_gc"]
+if TYPE_CHECKING:
+    from aurora_store.format.signing import TrustKeys
+
+__all__ = ["add_gc_arguments", "cmd_lineage", "cmd_verify", "cmd_gc", "cmd_keygen", "trust_of"]
+
+
+def trust_of(args: argparse.Namespace) -> TrustKeys | None:
+    """The :class:`~aurora_store.format.signing.TrustKeys` of ``--trust-key`` / ``AURORA_TRUST_KEYS``; None: no check."""
+    from aurora_store.format.signing import trust_from_option
+
+    return trust_from_option(trust_key_paths(getattr(args, "trust_key", None)))
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    """``aurora keygen --out DIR``: a new Ed25519 signing key pair."""
+    import os
+
+    from aurora_store.format.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keypair
+
+    signer = generate_keypair(args.out, overwrite=args.force)
+    priv, pub = os.path.join(args.out, PRIVATE_KEY_FILE), os.path.join(args.out, PUBLIC_KEY_FILE)
+    say(f"ed25519 key {signer.key_id}: {priv} (private, mode 0600: the Trainer's --sign-key), {pub} (readers' --trust-key)")
+    print(signer.key_id)
+    return 0
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
     from aurora_store.lineage.report import read_lineage
     from aurora_store.storage import open_store
 
-    lin = read_lineage(open_store(args.url, storage_options(args.storage_option)))
+    lin = read_lineage(open_store(args.url, storage_options(args.storage_option)), trust_of(args))
     if args.json:
         print(json.dumps(lin.to_json(), indent=1))
         return 0
@@ -26,6 +50,13 @@ def cmd_lineage(args: argparse.Namespace) -> int:
         dens = f"{100 * r.density:.3f}%" if r.density is not None else "-"
         base = "-" if r.base is None else str(r.base)
         print(f"{r.version:>8} {r.kind:<8} {base:>6} {r.state[7:23]:<20} {r.bytes:>12} {r.changed:>11} {dens:>8} {r.segments:>5}  {r.created_at}")
+    signers = sorted({r.key_id for r in lin.rows if r.key_id})
+    unsigned = sum(1 for r in lin.rows if r.key_id is None)
+    if signers:
+        checked = "verified" if getattr(args, "trust_key", None) or trust_key_paths(None) else "not verified: no --trust-key"
+        print(f"SIGNED by key(s) {', '.join(signers)} ({checked}){f'; {unsigned} version(s) unsigned' if unsigned else ''}")
+    elif lin.rows:
+        print("UNSIGNED: no version carries a signature")
     if lin.gaps:
         print(f"GAPS: version(s) {lin.gaps[:20]} have neither a delta nor a snapshot")
     if lin.orphans:
@@ -40,7 +71,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from aurora_store.storage import open_store
 
     store = open_store(args.url, storage_options(args.storage_option))
-    rep = verify_run(store, args.from_version, args.to_version, deep=args.deep, progress=say if args.verbose else None)
+    rep = verify_run(
+        store, args.from_version, args.to_version, deep=args.deep, progress=say if args.verbose else None,
+        trust=trust_of(args),
+    )
     for w in rep.warnings:
         say(f"warning: {w}")
     for p in rep.problems:

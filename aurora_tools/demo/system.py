@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from aurora_store.coordination.redisconn import connect
+from aurora_store.coordination.redisconn import connect, redis_child_env, resolve_redis_url
+from aurora_store.redact import install_redaction, redact_url, redacted_repr
 from aurora_store.storage import Store, open_store
 from workers.common import Endpoints, RunKeys, read_digests
 from workers.trainer import TrainerConfig
@@ -64,6 +65,10 @@ class DemoConfig:
     """The Actors' engine: ``torch`` or ``vllm`` (the model then gets vLLM-CPU-sized heads)."""
     mirror_grace_s: float | None = None
     """The eu Actors' wait for the Relay's mirror before reading origin (None: the Actor's default)."""
+    redis_password_file: str | None = None
+    """The password of ``redis`` (a URL without one), handed to the children by name, never by value."""
+
+    __repr__ = redacted_repr
 
 
 @dataclass(slots=True)
@@ -153,9 +158,12 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
         if cfg.redis is None:
             rs = RedisServer().start()
             servers.append(rs)
-            redis_url = rs.url
+            redis_url = child_url = rs.url
         else:
-            redis_url = cfg.redis
+            child_url = cfg.redis
+            redis_url = resolve_redis_url(cfg.redis, cfg.redis_password_file)
+        # The children get Redis through their environment: argv is world-readable (ps, /proc/*/cmdline).
+        env.update(redis_child_env(child_url, cfg.redis_password_file))
         mirror_url = None
         if cfg.store is None:
             s3 = S3Server().start()
@@ -168,13 +176,13 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
         else:
             origin_url = cfg.store
             mirror_url = f"file://{os.path.abspath(os.path.join(workdir, 'mirror-eu'))}"
-        say(f"store  {origin_url}\nredis  {redis_url}\nlogs   {logdir}")
+        say(f"store  {origin_url}\nredis  {redact_url(redis_url)}\nlogs   {logdir}")
         r = connect(redis_url)
         keys = RunKeys(cfg.run)
         procs = _Procs(env, logdir)
         kill_at = cfg.steps // 3 if cfg.kill_at is None else cfg.kill_at
         join_at = 2 * cfg.steps // 3 if cfg.join_at is None else cfg.join_at
-        common = ["--redis", redis_url, "--run", cfg.run]
+        common = ["--run", cfg.run]  # --redis: in the environment (AURORA_REDIS_URL)
         actors: list[tuple[str, str]] = [(f"eu-{i}", "eu") for i in range(cfg.actors_relay)] + [(f"us-{i}", "us") for i in range(cfg.actors_origin)]
         events: list[str] = []
         killed = joined = 0
@@ -224,7 +232,9 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
             procs.start("relay-eu", ["relay", "--store", origin_url, "--mirror", mirror_url, *common, "--region", "eu"])
         grace = ["--mirror-grace-s", str(cfg.mirror_grace_s)] if cfg.mirror_grace_s is not None else []
         for name, region in actors:
-            procs.start(name, ["actor", "--store", origin_url, *common, "--region", region, "--id", name, "--engine", cfg.engine, *grace])
+            # The eu Actors are told their mirror; the Relay's key only says that it is alive.
+            mirror = ["--mirror", mirror_url] if region == "eu" and mirror_url is not None else []
+            procs.start(name, ["actor", "--store", origin_url, *common, "--region", region, "--id", name, "--engine", cfg.engine, *grace, *mirror])
         if 0 < join_at < cfg.steps:
             # Started now so its imports are done, it joins when the run reaches join_at.
             procs.start("us-late", ["actor", "--store", origin_url, *common, "--region", "us", "--id", "us-late", "--join-at-version", str(join_at), "--engine", cfg.engine])
@@ -334,7 +344,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch", type=int, default=d.batch)
     p.add_argument("--store", default=None, metavar="URL", help="use this run root instead of a local S3 server")
-    p.add_argument("--redis", default=None, metavar="URL", help="use this Redis instead of a local one")
+    p.add_argument("--redis", default=None, metavar="URL", help="use this Redis instead of a local one (default: $AURORA_REDIS_URL, else a local one)")
+    p.add_argument("--redis-password-file", default=None, metavar="FILE", help="first line: the password of --redis (default: $AURORA_REDIS_PASSWORD_FILE)")
     p.add_argument("--run", default=d.run)
     p.add_argument("--dir", default="demo-run", help="work folder (logs, local mirror)")
     p.add_argument("--json", action="store_true", help="no live display; print one JSON object at the end")
@@ -358,7 +369,9 @@ def main(args: argparse.Namespace) -> int:
 
         import_vllm()  # before any server starts: a missing vLLM is one clear line
     cfg = DemoConfig(
-        steps=args.steps, batch=args.batch, store=args.store, redis=args.redis, run=args.run,
+        steps=args.steps, batch=args.batch, store=args.store, run=args.run,
+        redis=args.redis or os.environ.get("AURORA_REDIS_URL") or None,
+        redis_password_file=args.redis_password_file or os.environ.get("AURORA_REDIS_PASSWORD_FILE") or None,
         workdir=os.path.abspath(args.dir), display=not args.json, relay=not args.no_relay,
         kill_at=args.kill_at, join_at=args.join_at, engine=args.engine,
     )
@@ -374,6 +387,7 @@ def main(args: argparse.Namespace) -> int:
         import logging
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    install_redaction()
     res = run_system_demo(cfg, say=say)
     ok = res.bit_identical and res.prompts_lost == 0 and res.accepted_twice == 0 and res.accepted_wrong_version == 0
     if args.json:

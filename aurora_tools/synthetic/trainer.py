@@ -146,7 +146,7 @@ class SyntheticTrainer(Trainer):
             for k in sorted(keys, key=lambda k: k != man):  # the manifest first: the version disappears before its objects
                 self.store.delete(k)
 
-    def _after_publish(self, v: int, state: str, kind: str, nbytes: int) -> None:
+    def _after_publish(self, v: int, state: str, kind: str, nbytes: int, digest: str | None = None) -> None:
         from aurora_store.coordination.bus import VERSION
         from workers.common import record_digest
 

@@ -38,7 +38,7 @@ def banner(state: dict[str, Any], background: bool = False) -> str:
         "Then, one per terminal:",
         f"  aurora trainer {common} --steps 20",
         f"  aurora relay   {common} --region eu --mirror {u['mirror']}",
-        f"  aurora actor   {common} --region eu",
+        f"  aurora actor   {common} --region eu --mirror {u['mirror']}",
         f"  aurora actor   {common} --region us",
         f"  aurora status  --redis {u['redis']} --run {run} --watch",
         "",

@@ -61,17 +61,22 @@ from aurora_store.errors import (
     VersionNotFound,
 )
 from aurora_store.format.checkpoint import StagedDelta
+from aurora_store.format.manifest import manifest_key
+from aurora_store.format.signing import TrustKeys
 from aurora_store.lineage.fetch import ManifestReader, fetch_delta, fetch_snapshot
 from aurora_store.lineage.plan import ChainPlan, VersionIndex, plan_chain, scan_versions
 from aurora_store.outage import Dependency, is_transient, riding
 from aurora_store.storage import Store, open_store
 from workers.actor.config import ActorConfig, ActorStats
+from workers.actor.held import chain_error, check_chain, check_reached, check_staged
 from workers.actor.quarantine import Quarantine, StagedFull, staged_nbytes
 from workers.common import (
     MODEL_CONFIG_KEY,
     TOKENIZER_KEY,
     Endpoints,
     RunKeys,
+    check_model_files,
+    read_expected_state,
     read_model_description,
     record_activation,
     record_digest,
@@ -164,11 +169,18 @@ class Actor:
         """The version no plan could reach: not looked for again before ``_replan_at``."""
         self._full_said = False
         self._mirror: tuple[str, Store] | None = None
+        """The configured mirror (``cfg.mirror``), opened at its first use."""
+        self._ignored_mirrors: set[str] = set()
+        """Mirror URLs read from Redis that are not the configured one (each logged once)."""
         self._missing_since: dict[int, float] = {}
         """version -> when the stager first found it missing from the region's mirror."""
         self._relay_progress: dict[int, float] = {}
         """version -> when the region's Relay last announced a segment of it."""
         self._mirror_behind = False
+        self._state_refused: tuple[int, int] | None = None
+        self._model_unchecked: dict[str, str] | None = None
+        """The model files read before any snapshot listed them (key -> sha256): checked at bootstrap."""
+        """(step, active version) last refused for its state: logged once."""
 
     # -- riding out outages ---------------------------------------------------------
     def _redis(self, fn: Callable[[], T], what: str) -> T:
@@ -254,7 +266,12 @@ class Actor:
 
         if self._wait_for_run("model description", described) is None:
             return
-        model, self.tokenizer = self._store(lambda: read_model_description(self.origin), "read the model description")
+        # Version 0's manifest lists the files (FORMAT.md §1), written right after them: one
+        # read before it exists (the Trainer still setting up) is checked once it does (bootstrap).
+        listed = self._store(lambda: self.origin.exists(manifest_key("snapshot", 0)) or bool(scan_versions(self.origin).snapshots), "look for version 0")
+        used: dict[str, str] = {}
+        model, self.tokenizer = self._store(lambda: read_model_description(self.origin, used, unlisted_ok=not listed), "read the model description")
+        self._model_unchecked = None if listed else used
         self.engine = make_engine(self.cfg.engine, self.tokenizer)
         self.engine.load(model)
 
@@ -268,6 +285,10 @@ class Actor:
         got = self._reach_newest()
         if got is None:
             return
+        if self._model_unchecked is not None:
+            used = self._model_unchecked
+            self._store(lambda: check_model_files(self.origin, used), "check the model files")
+            self._model_unchecked = None
         version, state = got
         self.active, self.active_state = version, state
         self.staged_version, self.staged_state = version, state
@@ -295,7 +316,7 @@ class Actor:
             if index is None:
                 return None
             usable = index.without(self.quarantine.blocked())
-            reader = ManifestReader(self.origin)
+            reader = ManifestReader(self.origin, self.cfg.trust)
             plan = self._store(partial(_newest_plan, usable, reader), "plan the bootstrap")
             if plan is None:
                 if not said:
@@ -311,7 +332,11 @@ class Actor:
                 continue
             except VersionNotFound:
                 continue  # removed while we read it (retention): plan again
-            self._load_full(full)
+            try:
+                self._load_full(full)
+            except INVALID as e:  # the engine reached other weights than the chain checked here
+                self.quarantine.failed("delta" if full.version > full.snapshot else "snapshot", full.version, e)
+                continue
             self.quarantine.forget_below(full.version)
             return full.version, full.state
         return None
@@ -327,14 +352,21 @@ class Actor:
         from aurora_store.codec.extract import spec_of
 
         assert plan.snapshot is not None
-        reader = reader or ManifestReader(store)
+        reader = reader or ManifestReader(store, self.cfg.trust)
         self._full_bytes = reader.cost("snapshot", plan.snapshot) or self._full_bytes
         if isinstance(self.engine, StoreStaging):
-            kind = "delta" if plan.deltas else "snapshot"
-            m = _attributed(kind, plan.target, lambda: _manifest(store, reader, kind, plan.target))
-            return StagedFull(plan.target, m.state, None, plan.snapshot, plan.bytes or 0)
+            # The chain is checked here, manifest by manifest, and handed to the engine,
+            # which reads none of them again (see workers.actor.held).
+            sn = plan.snapshot
+            chain = [_attributed("snapshot", sn, lambda: _manifest(store, reader, "snapshot", sn, self.cfg.trust))]
+            chain += [_attributed("delta", v, lambda v=v: _manifest(store, reader, "delta", v, self.cfg.trust)) for v in plan.deltas]  # type: ignore[misc]
+            broken = check_chain(chain)
+            if broken is not None:
+                raise _Refused("delta", broken, chain_error(broken, chain))
+            _attributed("delta" if plan.deltas else "snapshot", plan.target, lambda: self._check_expected(plan.target, chain[-1].state, store))
+            return StagedFull(plan.target, chain[-1].state, None, sn, plan.bytes or 0, manifests=tuple(chain))
         s = plan.snapshot
-        sm, tensors = _attributed("snapshot", s, lambda: fetch_snapshot(store, s, self.cfg.streams, reader.get("snapshot", s)))
+        sm, tensors = _attributed("snapshot", s, lambda: fetch_snapshot(store, s, self.cfg.streams, reader.get("snapshot", s), trust=self.cfg.trust))
         specs = self.engine.param_specs()
 
         def fits() -> None:
@@ -348,10 +380,11 @@ class Actor:
         sink, state = FusedWeights(tensors), sm.state
         for v in plan.deltas:
             m, staged = _attributed(
-                "delta", v, lambda v=v, st=state: fetch_delta(store, v, specs, self.cfg.streams, expect_base_state=st, manifest=reader.get("delta", v))  # type: ignore[misc]
+                "delta", v, lambda v=v, st=state: fetch_delta(store, v, specs, self.cfg.streams, expect_base_state=st, manifest=reader.get("delta", v), trust=self.cfg.trust)  # type: ignore[misc]
             )
             apply_delta(staged, sink)
             state = m.state
+        _attributed("delta" if plan.deltas else "snapshot", plan.target, lambda: self._check_expected(plan.target, state, store))
         return StagedFull(plan.target, state, tensors, s, plan.bytes or 0)
 
     def _load_full(self, full: StagedFull) -> None:
@@ -359,11 +392,10 @@ class Actor:
         if full.tensors is None:
             engine = self.engine
             assert isinstance(engine, StoreStaging)
-            v, state = self._store(
-                partial(engine.bootstrap_from_store, self.origin, self.ep.storage_options, full.version, self.cfg.streams), f"reach v{full.version}"
-            )
-            if (v, state) != (full.version, full.state):
-                raise ChainError(f"the engine reached v{v} ({state}), expected v{full.version} ({full.state})")
+            reach = partial(engine.bootstrap_from_store, self.origin, self.ep.storage_options, full.version, self.cfg.streams)
+            if full.manifests:
+                reach = partial(reach, manifests=full.manifests)
+            check_reached(full.version, full.state, self._store(reach, f"reach v{full.version}"))
         else:
             self.engine.load_weights(full.tensors, version=full.version)
 
@@ -402,19 +434,43 @@ class Actor:
         return (url.decode() if url else None), _int_or_none(head), _int_or_none(commit)
 
     def _source(self, relay_url: str | None) -> tuple[Store, str | None]:
-        """The region's mirror while its Relay heartbeats, else origin."""
-        if relay_url:
-            if self._mirror is None or self._mirror[0] != relay_url:
-                self._mirror = (relay_url, open_store(relay_url))
-            return self._mirror[1], self.cfg.region
-        return self.origin, None
+        """The configured mirror while the region's Relay heartbeats with its URL, else origin.
+
+        The key says whether the Relay is alive, never where to read: a URL
+        that is not the configured one (``--mirror``) is logged once and ignored.
+        """
+        if not self._trusted_mirror(relay_url):
+            return self.origin, None
+        if self._mirror is None:
+            assert self.cfg.mirror is not None
+            self._mirror = (self.cfg.mirror, open_store(self.cfg.mirror, dict(self.cfg.mirror_options)))
+        return self._mirror[1], self.cfg.region
+
+    def _trusted_mirror(self, relay_url: str | None) -> bool:
+        """Whether the region's Relay heartbeats (``relay_url`` set) with the configured mirror."""
+        if not relay_url:
+            return False
+        if self.cfg.mirror is not None and _same_root(relay_url, self.cfg.mirror):
+            return True
+        if relay_url not in self._ignored_mirrors and len(self._ignored_mirrors) < 64:
+            self._ignored_mirrors.add(relay_url)
+            why = "it is not this Actor's --mirror" if self.cfg.mirror is not None else "this Actor has no --mirror"
+            log.warning(
+                "%s: the Relay key of region %s names mirror %s; ignored (%s): reading origin",
+                self.cfg.actor_id, self.cfg.region, _shown_url(relay_url), why,
+            )
+        return False
 
     def _fetch_delta(self, store: Store, version: int) -> tuple[Any, StagedDelta | RemoteStaged]:
-        if isinstance(self.engine, StoreStaging):
-            opts = self.ep.storage_options if store is self.origin else {}
-            return self.engine.stage_from_store(store, opts, version, self.staged_state, self.cfg.streams)
         known = self._manifests.get("delta", version) if self._manifests is not None and self._manifests.store is store else None
-        return fetch_delta(store, version, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state, manifest=known)
+        if isinstance(self.engine, StoreStaging):
+            # Read (and checked) here once, handed to the engine, and compared with what it staged.
+            opts = self.ep.storage_options if store is self.origin else self.cfg.mirror_options
+            m = known if known is not None else _manifest(store, None, "delta", version, self.cfg.trust)
+            got, staged = self.engine.stage_from_store(store, opts, version, self.staged_state, self.cfg.streams, manifest=m)
+            check_staged(version, m, got, staged)
+            return m, staged
+        return fetch_delta(store, version, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state, manifest=known, trust=self.cfg.trust)
 
     def _staged_bytes(self) -> int:
         with self.lock:
@@ -475,6 +531,7 @@ class Actor:
             t0 = time.perf_counter()
             try:
                 m, staged = self._fetch_delta(store, v)
+                self._check_expected(v, m.state, store)
             except VersionNotFound:
                 if store is self.origin:
                     if head is not None and v <= head:
@@ -554,7 +611,7 @@ class Actor:
         if not reachable:
             return self._no_way(broken, f"no version after v{self.staged_version} up to v{goal} at {store.url}")
         target = max(reachable)
-        reader = ManifestReader(store)
+        reader = ManifestReader(store, self.cfg.trust)
         try:
             plan = plan_chain(index, target, held=self.staged_version, cost=reader.cost)
         except (ChainError, VersionNotFound) as e:
@@ -612,8 +669,8 @@ class Actor:
 
     def _wait_for_relay(self) -> None:
         """``relay_wait_s``: give the region's Relay that long to appear before staging from origin."""
-        if self.cfg.relay_wait_s <= 0:
-            return
+        if self.cfg.relay_wait_s <= 0 or self.cfg.mirror is None:
+            return  # no mirror of our own: origin it is
         deadline = self.clock.monotonic() + self.cfg.relay_wait_s
         while not self.stop.is_set() and self.clock.monotonic() < deadline:
             with self.redis_dep.guard("look for the region's Relay"):
@@ -632,7 +689,7 @@ class Actor:
         while not self.stop.is_set():
             try:
                 url, head, commit = polled or self._poll()
-                new_region = self.cfg.region if url else None
+                new_region = self.cfg.region if self._trusted_mirror(url) else None
                 if new_region != region or last == "$":
                     # Source changed (Relay up or down): start from the newest entry.
                     last = self.bus.tail_id(new_region)
@@ -710,13 +767,22 @@ class Actor:
                 return
             staged, state, stage_s = item
             t0 = time.perf_counter()
+            try:
+                self._check_expected(staged.version, state, None)
+            except ChainError as e:
+                self._refused_state(staged.version, e)
+                return
             with self._weights:
-                if isinstance(staged, StagedFull):
-                    self._load_full(staged)
-                    self.stats.rebootstraps += 1
-                    log.info("%s swapped in v%d (snapshot %d and %d delta(s))", self.cfg.actor_id, staged.version, staged.snapshot, staged.version - staged.snapshot)
-                else:
-                    self.engine.apply(staged)
+                try:
+                    if isinstance(staged, StagedFull):
+                        self._load_full(staged)
+                        self.stats.rebootstraps += 1
+                        log.info("%s swapped in v%d (snapshot %d and %d delta(s))", self.cfg.actor_id, staged.version, staged.snapshot, staged.version - staged.snapshot)
+                    else:
+                        self.engine.apply(staged)
+                except INVALID as e:
+                    self._refused_at_activation(staged, e)
+                    return
                 self.active, self.active_state = staged.version, state
                 act_s = time.perf_counter() - t0
                 me, v, digest = self.cfg.actor_id, self.active, self.engine.digest()
@@ -726,11 +792,75 @@ class Actor:
             self._redis(self._heartbeat, "heartbeat")
             log.info("%s activated v%d (staged in %.3fs, applied in %.4fs)", self.cfg.actor_id, self.active, stage_s, act_s)
 
+    def _refused_at_activation(self, staged: Any, e: BaseException) -> None:
+        """The engine refused (or misreported) a staged version: quarantine it, drop what was staged on it.
+
+        The stager then stages again from the active version, at origin. An
+        engine left holding unchecked weights (it reports another version
+        than the active one) is loaded again from origin before it generates.
+        """
+        kind = "snapshot" if isinstance(staged, StagedFull) and staged.version == staged.snapshot else "delta"
+        log.error("%s: refused to activate v%d: %s", self.cfg.actor_id, staged.version, e)
+        self.quarantine.failed(kind, staged.version, e)
+        with self.lock:
+            self.staged.clear()
+            self.staged_version, self.staged_state = self.active, self.active_state
+        if getattr(self.engine, "version", self.active) != self.active:
+            got = self._reach_newest()
+            if got is not None:
+                with self.lock:
+                    self.staged.clear()
+                    self.active, self.active_state = got
+                    self.staged_version, self.staged_state = got
+                self._redis(partial(record_digest, self.redis, self.keys, self.cfg.actor_id, self.active, self.engine.digest()), "record a digest")
+
+    # -- the Trainer's expected states ------------------------------------------------
+    def _check_expected(self, version: int, state: str, store: Store | None) -> None:
+        """Refuse (:class:`~aurora_store.errors.ChainError`) a version whose state is not the one the Trainer recorded.
+
+        A chain can be self-consistent and still not the Trainer's (a mirror
+        that forged a delta on the true base, and everything after it); the
+        record in Redis (``state:trainer``) names the state the Trainer
+        published. No record (an older Trainer, a Redis that lost its data):
+        nothing to compare with, and the chain's own checks stand alone.
+        """
+        want = self._redis(lambda: read_expected_state(self.redis, self.keys, version), "read an expected state")
+        if want is not None and want != state:
+            src = f" from {store.url}" if store is not None else ""
+            raise ChainError(f"v{version}{src}: state {state[:19]}… is not the state the Trainer recorded ({want[:19]}…)")
+
+    def _refused_state(self, version: int, e: BaseException) -> None:
+        """A staged version is not the Trainer's (its record came after it was staged): drop what was staged.
+
+        Nothing is quarantined: the bytes may be fine at origin. The stager
+        stages again from the active version, and now checks each version
+        against the record before staging it, so a mirror that forged it
+        loses to origin.
+        """
+        log.error("%s: refused to activate v%d: %s", self.cfg.actor_id, version, e)
+        with self.lock:
+            self.staged.clear()
+            self.staged_version, self.staged_state = self.active, self.active_state
+
+    def _step_state_held(self, step: int) -> bool:
+        """Whether step ``step`` asks for the state this Actor holds: never claim a lease for another one."""
+        raw = self._redis(lambda: self.redis.hget(self.keys.step(step), "state"), "read a step's state")
+        want = raw.decode("ascii", "replace") if isinstance(raw, bytes) else raw
+        if want is None or want == self.active_state:
+            return True
+        if self._state_refused != (step, self.active):
+            self._state_refused = (step, self.active)
+            log.error(
+                "%s: step %d asks for state %s… on v%d, this Actor holds %s…: not claiming",
+                self.cfg.actor_id, step, str(want)[:19], self.active, self.active_state[:19],
+            )
+        return False
+
     # -- work -------------------------------------------------------------------------
     def _work_once(self) -> bool:
         ledger = riding(self.ledger, self.redis_dep, self.stop)
         for s, sv, _ in ledger.open_step_info():
-            if sv != self.active:
+            if sv != self.active or not self._step_state_held(s):
                 continue
             status, leases = ledger.claim(self.cfg.actor_id, s, self.cfg.claim)
             if status == "not_alive":
@@ -842,12 +972,38 @@ def _missing_bucket(store: Store) -> str | None:
         return None
 
 
+def _same_root(a: str, b: str) -> bool:
+    """Whether two run-root URLs name the same place (a trailing ``/`` aside)."""
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def _shown_url(url: str) -> str:
+    """``url`` fit for a log line: no user or password, no query, at most 200 characters.
+
+    It came from Redis: untrusted, and possibly carrying credentials.
+    """
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        host = u.hostname or ""
+        port = f":{u.port}" if u.port else ""
+        shown = f"{u.scheme}://{host}{port}{u.path}" if u.scheme else "(not a URL)"
+    except ValueError:
+        shown = "(not a URL)"
+    return repr(shown[:200])
+
+
 def _nonempty(index: VersionIndex) -> VersionIndex | None:
     return index if index.latest is not None else None
 
 
-def _manifest(store: Store, reader: ManifestReader, kind: str, version: int) -> Any:
-    from aurora_store.lineage.fetch import read_manifest
+def _manifest(store: Store, reader: ManifestReader | None, kind: str, version: int, trust: TrustKeys | None = None) -> Any:
+    """The manifest ``reader`` holds, else read now; either way accepted by ``trust`` (FORMAT.md §4.1)."""
+    from aurora_store.lineage.fetch import check_trusted, read_manifest
 
-    m = reader.get(kind, version)
-    return m if m is not None else read_manifest(store, kind, version)
+    m = reader.get(kind, version) if reader is not None else None
+    if m is not None:
+        check_trusted(store, m, trust)  # the reader may have been made without it
+        return m
+    return read_manifest(store, kind, version, trust)

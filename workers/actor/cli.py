@@ -3,23 +3,45 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
-from aurora_store.options import add_common_args, add_outage_budget_arg
+from aurora_store.errors import ConfigError
+from aurora_store.format.signing import trust_from_option
+from aurora_store.options import (
+    add_common_args,
+    add_outage_budget_arg,
+    add_trust_key_arg,
+    trust_key_paths,
+)
+from aurora_store.options import storage_options as parse_storage_options
 from aurora_store.outage import outage_budget_s
 from workers.actor.actor import Actor
 from workers.actor.config import ActorConfig
 from workers.common import Endpoints
 
-__all__ = ["add_arguments", "config_from_args", "main", "run_until_stopped"]
+__all__ = ["MIRROR_OPTIONS_ENV", "add_arguments", "config_from_args", "main", "mirror_options", "run_until_stopped"]
+
+MIRROR_OPTIONS_ENV = "AURORA_ACTOR_MIRROR_OPTIONS"
+"""Storage options of the mirror as a JSON object (credentials off the command line)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``aurora actor`` (the GRPO Actor)."""
     d = ActorConfig.__dataclass_fields__
     add_common_args(p, store_help="run root at origin")
-    p.add_argument("--region", default=d["region"].default, help="region name; the Actor uses its Relay's mirror while it is alive")
+    p.add_argument("--region", default=d["region"].default, help="region name; the Actor uses its Relay's mirror (--mirror) while it is alive")
+    p.add_argument(
+        "--mirror", default=None, metavar="URL",
+        help="run root of the region's mirror, the only one this Actor reads (default $AURORA_ACTOR_MIRROR; none: origin only)",
+    )
+    p.add_argument(
+        "--mirror-option", action="append", metavar="KEY=VALUE",
+        help=f"fsspec option of the mirror store (repeatable; or ${MIRROR_OPTIONS_ENV}, a JSON object)",
+    )
+    add_trust_key_arg(p)
     p.add_argument("--id", dest="actor_id", default=None, help="Actor id (default: random)")
     p.add_argument("--engine", default=d["engine"].default, choices=("torch", "vllm"), help="vllm: pip install 'aurora-store[vllm]' (docs/WORKERS.md)")
     p.add_argument("--claim", type=int, default=d["claim"].default, help="prompts per generation batch")
@@ -51,17 +73,36 @@ def config_from_args(args: argparse.Namespace, engine: str | None = None) -> Act
     staged_mib = getattr(args, "max_staged_mib", None)
     return ActorConfig.from_env(
         actor_id=args.actor_id or None, region=args.region, engine=engine or args.engine, claim=args.claim,
+        mirror=getattr(args, "mirror", None) or None, mirror_options=mirror_options(getattr(args, "mirror_option", None)) or None,
         slowdown=args.slowdown, seed=args.seed, mirror_grace_s=args.mirror_grace_s, relay_wait_s=args.relay_wait_s,
         streams=args.streams, outage_budget_s=outage_budget_s(getattr(args, "outage_budget_s", None)),
         max_staged_bytes=None if staged_mib is None else max(1, int(staged_mib * (1 << 20))),
+        trust=trust_from_option(trust_key_paths(getattr(args, "trust_key", None))),
     )
+
+
+def mirror_options(pairs: list[str] | None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``--mirror-option`` pairs over ``AURORA_ACTOR_MIRROR_OPTIONS`` (a JSON object)."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    raw = env.get(MIRROR_OPTIONS_ENV)
+    if raw:
+        try:
+            got = json.loads(raw)
+        except ValueError:
+            got = None
+        if not isinstance(got, dict):
+            raise ConfigError(f"{MIRROR_OPTIONS_ENV} must be a JSON object of storage options") from None
+        out.update(got)
+    out.update(parse_storage_options(pairs, "--mirror-option"))
+    return out
 
 
 def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
     """``aurora actor``: run until SIGTERM or SIGINT (a graceful leave)."""
     from workers.common import limit_torch_threads, setup_logging
 
-    setup_logging(f"actor[{args.actor_id or ''}]")
+    setup_logging(f"actor[{args.actor_id or ''}]", debug_loggers=getattr(args, "debug_logger", None))
     limit_torch_threads()
     cfg = config_from_args(args)
     return run_until_stopped(Actor(Endpoints(args.store, args.redis, args.run, storage_options), cfg), args.join_at_version)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from aurora_store.config import Backoff, from_env, streams_field
 from aurora_store.errors import ConfigError
+from aurora_store.format.signing import TrustKeys
 from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV
 
 __all__ = ["ENV_PREFIX", "ActorConfig", "ActorStats"]
@@ -32,6 +34,20 @@ class ActorConfig:
     """Name in the ledger (default: ``actor-`` and 8 random hex digits)."""
     region: str = "default"
     """Region: the Actor stages from its Relay's mirror while that Relay heartbeats."""
+    mirror: str | None = None
+    """Run root of the region's mirror (``--mirror``, env ``AURORA_ACTOR_MIRROR``): the only
+    mirror this Actor reads, and only while the region's Relay heartbeats with this URL. The
+    Relay's key in Redis says whether the mirror is alive, never where it is: whoever can
+    write Redis must not be able to point the region's Actors at a store of their choice.
+    None: origin only."""
+    mirror_options: Mapping[str, Any] = field(default_factory=dict, repr=False, metadata={"env": False})
+    """fsspec storage options of the mirror (``--mirror-option``, env
+    ``AURORA_ACTOR_MIRROR_OPTIONS`` as a JSON object): a mirror in another account has its
+    own credentials. May hold secrets: never logged."""
+    trust: TrustKeys | None = field(default=None, metadata={"env": False})
+    """Accept only versions signed by these keys (FORMAT.md §4.1; ``--trust-key``, env
+    ``AURORA_TRUST_KEYS``): an unsigned, untrusted or badly signed manifest, from origin or
+    the mirror, is refused before any of its segments is read, and quarantined. None: no check."""
     engine: str = "torch"
     """Inference engine (``torch``, ``vllm``; see :func:`workers.engine.make_engine`)."""
     claim: int = 8
@@ -105,6 +121,10 @@ class ActorConfig:
             raise ConfigError(f"outage_backoff.initial_s must be > 0, got {self.outage_backoff.initial_s}")
         if self.outage_budget_s <= 0 or self.run_poll_s <= 0:
             raise ConfigError(f"outage_budget_s and run_poll_s must be > 0 (got {self.outage_budget_s}, {self.run_poll_s})")
+        if self.mirror is not None and "://" not in self.mirror:
+            raise ConfigError(f"mirror must be a URL (file:///path, s3://bucket/prefix), got {self.mirror!r}")
+        if self.mirror is None and self.mirror_options:
+            raise ConfigError("mirror options were given without a mirror (--mirror URL)")
         if self.max_staged_bytes < 1:
             raise ConfigError(f"max_staged_bytes must be >= 1, got {self.max_staged_bytes}")
         if self.temperature < 0 or self.slowdown <= 0 or self.mirror_grace_s < 0 or self.relay_wait_s < 0:

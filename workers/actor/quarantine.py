@@ -125,6 +125,9 @@ class StagedFull:
     nbytes: int
     """Bytes fetched to build it."""
     base_version: int = -1
+    manifests: tuple[Any, ...] = ()
+    """For an engine that reaches the version itself: the chain this Actor checked (the
+    snapshot's manifest, then each delta's), handed to the engine so it reads none again."""
 
 
 def staged_nbytes(item: Any) -> int:

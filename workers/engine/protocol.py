@@ -163,15 +163,34 @@ class StoreStaging(Protocol):
     """
 
     def bootstrap_from_store(
-        self, store: Store, storage_options: Mapping[str, Any] | None = None, version: int | None = None, streams: int = DEFAULT_STREAMS
+        self,
+        store: Store,
+        storage_options: Mapping[str, Any] | None = None,
+        version: int | None = None,
+        streams: int = DEFAULT_STREAMS,
+        manifests: Sequence[Manifest] | None = None,
     ) -> tuple[int, str]:
-        """Reach ``version`` (default: the newest) from the store; returns (version, state)."""
+        """Reach ``version`` (default: the newest) from the store; returns (version, state) as the workers hold it.
+
+        ``manifests``: the chain the caller checked (snapshot, then deltas):
+        followed exactly, no manifest read again.
+        """
         ...
 
     def stage_from_store(
-        self, store: Store, storage_options: Mapping[str, Any] | None, version: int, expect_base_state: str | None, streams: int = DEFAULT_STREAMS
+        self,
+        store: Store,
+        storage_options: Mapping[str, Any] | None,
+        version: int,
+        expect_base_state: str | None,
+        streams: int = DEFAULT_STREAMS,
+        manifest: Manifest | None = None,
     ) -> tuple[Manifest, RemoteStaged | StagedDelta]:
-        """Stage delta ``version`` on top of ``expect_base_state``; ``apply`` takes the handle."""
+        """Stage delta ``version`` on top of ``expect_base_state``; ``apply`` takes the handle.
+
+        ``manifest``: the one the caller checked, handed to the workers (never
+        read twice); the handle's ``state`` is what the workers staged.
+        """
         ...
 
 

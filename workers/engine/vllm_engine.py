@@ -52,6 +52,8 @@ from aurora_store.errors import (
     AuroraError,
     ChainError,
     ConfigError,
+    EngineError,
+    IntegrityError,
     ModelMismatchError,
     error_from_wire,
 )
@@ -274,19 +276,39 @@ class VLLMEngine:
             self._version = version
 
     def bootstrap_from_store(
-        self, store: Store, storage_options: Mapping[str, Any] | None = None, version: int | None = None, streams: int = DEFAULT_STREAMS
+        self,
+        store: Store,
+        storage_options: Mapping[str, Any] | None = None,
+        version: int | None = None,
+        streams: int = DEFAULT_STREAMS,
+        manifests: Sequence[Manifest] | None = None,
     ) -> tuple[int, str]:
         """Reach ``version`` (default: the newest) inside the workers: snapshot, then deltas, in place.
 
-        Returns (version, state). Nothing crosses into this process but the answer.
+        Returns (version, state), as every rank reports it. ``manifests``: the
+        chain the caller checked (snapshot manifest, then each delta's, ending
+        at ``version``); the workers follow exactly it, read no manifest
+        themselves, and write nothing before every object of it is verified.
+        Ranks that report another version or state than that chain's end
+        raise :class:`~aurora_store.errors.EngineError`: the weights they hold
+        are not the checked ones. Nothing else crosses into this process.
         """
         with self._lock:
             self._need()
             url = _readable(store)
-            out = self._call_all("aurora_bootstrap", url, dict(storage_options or {}), version, streams)[0]
+            wire = None if manifests is None else [m.to_bytes() for m in manifests]
+            if manifests is not None and (not manifests or (version is not None and manifests[-1].version != version)):
+                raise ChainError(f"bootstrap to v{version}: the handed chain does not end there")
+            outs = self._call_all("aurora_bootstrap", url, dict(storage_options or {}), version, streams, wire)
             self._weights_changed()
-            self._version = int(out["version"])
-            return self._version, str(out["state"])
+            got = {(int(o["version"]), str(o["state"])) for o in outs}
+            v, state = next(iter(got))
+            self._version = v
+            if len(got) > 1 or (manifests is not None and (v, state) != (manifests[-1].version, manifests[-1].state)):
+                self._version = None  # holds nothing anyone checked
+                said = "" if manifests is None else f"; the Actor checked v{manifests[-1].version} ({manifests[-1].state})"
+                raise IntegrityError(f"vLLM's ranks report {sorted(got)} after a bootstrap{said}")
+            return v, state
 
     def stage_from_store(
         self,
@@ -295,30 +317,43 @@ class VLLMEngine:
         version: int,
         expect_base_state: str | None,
         streams: int = DEFAULT_STREAMS,
+        manifest: Manifest | None = None,
     ) -> tuple[Manifest, RemoteStaged | StagedDelta]:
         """Stage delta ``version`` in the workers (they fetch, verify and decode it themselves).
 
         Returns its manifest and a handle for :meth:`apply`. Only the
-        manifest is read here (it names the state the Actor settles with);
-        generation goes on while the workers stage. A ``memory://`` store
-        is read here instead and the delta shipped at activation.
+        manifest is read here (it names the state the Actor settles with),
+        or ``manifest`` is the one the caller already read and checked; it
+        is handed to the workers, which never read it again (a store that
+        answers a second read differently cannot slip them other weights),
+        and every rank must report staging its state
+        (:class:`~aurora_store.errors.IntegrityError` otherwise). Generation
+        goes on while the workers stage. A ``memory://`` store is read here
+        instead and the delta shipped at activation.
         """
-        m = read_manifest(store, "delta", version)
+        if manifest is not None and (manifest.kind, manifest.version) != ("delta", version):
+            raise ValueError(f"stage_from_store({version}) was handed the manifest of {manifest.kind} {manifest.version}")
+        m = manifest if manifest is not None else read_manifest(store, "delta", version)
         if expect_base_state is not None and m.base_state != expect_base_state:
             raise ChainError(
                 f"{store.where(manifest_key('delta', version))}: base_state {m.base_state} does not match "
                 f"the held version's state {expect_base_state}"
             )
         if store.url.startswith("memory://"):
-            _, staged = fetch_delta(store, version, self.param_specs(), streams, expect_base_state)
+            _, staged = fetch_delta(store, version, self.param_specs(), streams, expect_base_state, manifest=m)
             return m, staged
         with self._lock:
             self._need()
-            self._call_all("aurora_stage", store.url, dict(storage_options or {}), version, expect_base_state, streams)
+            self._call_all("aurora_stage", store.url, dict(storage_options or {}), version, expect_base_state, streams, m.to_bytes())
         while True:
             with self._lock:
                 done = self._call_all("aurora_staged", version, 0.0)
             if all(d is not None for d in done):
+                states = {str(d["state"]) for d in done}
+                if states != {m.state}:
+                    raise IntegrityError(
+                        f"delta {version}: vLLM's ranks staged state(s) {sorted(states)}, the manifest checked here says {m.state}"
+                    )
                 return m, RemoteStaged(version, version - 1, m.state, int(done[0]["nnz"]))
             time.sleep(self.config.stage_poll_s)
 
@@ -337,12 +372,29 @@ class VLLMEngine:
                     f"the engine holds version {self._version}"
                 )
             if isinstance(staged, RemoteStaged):
-                took = self._call_all("aurora_activate", staged.version)
+                # Each rank refuses, before writing, a staged delta of another state.
+                outs = self._call_all("aurora_activate", staged.version, staged.state)
+                took = [o["seconds"] for o in outs]
+                want: tuple[int, str] | None = (staged.version, staged.state)
             else:
-                took = self._call_all("aurora_apply", encode_entries(staged))
+                outs, took, want = [], self._call_all("aurora_apply", encode_entries(staged)), None
             self.last_apply_s = max(float(t) for t in took)
             self._weights_changed()
             self._version = staged.version
+            held = {(o["version"], o["state"]) for o in outs}
+            if want is not None and held != {want}:
+                self._version = None  # holds nothing anyone checked
+                raise IntegrityError(f"vLLM's ranks report {sorted(held)} after activating v{want[0]} ({want[1]})")
+
+    def held(self, digest: bool = False) -> tuple[int | None, str | None, str | None]:
+        """(version, state, weights digest when asked) as the workers hold them; ranks that disagree raise EngineError."""
+        with self._lock:
+            self._need()
+            outs = {(o["version"], o["state"], o.get("digest")) for o in self._call_all("aurora_held", digest)}
+        if len(outs) != 1:
+            raise EngineError(f"vLLM's ranks hold different versions: {sorted(outs, key=str)}")
+        v, state, d = next(iter(outs))
+        return (None if v is None else int(v)), (None if state is None else str(state)), (None if d is None else str(d))
 
     def digest(self) -> str:
         """``weights_digest`` computed inside the workers over vLLM's own parameters."""

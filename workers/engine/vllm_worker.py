@@ -39,8 +39,9 @@ import torch
 
 from aurora_store.apply.sink import apply_delta, weights_digest
 from aurora_store.codec.extract import spec_of
-from aurora_store.errors import ChainError, ConfigError, ModelMismatchError
+from aurora_store.errors import ChainError, ConfigError, IntegrityError, ModelMismatchError
 from aurora_store.format.checkpoint import StagedDelta
+from aurora_store.format.manifest import Manifest
 from aurora_store.lineage.fetch import fetch_delta, fetch_snapshot
 from aurora_store.lineage.plan import plan_chain, scan_versions
 from workers.engine.vllm_params import Held, keep_cpu_linear_on_live_weights
@@ -117,12 +118,30 @@ class AuroraWorkerExtension:
 
         return reply(go)
 
-    def aurora_bootstrap(self, url: str, options: Mapping[str, Any], version: int | None, streams: int) -> dict[str, Any]:
-        """Reach ``version`` (default: the newest) from the store: newest snapshot, then deltas in place."""
+    def aurora_bootstrap(
+        self,
+        url: str,
+        options: Mapping[str, Any],
+        version: int | None,
+        streams: int,
+        manifests: list[bytes] | None = None,
+        digest: bool = False,
+    ) -> dict[str, Any]:
+        """Reach ``version`` (default: the newest) from the store: newest snapshot, then deltas in place.
+
+        ``manifests``: the manifests the Actor checked (the snapshot's, then
+        each delta's, in order): the worker follows exactly that chain and
+        reads no manifest itself, and fetches every object of it before its
+        first write (a refusal leaves the weights as they were). Replies
+        ``{"version", "state"}`` (and ``"digest"`` when asked): what it applied.
+        """
 
         def go() -> dict[str, Any]:
             h = self._aurora_held()
             store = h.store(url, options)
+            if manifests is not None:
+                _bootstrap_checked(h, store, [_handed(b, f"handed manifest {i}") for i, b in enumerate(manifests)], streams)
+                return _held_reply(h, digest)
             index = scan_versions(store)
             target = index.latest if version is None else version
             if target is None:
@@ -152,19 +171,36 @@ class AuroraWorkerExtension:
         return reply(go)
 
     def aurora_stage(
-        self, url: str, options: Mapping[str, Any], version: int, expect_base_state: str | None, streams: int
+        self,
+        url: str,
+        options: Mapping[str, Any],
+        version: int,
+        expect_base_state: str | None,
+        streams: int,
+        manifest: bytes | None = None,
     ) -> dict[str, Any]:
-        """Start fetching, verifying and decoding delta ``version`` in the background; returns at once."""
+        """Start fetching, verifying and decoding delta ``version`` in the background; returns at once.
+
+        ``manifest``: the manifest the Actor read and checked; the worker
+        then never reads it from the store (a second read could get other
+        bytes: a mirror that changes its answer), and checks every segment
+        against that one.
+        """
 
         def go() -> None:
             h = self._aurora_held()
             store = h.store(url, options)
+            m = None
+            if manifest is not None:
+                m = _handed(manifest, f"handed manifest of delta {version}")
+                if (m.kind, m.version) != ("delta", version):
+                    raise IntegrityError(f"the manifest handed for delta {version} describes {m.kind} {m.version}")
             with h.lock:
                 old = h.staging.get(version)
                 if old is not None and not (old.done() and old.exception() is not None):
                     return  # already staged or on its way
                 h.staging[version] = h.pool.submit(
-                    fetch_delta, store, version, h.sink.specs(), streams, expect_base_state
+                    fetch_delta, store, version, h.sink.specs(), streams, expect_base_state, m
                 )
 
         return reply(go)
@@ -189,10 +225,15 @@ class AuroraWorkerExtension:
 
         return reply(go)
 
-    def aurora_activate(self, version: int) -> dict[str, Any]:
-        """Apply staged delta ``version`` in place; drop it and anything older. Returns seconds spent."""
+    def aurora_activate(self, version: int, expect_state: str | None = None, digest: bool = False) -> dict[str, Any]:
+        """Apply staged delta ``version`` in place; drop it and anything older.
 
-        def go() -> float:
+        ``expect_state``: the state the Actor settles with; a staged delta of
+        another state is refused before any write. Replies ``{"seconds",
+        "version", "state"}`` (and ``"digest"`` when asked): what this rank applied.
+        """
+
+        def go() -> dict[str, Any]:
             h = self._aurora_held()
             fut = h.staging.get(version)
             if fut is None:
@@ -203,13 +244,17 @@ class AuroraWorkerExtension:
                 with h.lock:
                     h.staging.pop(version, None)
                 raise
+            if expect_state is not None and m.state != expect_state:
+                raise IntegrityError(
+                    f"delta {version}: the worker staged state {m.state}, the Actor checked {expect_state}; nothing applied"
+                )
             t0 = time.perf_counter()
             _apply(h, staged, m.state)
             dt = time.perf_counter() - t0
             with h.lock:
                 for v in [v for v in h.staging if v <= version]:
                     h.staging.pop(v)
-            return dt
+            return {"seconds": dt, **_held_reply(h, digest)}
 
         return reply(go)
 
@@ -224,6 +269,10 @@ class AuroraWorkerExtension:
             return time.perf_counter() - t0
 
         return reply(go)
+
+    def aurora_held(self, digest: bool = False) -> dict[str, Any]:
+        """``{"version", "state"}`` this rank holds (and ``"digest"`` when asked)."""
+        return reply(lambda: _held_reply(self._aurora_held(), digest))
 
     def aurora_digest(self) -> dict[str, Any]:
         """``weights_digest`` of the whole model as the Trainer holds it (same bytes, same names)."""
@@ -269,6 +318,52 @@ class AuroraWorkerExtension:
             return time.perf_counter() - t0
 
         return reply(go)
+
+
+def _handed(data: bytes, where: str) -> Manifest:
+    """A manifest the Actor checked, handed over the RPC (parsed and validated again: cheap)."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise IntegrityError(f"{where}: not bytes")
+    return Manifest.from_bytes(bytes(data), where)
+
+
+def _held_reply(h: Held, digest: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"version": h.version, "state": h.state}
+    if digest:
+        out["digest"] = weights_digest(h.whole(), h.plan)
+    return out
+
+
+def _bootstrap_checked(h: Held, store: Any, chain: list[Manifest], streams: int) -> None:
+    """Reach the end of ``chain`` (a snapshot manifest, then delta manifests) exactly as the Actor planned it.
+
+    Continuity is checked on the manifests themselves, every object is
+    fetched and verified against them, and only then is anything written.
+    """
+    if not chain or chain[0].kind != "snapshot":
+        raise ChainError("a bootstrap chain starts with a snapshot manifest")
+    state = chain[0].state
+    for prev, m in zip(chain, chain[1:], strict=False):
+        if m.kind != "delta" or m.version != prev.version + 1 or m.base_state != state:
+            raise ChainError(f"handed chain: {m.kind} {m.version} does not continue {prev.kind} {prev.version} ({state})")
+        state = m.state
+    sm = chain[0]
+    _, tensors = fetch_snapshot(store, sm.version, streams, sm)
+    if set(tensors) != set(h.sink.tensors):
+        raise ModelMismatchError(
+            f"snapshot {sm.version} names {sorted(set(tensors) ^ set(h.sink.tensors))[:3]} that the model lacks or misses"
+        )
+    for name in sorted(tensors):
+        if spec_of(tensors[name], name) != h.sink.specs()[name]:
+            raise ModelMismatchError(f"snapshot {sm.version}: {name} does not fit the model")
+    deltas = [fetch_delta(store, m.version, h.sink.specs(), streams, m.base_state, m) for m in chain[1:]]
+    for name in sorted(tensors):
+        h.load_whole(name, tensors.pop(name))
+    h.version, h.state = sm.version, sm.state
+    for m, staged in deltas:
+        apply_delta(staged, h.sink)
+        h.version, h.state = m.version, m.state
+    _sync()
 
 
 def _apply(h: Held, staged: StagedDelta, state: str | None) -> None:

@@ -9,11 +9,15 @@ import threading
 from collections.abc import Sequence
 
 from aurora_store.errors import AuroraError
+from aurora_store.format.signing import trust_from_option
 from aurora_store.options import (
+    add_debug_logger_arg,
     add_outage_budget_arg,
     add_redis_args,
     add_store_args,
+    add_trust_key_arg,
     storage_options,
+    trust_key_paths,
 )
 from aurora_store.outage import outage_budget_s
 from workers.relay.config import RelayConfig, relay_config_from_env
@@ -30,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_store_args(p, store_help="run root at origin", option_help="fsspec option of the origin store (repeatable)")
     p.add_argument("--mirror", required=True, metavar="URL", help="run root of the region's mirror")
     p.add_argument("--mirror-option", action="append", metavar="KEY=VALUE", help="fsspec option of the mirror store (repeatable)")
-    add_redis_args(p, redis_help="redis://[user:password@]host:port/db or rediss://", run_help="run name (Redis namespace)")
+    add_redis_args(p, run_help="run name (Redis namespace)")
     p.add_argument("--region", required=True, help="region this Relay serves")
     p.add_argument("--heartbeat-s", type=float, default=d["heartbeat_s"].default, help="heartbeat period (default %(default)s)")
     p.add_argument("--ttl-s", type=float, default=d["ttl_s"].default, help="heartbeat key TTL (default %(default)s)")
@@ -47,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gc-every-s", type=float, default=d["gc_every_s"].default, metavar="S", help="clean the mirror this often; 0: never (default %(default)s)")
     p.add_argument("--grace-s", type=float, default=d["grace_s"].default, metavar="S", help="spare mirror orphans and temporary files younger than this (default %(default)s)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="Aurora's own loggers at DEBUG (vendors' stay at INFO: see --debug-logger)")
+    add_debug_logger_arg(p)
+    add_trust_key_arg(p)
 
 
 def config_from_args(args: argparse.Namespace) -> RelayConfig:
@@ -69,6 +75,7 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         keep_snapshots=args.keep_snapshots,
         gc_every_s=args.gc_every_s,
         grace_s=args.grace_s,
+        trust=trust_from_option(trust_key_paths(getattr(args, "trust_key", None))),
     )
 
 
@@ -76,7 +83,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     """``aurora relay``: run until SIGTERM or SIGINT, then delete the heartbeat key and exit 0."""
     from workers.common import install_stop_handlers, setup_logging
 
-    setup_logging(f"relay[{args.region}]", getattr(args, "verbose", False))
+    setup_logging(f"relay[{args.region}]", getattr(args, "verbose", False), getattr(args, "debug_logger", None))
     config = config_from_args(args)
     stop = threading.Event()
     install_stop_handlers(stop)
@@ -95,7 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run_from_args(args)
     except AuroraError as e:
-        print(f"aurora relay: error: {e}", file=sys.stderr)
+        from aurora_store.redact import redact_text
+
+        print(f"aurora relay: error: {redact_text(str(e))}", file=sys.stderr)
         return 1
 
 

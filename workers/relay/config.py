@@ -10,8 +10,10 @@ from typing import Any
 from aurora_store.config import Backoff, from_env, streams_field
 from aurora_store.coordination.keys import validate_run_name
 from aurora_store.errors import ConfigError
+from aurora_store.format.signing import TrustKeys
 from aurora_store.lineage.gc import DEFAULT_GRACE_S
 from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S
+from aurora_store.redact import redacted_repr
 
 __all__ = ["ENV_PREFIX", "RelayConfig", "RelayStats", "VersionId", "relay_config_from_env"]
 
@@ -28,6 +30,8 @@ VersionId = tuple[str, int]
 @dataclass(frozen=True, slots=True)
 class RelayConfig:
     """Where a Relay copies from and to, and how often it proves it is alive."""
+
+    __repr__ = redacted_repr  # the Redis URL may hold a password; the options stay out (repr=False)
 
     origin: str
     """Run root at origin (``s3://bucket/prefix/run``, ``file:///path``)."""
@@ -71,6 +75,11 @@ class RelayConfig:
     """Period of the mirror's retention (0: never clean it)."""
     grace_s: float = DEFAULT_GRACE_S
     """Orphans and temporary files in the mirror younger than this are spared (a copy in flight)."""
+    trust: TrustKeys | None = field(default=None, metadata={"env": False})
+    """Mirror only versions signed by these keys (FORMAT.md §4.1; ``--trust-key``, env
+    ``AURORA_TRUST_KEYS``): public keys only, a Relay never needs the private one. An
+    unsigned, untrusted or badly signed manifest is quarantined and never written to the
+    mirror (segments announced before it may already be copied: bytes, never decoded). None: no check."""
     actor_timeout_s: float = 60.0
     """A region Actor silent for longer than this holds nothing the mirror must keep."""
 

@@ -15,6 +15,7 @@ older, so retention and catch-up agree.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -23,8 +24,9 @@ from concurrent.futures import wait as wait_all
 
 from aurora_store.clock import Clock
 from aurora_store.coordination.bus import VERSION, Event
-from aurora_store.errors import AuroraError, ObjectNotFound
+from aurora_store.errors import AuroraError, ObjectNotFound, SignatureError
 from aurora_store.format.manifest import Manifest, manifest_key, parse_version_dir, version_dir
+from aurora_store.format.signing import TrustKeys
 from aurora_store.lineage.gc import GcPlan, retain, retained, retention_floor
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.storage import Store
@@ -65,6 +67,7 @@ class VersionMirror:
         want_resync: WantListing,
         quarantine: Quarantine | None = None,
         keep_snapshots: int = 0,
+        trust: TrustKeys | None = None,
     ) -> None:
         self.origin = origin
         self.mirror = mirror
@@ -74,6 +77,8 @@ class VersionMirror:
         self.clock = clock
         self.quarantine = quarantine or Quarantine(retry_s, max(retry_s, 600.0), clock)
         self.keep_snapshots = keep_snapshots
+        self.trust = trust
+        """Mirror only manifests these keys signed (FORMAT.md §4.1); None: no check."""
         self._lock = lock
         self._traffic = traffic
         self._announce = announce
@@ -162,6 +167,12 @@ class VersionMirror:
             return f"its manifest is not valid: {e}"
         if m.kind != kind or m.version != version:
             return f"{self.origin.where(mk)} describes {m.kind} {m.version}"
+        if self.trust is not None:
+            try:
+                # Before any object is copied for it: the manifest names what to copy.
+                self.trust.check_json(json.loads(data), self.origin.where(mk), kind, version)
+            except SignatureError as e:
+                return str(e)
         if ev is not None and ev.get("state") and ev.get("state") != m.state:
             log.warning(
                 "relay %s: %s %d announced with state %s…, its manifest says %s…; the store wins",

@@ -48,6 +48,7 @@ from aurora_store.coordination.retention import LedgerHeldVersions
 from aurora_store.errors import CoordinationError, OutageTooLong
 from aurora_store.lineage.gc import GcPlan
 from aurora_store.outage import Dependency, riding
+from aurora_store.redact import redact_url
 from aurora_store.storage import Store, open_store
 from workers.relay.config import RelayConfig, RelayStats, VersionId
 from workers.relay.copier import Copier, Traffic
@@ -115,6 +116,7 @@ class Relay:
         self.versions = VersionMirror(
             self.origin, self.mirror, self.copier, config.region, config.retry_s, self._lock, self._traffic, clock,
             self._announce, self.schedule.want_resync, self.quarantine, config.keep_snapshots,
+            trust=config.trust,
         )
         self.heartbeat = Heartbeat(
             self.redis, config.run, config.region, config.mirror, config.heartbeat_s, config.ttl_s,
@@ -128,7 +130,7 @@ class Relay:
         )
 
     def __repr__(self) -> str:
-        return f"Relay(region={self.cfg.region!r}, origin={self.cfg.origin!r}, mirror={self.cfg.mirror!r})"
+        return f"Relay(region={self.cfg.region!r}, origin={redact_url(self.cfg.origin)!r}, mirror={redact_url(self.cfg.mirror)!r})"
 
     # -- what it did -------------------------------------------------------------
     def stats(self) -> RelayStats:

@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from aurora_store.options import add_common_args, add_outage_budget_arg
+from aurora_store.options import add_common_args, add_outage_budget_arg, add_sign_key_args
 from workers.common import Endpoints
 from workers.trainer.config import TrainerConfig
 
@@ -44,6 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"retention: keep the newest K snapshots and what follows them, 0 keeps everything (default {d.keep_snapshots})",
     )
     add_outage_budget_arg(p, "Redis or the store")
+    add_sign_key_args(p)
+    p.add_argument(
+        "--commit-via", choices=("store", "redis"), default=None,
+        help="store (default): commit each version by its create-only manifest write, after checking that the "
+        "store honours create-only writes; redis: commit by a Redis record (FORMAT.md §1), for S3-compatible "
+        "servers that ignore conditional writes (Redis must persist its data: appendonly or save rules)",
+    )
     p.add_argument(
         "--min-batch-fraction", type=float, default=None, metavar="F",
         help="close a batch with this fraction of its prompts in once --batch-deadline-s passed (default 1.0: every prompt)",
@@ -65,6 +72,8 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         keep_checkpoints=getattr(args, "keep_checkpoints", None), keep_snapshots=getattr(args, "keep_snapshots", None),
         outage_budget_s=getattr(args, "outage_budget_s", None), min_batch_fraction=getattr(args, "min_batch_fraction", None),
         batch_deadline_s=getattr(args, "batch_deadline_s", None),
+        commit_via=getattr(args, "commit_via", None),
+        sign_key=getattr(args, "sign_key", None), sign_key_id=getattr(args, "key_id", None),
     )
 
 
@@ -103,7 +112,7 @@ def _run(args: argparse.Namespace, storage_options: Mapping[str, Any], ctx: Dist
     from workers.common import install_stop_handlers, limit_torch_threads, setup_logging
     from workers.trainer.trainer import Trainer, follow
 
-    setup_logging("trainer" if ctx.leader else f"trainer-rank{ctx.rank}")
+    setup_logging("trainer" if ctx.leader else f"trainer-rank{ctx.rank}", debug_loggers=getattr(args, "debug_logger", None))
     limit_torch_threads()
     if not ctx.leader:
         n = follow(config_from_args(args), ctx)

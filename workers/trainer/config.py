@@ -10,7 +10,9 @@ from aurora_store.config import SEGMENT_MIB_ENV, from_env, streams_field
 from aurora_store.coordination.scheduler import SchedulerConfig
 from aurora_store.errors import ConfigError
 from aurora_store.lineage.publish import PublishConfig
+from aurora_store.options import SIGN_KEY_ENV
 from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV
+from aurora_store.storage.probe import COMMIT_VIA
 
 __all__ = ["ENV_PREFIX", "TRANSFERS", "TrainerConfig"]
 
@@ -95,6 +97,18 @@ class TrainerConfig:
     batch_deadline_s: float | None = None
     """Seconds after a batch's creation from which it may close with ``min_batch_fraction``
     of its prompts in; None: no deadline. Late results are refused (reason ``closed``)."""
+    sign_key: str | None = field(default=None, metadata={"env": SIGN_KEY_ENV})
+    """Sign every manifest with this key file (FORMAT.md §4.1): an Ed25519 private key PEM
+    (``aurora keygen``) or an hmac-sha256 secret of >= 32 bytes. None: unsigned. Env ``AURORA_SIGN_KEY``.
+    A resumed Trainer may sign with a new key once readers trust both."""
+    sign_key_id: str | None = field(default=None, metadata={"env": False})
+    """Key id of an hmac-sha256 ``sign_key`` (default: derived from the secret)."""
+    commit_via: str = "store"
+    """How versions are committed (FORMAT.md §1): ``store``, the create-only manifest write (the
+    Trainer first checks that the store honours create-only writes and refuses to start where
+    it does not); ``redis``, a Redis record per version (Redis-commit mode, for S3-compatible
+    servers that ignore conditional writes; Redis must persist its data). Env
+    ``AURORA_TRAINER_COMMIT_VIA``."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata={"env": False})
     """How batches are split over Actors and how long leases last."""
     options: EncodeOptions = field(default_factory=EncodeOptions, metadata={"env": False})
@@ -110,6 +124,8 @@ class TrainerConfig:
                 f"poll_s, progress_s and heartbeat_timeout_s must be > 0 "
                 f"(got {self.poll_s}, {self.progress_s}, {self.heartbeat_timeout_s})"
             )
+        if self.commit_via not in COMMIT_VIA:
+            raise ConfigError(f"commit_via must be one of {', '.join(COMMIT_VIA)}, got {self.commit_via!r}")
         self._check_recovery_knobs()
 
     def _check_recovery_knobs(self) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from aurora_store.lineage.publish import (
 )
 from aurora_store.storage import Store
 from workers.trainer.crash import crash_point
+
+if TYPE_CHECKING:
+    from aurora_store.format.signing import Signer
 
 __all__ = ["Published", "announce_segments", "publish_version", "unshipped_state"]
 
@@ -74,11 +77,16 @@ def publish_version(
     bus: Bus,
     snapshot_tensors: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
     producer: Mapping[str, Any] | None = None,
+    weights_digest: str | None = None,
+    signer: Signer | None = None,
 ) -> Published:
     """Ship version ``v`` (made by ``step``) from ``old`` -> ``new`` as ``transfer`` says.
 
     ``snapshot_tensors`` turns bf16 weights into the fused tensors a snapshot
     holds. The version is not announced here (the caller records its head first).
+    ``weights_digest`` (of ``new``) goes into a delta's manifest: it binds a
+    snapshot published at ``v`` afterwards (FORMAT.md §4.1). ``signer`` signs
+    the manifest (FORMAT.md §4.1; None: unsigned).
     """
     producer = {"step": step, **(producer or {})}
     if transfer == "delta":
@@ -88,10 +96,13 @@ def publish_version(
             announce(ev)
             crash_point("segment", v)
 
-        m = publish_delta(store, run, v, extract(plan, old, new), base_state, config, on_segment=on_segment, producer=producer)
+        m = publish_delta(
+            store, run, v, extract(plan, old, new), base_state, config, on_segment=on_segment, producer=producer, weights_digest=weights_digest,
+            signer=signer,
+        )
         return Published(m.state, "delta", m.total_bytes, m.nnz)
     if transfer == "full":
-        m = publish_snapshot(store, run, v, snapshot_tensors(new), None, config, producer=producer)
+        m = publish_snapshot(store, run, v, snapshot_tensors(new), None, config, producer=producer, signer=signer)
         return Published(m.state, "snapshot", m.total_bytes)
     # Nothing moves: the version exists only as an announcement.
     return Published(unshipped_state(v), "none")

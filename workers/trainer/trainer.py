@@ -44,13 +44,22 @@ from aurora_store.coordination.ledger import AcceptedResult, Ledger
 from aurora_store.coordination.redisconn import connect
 from aurora_store.coordination.retention import run_held_versions
 from aurora_store.errors import ChainError, ConfigError, FencedOut, VersionConflict
+from aurora_store.format.signing import signer_from_option
+from aurora_store.lineage.binding import ModelFile
 from aurora_store.lineage.fetch import materialize, read_manifest
 from aurora_store.lineage.gc import retain
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.lineage.publish import PublishConfig, publish_snapshot
 from aurora_store.outage import Dependency, is_transient, riding
 from aurora_store.storage import Store, open_store
-from workers.common import Endpoints, RunKeys, record_digest, write_model_description
+from workers.common import (
+    Endpoints,
+    RunKeys,
+    model_files_listed,
+    record_digest,
+    record_expected_state,
+    write_model_description,
+)
 from workers.model import fusion_plan_for, hf_weights, is_tied, logprobs, tiny_qwen3, warm_start
 from workers.task import Problem, make_problems
 from workers.tokenizer import CharTokenizer
@@ -152,6 +161,8 @@ class Trainer:
         self.ledger = riding(Ledger(raw, ep.run), self.redis_dep, self.stop)
         self.bus = riding(Bus(raw, ep.run), self.redis_dep, self.stop)
         self.keys = RunKeys(ep.run)
+        self.signer = signer_from_option(cfg.sign_key, cfg.sign_key_id)
+        """Signs every manifest this Trainer writes (FORMAT.md §4.1); None: an unsigned run."""
         self.epoch = 0
         """This Trainer's epoch: 1 for a fresh run, one more than any before it on resume."""
         self.resumed_from: int | None = None
@@ -167,6 +178,8 @@ class Trainer:
         self.states: dict[int, str] = {}
         self.logs: list[StepLog] = []
         self._counts = Collected()
+        self.model_files: list[ModelFile] | None = None
+        """The files under ``model/`` as version 0 lists them; every snapshot lists them again."""
         self.gen_of: dict[int, int] = {}
         """step -> the version its rollouts are generated on (b - K, or newer after a re-issue)."""
 
@@ -203,8 +216,12 @@ class Trainer:
         self._prepare_training()
         self.published = self._bf16_weights()
         self.versions_bf16: dict[int, dict[str, torch.Tensor]] = {0: self.published}
-        write_model_description(self.store, self.model.config.to_json_string(), self.tokenizer.to_json())
-        m = publish_snapshot(self.store, self.ep.run, 0, fuse_weights(self.published, self.plan), None, self._pub_cfg(), producer=self._producer(0))
+        self.model_files = write_model_description(self.store, self.model.config.to_json_string(), self.tokenizer.to_json())
+        self._forget_states()
+        m = publish_snapshot(
+            self.store, self.ep.run, 0, fuse_weights(self.published, self.plan), None, self._pub_cfg(), producer=self._producer(0), model=self.model_files,
+            signer=self.signer,
+        )
         self.states[0] = m.state
         self.full_bytes = m.total_bytes
         self._after_publish(0, m.state, "snapshot", m.total_bytes)
@@ -246,7 +263,9 @@ class Trainer:
         """Take ``epoch`` in Redis; a newer Trainer holding a higher one fences this one out."""
         self.ledger.enter_epoch(epoch)
         self.epoch = epoch
-        self._hset(epoch=epoch)
+        # `aurora status` says whether the run is signed, and by which key (a resumed
+        # Trainer may sign with a new one).
+        self._hset(epoch=epoch, signed=int(self.signer is not None), key_id=self.signer.key_id if self.signer else "")
 
     def _check_epoch(self) -> None:
         """Before a write only the current Trainer may make: raise FencedOut if a newer one took over."""
@@ -348,6 +367,8 @@ class Trainer:
             self.versions_bf16[v] = {n: t.to(torch.bfloat16) for n, t in unfuse_weights(fused, self.plan).items()}
             self.states[v] = state
         self.published = self.versions_bf16[head]
+        listed, _ = model_files_listed(self.store)
+        self.model_files = list(listed.values()) if listed is not None else None
         if head == ck.step and weights_digest(self._bf16_weights(), self.plan) != weights_digest(self.published, self.plan):
             raise ChainError(f"the checkpoint before step {ck.step} does not match version {head} in the store")
         self.resumed_from = ck.step
@@ -392,11 +413,19 @@ class Trainer:
         """The bf16 rounding of the master weights, in host memory (gathered one parameter at a time when sharded)."""
         return gather_bf16(list(self.model.named_parameters(remove_duplicate=False)), self.ctx)
 
-    def _after_publish(self, v: int, state: str, kind: str, nbytes: int) -> None:
-        digest = weights_digest(self.published, self.plan)
+    def _forget_states(self) -> None:
+        """A fresh run: expected states an older run of this name left in Redis are not ours."""
+        key = self.keys.trainer_states
+        self.redis_dep.call(lambda: self._raw_redis.delete(key, self.keys.index(key)), "clear expected states", self.stop)
+
+    def _after_publish(self, v: int, state: str, kind: str, nbytes: int, digest: str | None = None) -> None:
+        digest = digest or weights_digest(self.published, self.plan)
         # On the raw client inside the outage guard: record_digest runs a script, which a
         # riding proxy's register_script would hand back unguarded.
         self.redis_dep.call(lambda: record_digest(self._raw_redis, self.keys, "trainer", v, digest), "record a digest", self.stop)
+        # The state Actors must reach at v, before the head names v: an Actor refuses
+        # to activate a version whose manifest says otherwise (a forged chain).
+        self.redis_dep.call(lambda: record_expected_state(self._raw_redis, self.keys, v, state), "record an expected state", self.stop)
         self._hset(head=v, head_state=state, published_ms=int(time.time() * 1000), status="running")
         self.bus.announce(VERSION, v, kind=kind, state=state, bytes=nbytes)
 
@@ -566,10 +595,14 @@ class Trainer:
         Trainer got there first) fences this one out too.
         """
         self._check_epoch()
+        # Every delta carries the digest of the weights it makes (FORMAT.md §4.1): at a
+        # snapshot's version it binds the snapshot, published next, to the chain.
+        digest = weights_digest(new, self.plan)
         try:
             out = publish_version(
                 self.store, self.ep.run, v, b, self.cfg.transfer, self.plan, self.published, new, self.states[v - 1],
-                self._pub_cfg(), self.bus, self._snapshot_tensors, producer=self._producer(b),
+                self._pub_cfg(), self.bus, self._snapshot_tensors, producer=self._producer(b), weights_digest=digest,
+                signer=self.signer,
             )
         except VersionConflict as e:
             raise FencedOut(f"version {v} was published by another Trainer; this one (epoch {self.epoch}) stops: {e}") from e
@@ -578,9 +611,12 @@ class Trainer:
         self.versions_bf16[v] = new
         self.versions_bf16.pop(v - 2, None)
         self.states[v] = out.state
-        self._after_publish(v, out.state, out.kind, out.nbytes)
+        self._after_publish(v, out.state, out.kind, out.nbytes, digest)
         if self.cfg.transfer == "delta" and self.cfg.snapshot_every and v % self.cfg.snapshot_every == 0:
-            publish_snapshot(self.store, self.ep.run, v, self._snapshot_tensors(self.published), out.state, self._pub_cfg(), producer=self._producer(b))
+            publish_snapshot(
+                self.store, self.ep.run, v, self._snapshot_tensors(self.published), out.state, self._pub_cfg(),
+                producer=self._producer(b), model=self.model_files, signer=self.signer,
+            )
             self._retain()
         return out.nbytes, out.changed
 

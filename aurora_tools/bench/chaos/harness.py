@@ -232,10 +232,16 @@ class ChaosRun:
     def _outage(self, role: str) -> list[str]:
         return ["--outage-budget-s", f"{self.cfg.outage_budget_s:g}"] if self._has(role, "--outage-budget-s") else []
 
+    def _redis_env(self) -> dict[str, str]:
+        """Redis reaches the workers through their environment, never their argv (which ``ps`` shows)."""
+        from aurora_store.coordination.redisconn import redis_child_env
+
+        return redis_child_env(self.redis.url)
+
     def start_trainer(self, resume: bool = False) -> Incarnation:
         c = self.cfg
         args = [
-            "trainer", "--store", self.origin_url, "--redis", self.redis.url, "--run", self.run,
+            "trainer", "--store", self.origin_url, "--run", self.run,
             "--steps", str(c.steps), "--batch", str(c.batch), "--group", str(c.group),
             "--snapshot-every", str(c.snapshot_every), "--seed", str(c.seed), "--streams", str(c.trainer_streams),
             *self._outage("trainer"),
@@ -244,7 +250,7 @@ class ChaosRun:
             args += ["--checkpoint-every", str(c.checkpoint_every)]
         if resume:
             args.append("--resume")  # passed even when missing: the report then says the resume failed
-        env = {"AURORA_SEGMENT_MIB": repr(c.trainer_segment_kib / 1024)}
+        env = {"AURORA_SEGMENT_MIB": repr(c.trainer_segment_kib / 1024), **self._redis_env()}
         inc = self.fleet.start("trainer", "trainer", args, env, resumed=resume)
         self.say(f"  started {inc.label}{' (--resume)' if resume else ''}")
         return inc
@@ -253,22 +259,24 @@ class ChaosRun:
         c = self.cfg
         region = "eu" if name in self.relay_actors else "us"
         args = [
-            "actor", "--store", self.origin_url, "--redis", self.redis.url, "--run", self.run, "--region", region, "--id", name,
+            "actor", "--store", self.origin_url, "--run", self.run, "--region", region, "--id", name,
             "--slowdown", f"{c.actor_slowdown:g}", "--seed", str(c.seed), *self._outage("actor"),
         ]
         if region == "eu":
             args += ["--mirror-grace-s", f"{c.mirror_grace_s:g}"]
-        inc = self.fleet.start(name, "actor", args)
+            if self._has("actor", "--mirror"):  # an Actor reads only the mirror it is told (older code took Redis's word)
+                args += ["--mirror", self.mirror_url]
+        inc = self.fleet.start(name, "actor", args, self._redis_env())
         if inc.n:
             self.say(f"  started {inc.label}")
         return inc
 
     def start_relay(self) -> Incarnation:
         args = [
-            "relay", "--store", self.origin_url, "--mirror", self.mirror_url, "--redis", self.redis.url, "--run", self.run,
+            "relay", "--store", self.origin_url, "--mirror", self.mirror_url, "--run", self.run,
             "--region", "eu", *self._outage("relay"),
         ]
-        inc = self.fleet.start(self.relay_name, "relay", args)
+        inc = self.fleet.start(self.relay_name, "relay", args, self._redis_env())
         if inc.n:
             self.say(f"  started {inc.label}")
         return inc

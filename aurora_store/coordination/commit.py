@@ -1,0 +1,328 @@
+"""Redis-commit mode (FORMAT.md §1): versions committed by a Redis record, not a create-only write.
+
+Why: on a store that ignores ``If-None-Match: *`` (``rclone serve s3`` and
+other S3-compatible servers; :mod:`aurora_store.storage.probe` finds out)
+the create-only manifest write cannot decide which of two writers of a
+version wins. In the style of Delta Lake's DynamoDB log store, the decision
+moves to a store that can make it atomically: before writing a manifest,
+the writer records the sha256 of its bytes in Redis with ``SET NX`` (first
+writer wins). A version then exists when its manifest exists *and* its
+bytes match the record; readers of such a run check the record and refuse
+a manifest that does not match.
+
+Keys (all under the run's ``aurora:{run}:`` prefix, one hash slot):
+
+- ``commit:{kind}:{version}`` (string, no TTL): ``b"sha256:<hex>\\n"``
+  followed by the manifest bytes themselves, so a manifest write lost after
+  the record landed (a writer killed between the two) can be completed from
+  Redis (:meth:`RedisCommitLog.complete`);
+- ``commit-mode`` (string, no TTL): JSON ``{"via": "redis", "since_ms": …}``,
+  set once by the first writer in this mode. Readers that have Redis ask it
+  (:func:`commit_records_for`) whether to check records; the store marker
+  ``.aurora/commit.json`` (:func:`aurora_store.storage.probe.write_commit_marker`)
+  tells readers without Redis that they cannot check this run.
+
+The record is the commit point, so Redis must keep it: the mode refuses to
+start on a Redis that persists nothing (:func:`require_persistence`).
+Bytes read from Redis are untrusted: a record whose digest does not match
+its own bytes is an error, never a commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aurora_store.coordination.keys import glob_escape
+from aurora_store.coordination.redisconn import key_prefix, translate_redis_errors
+from aurora_store.errors import ConfigError, CoordinationError, VersionConflict
+from aurora_store.format.manifest import manifest_key, parse_version_dir
+from aurora_store.storage import Store
+from aurora_store.storage.probe import COMMIT_VIA, require_create_only, write_commit_marker
+
+__all__ = [
+    "CommitRecord",
+    "RedisCommitLog",
+    "TRUST_PERSISTENCE_ENV",
+    "commit_records_for",
+    "prepare_commit",
+    "require_persistence",
+]
+
+log = logging.getLogger("aurora.commit")
+
+#: Set to 1 when Redis persists its data in a way ``INFO`` / ``CONFIG GET`` cannot show
+#: (a managed service that hides ``CONFIG``): the persistence check then trusts the operator.
+TRUST_PERSISTENCE_ENV = "AURORA_REDIS_PERSISTENT"
+
+_KINDS = ("delta", "snapshot")
+#: Largest record accepted from Redis (a manifest of a very large model is a few MB).
+_MAX_RECORD_BYTES = 64 << 20
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRecord:
+    """One version's record: the digest of its manifest bytes, and the bytes."""
+
+    kind: str
+    version: int
+    digest: str
+    manifest: bytes
+
+
+def require_persistence(client: Any) -> str:
+    """How ``client``'s Redis persists its data (``"aof"`` or ``"rdb"``), or :class:`ConfigError`.
+
+    Why: in Redis-commit mode a version is committed by its Redis record; a
+    Redis that restarts empty forgets which manifest won, and a second
+    writer could then commit a different one. Append-only files
+    (``appendonly yes``) keep every record; RDB snapshots (``save`` rules)
+    keep all but the last minutes. ``AURORA_REDIS_PERSISTENT=1`` skips the
+    check for a Redis that persists in a way these commands do not show.
+    """
+    if os.environ.get(TRUST_PERSISTENCE_ENV, "").strip() in ("1", "true", "yes"):
+        return "trusted"
+    with translate_redis_errors("check Redis persistence"):
+        info = client.info("persistence")
+    if str(info.get("aof_enabled", "0")) == "1":
+        return "aof"
+    save = ""
+    try:
+        with translate_redis_errors("check Redis persistence"):
+            got = client.config_get("save")
+        raw = got.get("save", got.get(b"save", "")) if isinstance(got, dict) else ""
+        save = raw.decode() if isinstance(raw, bytes) else str(raw)
+    except CoordinationError as e:
+        # CONFIG refused (an ACL user without it, a managed service): we cannot tell.
+        raise ConfigError(
+            f"--commit-via redis needs a Redis that persists its data: appendonly is off and the save rules "
+            f"cannot be read ({e}); turn on appendonly (appendonly yes), or set {TRUST_PERSISTENCE_ENV}=1 if "
+            "this Redis persists its data in another way"
+        ) from None
+    if save.strip():
+        return "rdb"
+    raise ConfigError(
+        "--commit-via redis needs a Redis that persists its data (the commit records are the commit point), "
+        "but this one has appendonly off and no save rules; start it with --appendonly yes "
+        f"(or CONFIG SET appendonly yes), or set {TRUST_PERSISTENCE_ENV}=1 if it persists in another way"
+    )
+
+
+class RedisCommitLog:
+    """The commit records of one run: implements :class:`~aurora_store.lineage.interfaces.CommitRecords`.
+
+    ``client`` is a redis-py client (bytes responses); it may be wrapped to
+    ride out outages (:mod:`aurora_store.outage`): every write here is
+    idempotent, so a retry after a lost answer is safe.
+    """
+
+    def __init__(self, client: Any, run: str) -> None:
+        self.client = client
+        self.run = run
+        self._prefix = key_prefix(run)
+
+    def __repr__(self) -> str:
+        return f"RedisCommitLog(run={self.run!r})"
+
+    # -- keys ------------------------------------------------------------------
+    def key(self, kind: str, version: int) -> str:
+        """``aurora:{run}:commit:{kind}:{version}``."""
+        if kind not in _KINDS or version < 0:
+            raise ValueError(f"no commit record for {kind} {version}")
+        return f"{self._prefix}commit:{kind}:{version}"
+
+    @property
+    def mode_key(self) -> str:
+        """``aurora:{run}:commit-mode``."""
+        return f"{self._prefix}commit-mode"
+
+    # -- reading ---------------------------------------------------------------
+    def record(self, kind: str, version: int) -> CommitRecord | None:
+        """The record of ``kind`` ``version``, checked against itself; None if there is none."""
+        key = self.key(kind, version)
+        with translate_redis_errors("read a commit record"):
+            raw = self.client.get(key)
+        if raw is None:
+            return None
+        return _parse_record(kind, version, bytes(raw), key)
+
+    def commit_record(self, kind: str, version: int) -> str | None:
+        """``"sha256:<hex>"`` of the recorded manifest bytes, or None (the CommitRecords Protocol)."""
+        rec = self.record(kind, version)
+        return None if rec is None else rec.digest
+
+    def enabled(self) -> bool:
+        """Whether this run commits through Redis (its ``commit-mode`` key says so)."""
+        with translate_redis_errors("read the commit mode"):
+            raw = self.client.get(self.mode_key)
+        if raw is None:
+            return False
+        try:
+            return bool(json.loads(bytes(raw)).get("via") == "redis")
+        except (ValueError, AttributeError):
+            raise CoordinationError(f"{self.mode_key} holds no commit mode (malformed)") from None
+
+    # -- writing ---------------------------------------------------------------
+    def commit(self, kind: str, version: int, data: bytes) -> bool:
+        """Record ``data`` as the manifest of ``kind`` ``version``: the commit point.
+
+        True when this call wrote the record, False when an equal record was
+        already there (our own earlier attempt, whose answer was lost).
+        :class:`~aurora_store.errors.VersionConflict` when another writer's
+        manifest won.
+        """
+        key = self.key(kind, version)
+        digest = _digest(data)
+        for _ in range(3):  # a record deleted between SET and GET (an operator): decide again
+            with translate_redis_errors("write a commit record"):
+                won = self.client.set(key, digest.encode() + b"\n" + data, nx=True)
+            if won:
+                return True
+            have = self.record(kind, version)
+            if have is None:
+                continue
+            if have.digest != digest:
+                raise VersionConflict(
+                    f"{kind} {version} of run {self.run!r} is already committed in Redis with another manifest "
+                    f"({have.digest[:19]}…, ours {digest[:19]}…)"
+                )
+            return False
+        raise CoordinationError(f"{key}: the commit record keeps disappearing")
+
+    def publish_callback(self) -> Callable[[str, int, bytes], None]:
+        """The ``commit`` argument of :func:`~aurora_store.lineage.publish.publish_delta` /
+        ``publish_snapshot``: records the manifest before the store write."""
+
+        def commit(kind: str, version: int, data: bytes) -> None:
+            self.commit(kind, version, data)
+
+        return commit
+
+    def enable(self, store: Store) -> None:
+        """Put the run in Redis-commit mode (idempotent), before its first publish in this mode.
+
+        Sets the ``commit-mode`` key (first writer wins), writes the store
+        marker for readers without Redis, and records every manifest already
+        in the store that has no record yet (a run switching modes: the
+        operator vouches for what is there), so readers can check every
+        version the same way.
+        """
+        mode = json.dumps({"via": "redis", "since_ms": int(time.time() * 1000)}).encode()
+        with translate_redis_errors("set the commit mode"):
+            self.client.set(self.mode_key, mode, nx=True)
+        if not self.enabled():
+            raise ConfigError(f"run {self.run!r}: {self.mode_key} names another commit mode")
+        write_commit_marker(store, self.run)
+        for kind, version in _listed_manifests(store):
+            if self.record(kind, version) is None:
+                data = store.get(manifest_key(kind, version))
+                self.commit(kind, version, data)
+                log.info("recorded the existing manifest of %s %d in Redis (switching to Redis-commit mode)", kind, version)
+
+    def complete(self, store: Store, verify_existing: bool = False) -> list[tuple[str, int]]:
+        """Write, from their records, manifests the store lacks; returns the versions written.
+
+        Why: a writer killed after its record landed and before its manifest
+        write left a committed version without a manifest; its segments are
+        in the store (they are written before the record). A writer calls
+        this at start, so a resumed Trainer finds that version committed
+        instead of conflicting with its record. ``verify_existing`` also
+        reads every manifest that exists and rewrites the ones whose bytes
+        differ from their record (a stray writer replaced them): one read
+        per version.
+        """
+        listed = set(_listed_manifests(store))
+        done: list[tuple[str, int]] = []
+        for kind, version in self._recorded():
+            present = (kind, version) in listed
+            rec = self.record(kind, version)
+            if rec is None:
+                continue
+            if present and (not verify_existing or _digest(store.get(manifest_key(kind, version))) == rec.digest):
+                continue
+            store.put(manifest_key(kind, version), rec.manifest, mode="overwrite")
+            log.warning(
+                "%s %d: %s its manifest from the Redis commit record",
+                kind, version, "rewrote" if present else "completed",
+            )
+            done.append((kind, version))
+        return done
+
+    def _recorded(self) -> list[tuple[str, int]]:
+        pattern = glob_escape(self._prefix) + "commit:*"
+        out: list[tuple[str, int]] = []
+        with translate_redis_errors("list commit records"):
+            for raw in self.client.scan_iter(match=pattern, count=500):
+                name = (raw.decode() if isinstance(raw, bytes) else str(raw))[len(self._prefix) + len("commit:"):]
+                kind, _, v = name.partition(":")
+                if kind in _KINDS and v.isdigit():
+                    out.append((kind, int(v)))
+        return sorted(out, key=lambda kv: (kv[1], kv[0]))
+
+
+def _parse_record(kind: str, version: int, raw: bytes, key: str) -> CommitRecord:
+    if len(raw) > _MAX_RECORD_BYTES:
+        raise CoordinationError(f"{key}: commit record of {len(raw)} bytes is larger than any manifest")
+    head, sep, data = raw.partition(b"\n")
+    digest = head.decode("ascii", "replace")
+    if not sep or not digest.startswith("sha256:") or len(digest) != 71:
+        raise CoordinationError(f"{key}: malformed commit record")
+    if _digest(data) != digest:
+        raise CoordinationError(f"{key}: commit record's manifest bytes do not match its digest (damaged)")
+    return CommitRecord(kind, version, digest, data)
+
+
+def _listed_manifests(store: Store) -> list[tuple[str, int]]:
+    out: list[tuple[str, int]] = []
+    for kind in _KINDS:
+        for key in store.list(f"{kind}s"):
+            parts = key.split("/")
+            if len(parts) == 3 and parts[2] == "manifest.json":
+                v = parse_version_dir(parts[1])
+                if v is not None:
+                    out.append((kind, v))
+    return out
+
+
+def commit_records_for(client: Any, run: str) -> RedisCommitLog | None:
+    """The run's commit records if it is in Redis-commit mode, else None (readers: pass it to
+    :func:`~aurora_store.lineage.fetch.read_manifest` / ``ManifestReader``)."""
+    log_ = RedisCommitLog(client, run)
+    return log_ if log_.enabled() else None
+
+
+def prepare_commit(store: Store, client: Any, run: str | None, commit_via: str) -> Callable[[str, int, bytes], None] | None:
+    """Everything a writer checks before its first publish; returns the ``commit`` callback.
+
+    - ``commit_via="store"``: probe the store (:func:`~aurora_store.storage.probe.require_create_only`);
+      refuse a store that does not honour create-only writes; None (publish as always).
+    - ``"redis"``: needs ``client`` and ``run``; check Redis persists its data,
+      put the run in Redis-commit mode, complete manifests whose write was
+      lost, and return the callback that records each manifest first.
+
+    Raises :class:`~aurora_store.errors.ConfigError` with one line naming
+    the store or Redis and the way out.
+    """
+    if commit_via not in COMMIT_VIA:
+        raise ConfigError(f"--commit-via must be one of {', '.join(COMMIT_VIA)}, got {commit_via!r}")
+    if commit_via == "store":
+        require_create_only(store)
+        return None
+    if client is None or not run:
+        raise ConfigError("--commit-via redis needs --redis URL and --run NAME (the commit records live in the run's Redis)")
+    how = require_persistence(client)
+    commits = RedisCommitLog(client, run)
+    commits.enable(store)
+    done = commits.complete(store)
+    log.info("run %r commits through Redis (persistence: %s)%s", run, how, f"; completed {done}" if done else "")
+    return commits.publish_callback()

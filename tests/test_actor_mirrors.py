@@ -1,0 +1,317 @@
+"""Mirrors are configured, not announced; what an engine that reads the store itself holds is what was checked.
+
+A real Redis and ``file://`` (and one S3) stores; the stager is driven
+directly (``_stage_available``) on a :class:`ManualClock`, as in
+``test_actor_staging``. The engine that reads the store itself is
+:class:`_StoreStagingEngine`, a real class of this module standing in for
+vLLM's workers: it fetches from the store on its own, and ``reread=True``
+makes it read the manifest again as vLLM's workers used to (the Actor must
+then catch the difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis_fixtures import redis_client, redis_server  # noqa: F401
+
+from aurora_store.codec.extract import extract
+from aurora_store.errors import ConfigError, IntegrityError
+from aurora_store.format.manifest import manifest_key, version_dir
+from aurora_store.lineage.fetch import fetch_delta, read_manifest
+from aurora_store.lineage.publish import PublishConfig, publish_delta
+from aurora_store.storage import Store, open_store
+from aurora_store.testing.clock import ManualClock
+from aurora_store.testing.servers import S3Server
+from aurora_tools.synthetic.engine import SyntheticEngine
+from aurora_tools.synthetic.shapes import QWEN3_TINY
+from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
+from workers.actor import Actor, ActorConfig, add_arguments, config_from_args
+from workers.common import Endpoints, RunKeys
+from workers.engine import RemoteStaged, StoreStaging
+from workers.model import fusion_plan_for
+
+pytestmark = pytest.mark.server
+
+VERSIONS = 3
+REGION = "r1"
+
+
+class _Recorder(Actor):
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.sources: list[tuple[int, bool]] = []
+
+    def _on_staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
+        self.sources.append((version, from_mirror))
+
+
+class _TwoFaced:
+    """A store that answers the first read of ``key`` truly and every later one with ``later``."""
+
+    def __init__(self, inner: Store, key: str, later: bytes) -> None:
+        self.inner, self.key, self.later, self.reads = inner, key, later, 0
+
+    def get(self, key: str, *a: Any, **kw: Any) -> bytes:
+        if key == self.key:
+            self.reads += 1
+            if self.reads > 1:
+                return self.later
+        return self.inner.get(key, *a, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _StoreStagingEngine:
+    """An engine whose "workers" fetch deltas from the store themselves (as vLLM's do), in this process.
+
+    ``reread``: ignore the manifest the Actor hands over and read it again
+    (what vLLM's workers did before the manifest was handed to them).
+    """
+
+    def __init__(self, inner: SyntheticEngine, reread: bool) -> None:
+        self.inner, self.reread = inner, reread
+        self.held: dict[int, tuple[str, Any]] = {}
+        self.options: list[dict[str, Any]] = []
+
+    def stage_from_store(
+        self, store: Store, storage_options: Any, version: int, expect_base_state: str | None, streams: int = 2, manifest: Any = None
+    ) -> tuple[Any, RemoteStaged]:
+        self.options.append(dict(storage_options or {}))
+        m, staged = fetch_delta(store, version, self.inner.param_specs(), streams, expect_base_state, manifest=None if self.reread else manifest)
+        self.held[version] = (m.state, staged)
+        return m, RemoteStaged(version, version - 1, m.state, staged.nnz)
+
+    def bootstrap_from_store(self, *a: Any, **kw: Any) -> tuple[int, str]:
+        raise AssertionError("not used here")
+
+    def apply(self, staged: Any) -> None:
+        state, delta = self.held.pop(staged.version)
+        if state != staged.state:  # as vLLM's ranks do: refused before any write
+            raise IntegrityError(f"delta {staged.version}: staged {state}, asked for {staged.state}")
+        self.inner.apply(delta)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.fixture
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any) -> dict[str, Any]:  # noqa: F811
+    """Deltas 1..VERSIONS at origin, a true copy in ``mirror``, an ``evil`` copy, and a forged v1 (same base_state)."""
+    monkeypatch.setenv("AURORA_SYNTHETIC_CACHE", str(tmp_path / "cache"))
+    spec = SyntheticSpec(QWEN3_TINY, seed=7)
+    origin = open_store(f"file://{tmp_path}/origin")
+    base = w = base_weights(spec.shape, spec.seed)
+    plan = fusion_plan_for(w, tied=True)
+    cfg = PublishConfig(streams=2, segment_bytes=4096)
+    state, states = spec.base_state, {0: spec.base_state}
+    for v in range(1, VERSIONS + 1):
+        new = {n: t.clone() for n, t in w.items()}
+        sparse_update(new, spec.density, spec.seed, v)
+        state = states[v] = publish_delta(origin, "r", v, extract(plan, w, new), state, cfg).state
+        w = new
+    for d in ("mirror", "evil"):
+        shutil.copytree(tmp_path / "origin", tmp_path / d)
+    forged = {n: t.clone() for n, t in base.items()}
+    sparse_update(forged, spec.density, spec.seed + 99, 1)
+    fm = publish_delta(open_store(f"file://{tmp_path}/forge"), "r", 1, extract(plan, base, forged), spec.base_state, cfg)
+    assert fm.base_state == spec.base_state and fm.state != states[1]
+    # The forged version's segments sit in the mirror beside the true ones; its manifest is the second answer.
+    shutil.copytree(tmp_path / "forge" / version_dir("delta", 1), tmp_path / "mirror" / version_dir("delta", 1), dirs_exist_ok=True, ignore=shutil.ignore_patterns("manifest.json"))
+    return {
+        "spec": spec, "tmp": tmp_path, "redis": redis_server.url, "client": redis_client, "states": states,
+        "forged_manifest": (tmp_path / "forge" / manifest_key("delta", 1)).read_bytes(), "forged_state": fm.state,
+    }
+
+
+def _actor(run: dict[str, Any], relay_url: str | None, **cfg: Any) -> _Recorder:
+    name = f"t{time.monotonic_ns()}"
+    a = _Recorder(Endpoints(f"file://{run['tmp']}/origin", run["redis"], name), ActorConfig(actor_id="a", region=REGION, **cfg), clock=ManualClock())
+    eng = SyntheticEngine(run["spec"], hold=True, digests=True)
+    eng.load_base()
+    a.engine = eng
+    a.active = a.staged_version = 0
+    a.active_state = a.staged_state = run["spec"].base_state
+    keys = RunKeys(name)
+    run["client"].hset(keys.trainer, mapping={"head": VERSIONS})
+    if relay_url is not None:
+        run["client"].set(keys.relay(REGION), relay_url)
+    return a
+
+
+# -- mirrors are configured -----------------------------------------------------------
+
+
+def test_a_mirror_url_planted_in_redis_is_ignored_and_logged_once(run: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    tmp = run["tmp"]
+    a = _actor(run, f"file://{tmp}/evil", mirror=f"file://{tmp}/mirror")
+    with caplog.at_level(logging.WARNING, logger="aurora.actor"):
+        a._stage_available()
+        a._stage_available()
+        assert a._source(f"file://{tmp}/evil")[0] is a.origin
+    assert a.sources == [(v, False) for v in range(1, VERSIONS + 1)]  # origin, not the planted store
+    assert a._mirror is None  # the configured mirror is never opened while the key names another
+    said = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(said) == 1 and "evil" in said[0] and "not this Actor's --mirror" in said[0]
+
+
+def test_an_actor_without_a_mirror_reads_origin_whatever_redis_says(run: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    tmp = run["tmp"]
+    a = _actor(run, f"file://user:hunter2@{tmp}/mirror")
+    with caplog.at_level(logging.WARNING, logger="aurora.actor"):
+        a._stage_available()
+    assert a.sources == [(v, False) for v in range(1, VERSIONS + 1)]
+    said = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(said) == 1 and "has no --mirror" in said[0] and "hunter2" not in said[0]  # a URL from Redis may carry secrets
+
+
+def test_the_configured_mirror_is_read_while_its_relay_heartbeats_with_it(run: dict[str, Any]) -> None:
+    tmp = run["tmp"]
+    shutil.rmtree(tmp / "mirror")
+    shutil.copytree(tmp / "origin", tmp / "mirror")  # a plain true copy
+    a = _actor(run, f"file://{tmp}/mirror/", mirror=f"file://{tmp}/mirror")  # a trailing / is the same root
+    a._stage_available()
+    assert a.sources == [(v, True) for v in range(1, VERSIONS + 1)]
+    assert a.staged_state == run["states"][VERSIONS]
+
+
+def test_a_configured_mirror_uses_its_own_storage_options(run: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An S3 mirror reachable only through its options (its endpoint and keys: another account)."""
+    for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    with S3Server() as s3:
+        url, opts = f"s3://{s3.new_bucket('mirror')}/r", s3.storage_options()
+        mirror = open_store(url, opts)
+        origin = run["tmp"] / "origin"
+        for p in sorted(origin.rglob("*")):
+            if p.is_file():
+                mirror.put(str(p.relative_to(origin)), p.read_bytes(), mode="overwrite")
+        a = _actor(run, url, mirror=url, mirror_options=opts)
+        a.engine = _StoreStagingEngine(a.engine, reread=False)
+        a._stage_available()
+        assert a.sources == [(v, True) for v in range(1, VERSIONS + 1)]
+        assert a.engine.options == [opts] * VERSIONS  # what its workers are given too
+        assert "secret" not in repr(a.cfg) and opts["secret"] not in repr(a.cfg)
+
+
+def test_mirror_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--store", "file:///o", "--redis", "redis://h/0", "--run", "r"]
+    assert config_from_args(p.parse_args(base)).mirror is None
+    cfg = config_from_args(p.parse_args([*base, "--mirror", "s3://b/m", "--mirror-option", "endpoint_url=http://h:9", "--mirror-option", "anon=true"]))
+    assert cfg.mirror == "s3://b/m" and cfg.mirror_options == {"client_kwargs": {"endpoint_url": "http://h:9"}, "anon": True}
+    monkeypatch.setenv("AURORA_ACTOR_MIRROR", "file:///m")
+    monkeypatch.setenv("AURORA_ACTOR_MIRROR_OPTIONS", '{"key": "k", "secret": "s3cr3t"}')
+    cfg = config_from_args(p.parse_args(base))
+    assert cfg.mirror == "file:///m" and cfg.mirror_options == {"key": "k", "secret": "s3cr3t"} and "s3cr3t" not in repr(cfg)
+    monkeypatch.setenv("AURORA_ACTOR_MIRROR_OPTIONS", "[1]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        config_from_args(p.parse_args(base))
+    with pytest.raises(ConfigError, match="URL"):
+        ActorConfig(mirror="just-a-name")
+    with pytest.raises(ConfigError, match="without a mirror"):
+        ActorConfig(mirror_options={"anon": True})
+
+
+# -- what the engine holds is what was checked ------------------------------------------
+
+
+def _two_faced_mirror(run: dict[str, Any], a: Actor) -> _TwoFaced:
+    url = f"file://{run['tmp']}/mirror"
+    store = _TwoFaced(open_store(url), manifest_key("delta", 1), run["forged_manifest"])
+    a._mirror = (url, store)  # type: ignore[assignment]
+    return store
+
+
+def test_a_mirror_that_changes_its_manifest_between_two_reads_is_refused(run: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """Workers that read the manifest again get the forged one: the Actor sees another state and reads origin."""
+    a = _actor(run, f"file://{run['tmp']}/mirror", mirror=f"file://{run['tmp']}/mirror")
+    a.engine = eng = _StoreStagingEngine(a.engine, reread=True)
+    assert isinstance(eng, StoreStaging)
+    mirror = _two_faced_mirror(run, a)
+    with caplog.at_level(logging.WARNING, logger="aurora.actor"):
+        a._stage_available()
+    assert mirror.reads == 2  # the Actor's read (true), then the workers' (forged)
+    assert a.sources[0] == (1, False)  # v1 refused from the mirror, read from origin
+    assert any("from mirror failed" in r.getMessage() and "refused" in r.getMessage() for r in caplog.records)
+    assert [s for _, s, _ in a.staged] == [run["states"][v] for v in range(1, VERSIONS + 1)]
+    assert run["forged_state"] not in {s for s, _ in eng.held.values()}
+
+
+def test_workers_handed_the_checked_manifest_never_read_it_again(run: dict[str, Any]) -> None:
+    a = _actor(run, f"file://{run['tmp']}/mirror", mirror=f"file://{run['tmp']}/mirror")
+    a.engine = _StoreStagingEngine(a.engine, reread=False)
+    mirror = _two_faced_mirror(run, a)
+    a._stage_available()
+    assert mirror.reads == 1 and a.sources == [(v, True) for v in range(1, VERSIONS + 1)]
+    assert a.staged_state == run["states"][VERSIONS]
+    assert read_manifest(mirror, "delta", 1).state == run["forged_state"]  # type: ignore[arg-type]  # what a second read would get
+
+
+def test_an_engine_that_refuses_activation_leaves_the_version_quarantined(run: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """Staged under one state, asked to activate another: nothing written, the version quarantined, staging starts over."""
+    a = _actor(run, None)
+    a.engine = eng = _StoreStagingEngine(a.engine, reread=False)
+    a._stage_available()
+    digest = eng.digest()
+    first, _, _ = a.staged.popleft()
+    assert isinstance(first, RemoteStaged)
+    a.staged = deque([(RemoteStaged(first.version, 0, run["forged_state"], first.nnz), run["forged_state"], 0.0)])
+    a.commit_seen = 1
+    with caplog.at_level(logging.ERROR, logger="aurora.actor"):
+        a._activate()
+    assert a.active == 0 and a.active_state == run["spec"].base_state and eng.digest() == digest
+    assert not a.quarantine.allowed("delta", 1)
+    assert not a.staged and (a.staged_version, a.staged_state) == (0, run["spec"].base_state)
+    assert any("refused to activate v1" in r.getMessage() for r in caplog.records)
+
+
+class _Reacher:
+    """A StoreStaging engine whose "workers" report reaching the end of the chain they are handed; ``lies`` times another state."""
+
+    def __init__(self, lies: int) -> None:
+        self.lies = lies
+        self.handed: list[list[tuple[str, int]]] = []
+
+    def bootstrap_from_store(self, store: Store, options: Any, version: int | None, streams: int = 2, manifests: Any = None) -> tuple[int, str]:
+        assert manifests is not None  # the Actor always hands over the chain it checked
+        self.handed.append([(m.kind, m.version) for m in manifests])
+        if self.lies:
+            self.lies -= 1
+            return manifests[-1].version, "sha256:" + "0" * 64
+        return manifests[-1].version, manifests[-1].state
+
+    def stage_from_store(self, *a: Any, **kw: Any) -> Any:
+        raise AssertionError("not used here")
+
+
+def test_a_bootstrap_that_reaches_another_state_is_quarantined_and_planned_again(run: dict[str, Any]) -> None:
+    from aurora_store.lineage.publish import publish_snapshot
+    from workers.model import fused_weights
+
+    spec = run["spec"]
+    origin = open_store(f"file://{run['tmp']}/boot")
+    w = base_weights(spec.shape, spec.seed)
+    plan = fusion_plan_for(w, tied=True)
+    cfg = PublishConfig(streams=2, segment_bytes=4096)
+    state = publish_snapshot(origin, "r", 0, fused_weights(w, plan), None, cfg).state
+    states = {0: state}
+    for v in range(1, VERSIONS + 1):
+        new = {n: t.clone() for n, t in w.items()}
+        sparse_update(new, spec.density, spec.seed, v)
+        state = states[v] = publish_delta(origin, "r", v, extract(plan, w, new), state, cfg).state
+        w = new
+    a = Actor(Endpoints(origin.url, run["redis"], f"t{time.monotonic_ns()}"), ActorConfig(actor_id="a"), clock=ManualClock())
+    a.engine = eng = _Reacher(lies=1)
+    assert a._reach_newest() == (VERSIONS - 1, states[VERSIONS - 1])
+    assert eng.handed == [[("snapshot", 0)] + [("delta", v) for v in range(1, VERSIONS + 1)], [("snapshot", 0)] + [("delta", v) for v in range(1, VERSIONS)]]
+    assert not a.quarantine.allowed("delta", VERSIONS)  # refused, tried again after its back-off
