@@ -292,16 +292,17 @@ def test_the_mirror_keeps_the_newest_snapshots_and_what_region_actors_hold(
             if v in (3, 6):
                 trainer.snapshot(v)
         wait_until(mirrored(relay, ("snapshot", 6), ("delta", 7)), "the head")
-        # Newest snapshot (6) and after, plus what eu-1 on 4 needs: snapshot 3, deltas 4.. .
-        wait_until(lambda: versions(mirror) == ({3, 6}, {4, 5, 6, 7}), "the mirror cleaned")
+        # Newest snapshot (6) and after, plus what eu-1 on 4 needs: snapshot 3, deltas 4.. (and
+        # the deltas at each kept snapshot, which bind them: FORMAT.md §4.1).
+        wait_until(lambda: versions(mirror) == ({3, 6}, {3, 4, 5, 6, 7}), "the mirror cleaned")
         # What it mirrors, for origin's retention: its head, from the next heartbeat on.
         wait_until(lambda: RelayHeldVersions(redis, run_name).held_versions() == {7}, "the Relay to hold its head")
         ledger.heartbeat("eu-1", active=7, staged=7)
-        wait_until(lambda: versions(mirror) == ({6}, {7}), "the mirror cleaned again")
+        wait_until(lambda: versions(mirror) == ({6}, {6, 7}), "the mirror cleaned again")
         fetched = relay.stats().bytes_fetched
         listings = relay.stats().listings
         wait_until(lambda: relay.stats().listings >= listings + 3, "a few more listings")
-        assert versions(mirror) == ({6}, {7}) and relay.stats().bytes_fetched == fetched  # nothing copied back
+        assert versions(mirror) == ({6}, {6, 7}) and relay.stats().bytes_fetched == fetched  # nothing copied back
         assert relay.stats().removed > 0
         trainer.step()
         wait_until(mirrored(relay, ("delta", 8)), "delta 8")
@@ -323,8 +324,9 @@ def test_a_late_relay_copies_only_what_retention_keeps(redis_server: RedisServer
     relay = make_relay(origin, mirror, redis_server.url, run_name, keep_snapshots=1)
     with running(relay):
         wait_until(relay.caught_up.is_set, "the first listing")
-        assert versions(mirror) == ({3}, {4, 5})
-        assert relay.stats().bytes_fetched == sum(trainer.version_bytes(*vid) for vid in [("snapshot", 3), ("delta", 4), ("delta", 5)]) + len(origin.get("model/config.json"))
+        assert versions(mirror) == ({3}, {3, 4, 5})  # delta 3 binds snapshot 3 (FORMAT.md §4.1)
+        kept = [("snapshot", 3), ("delta", 3), ("delta", 4), ("delta", 5)]
+        assert relay.stats().bytes_fetched == sum(trainer.version_bytes(*vid) for vid in kept) + len(origin.get("model/config.json"))
 
 
 def test_relay_flags() -> None:

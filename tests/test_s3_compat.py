@@ -46,6 +46,7 @@ from aurora_store.errors import (
 from aurora_store.format.manifest import manifest_key
 from aurora_store.lineage.fetch import ManifestReader, materialize, read_manifest
 from aurora_store.lineage.interfaces import CommitRecords
+from aurora_store.lineage.plan import scan_versions
 from aurora_store.storage import Store, open_store
 from aurora_store.storage.probe import (
     PROBE_PREFIX,
@@ -491,3 +492,41 @@ def test_trainer_takes_commit_via() -> None:
         from workers.trainer.config import TrainerConfig
 
         TrainerConfig(commit_via="dynamo")
+
+
+@pytest.mark.slow
+def test_the_trainer_on_a_server_without_conditional_writes(
+    rclone: RcloneS3, persistent_redis: str, redis_server: Any, tmp_path: Path  # noqa: F811
+) -> None:
+    """The real Trainer: refused on rclone with one line naming the way out; with
+    ``--commit-via redis`` its versions are committed by Redis records that readers check."""
+    url = f"s3://{rclone.new_bucket()}/runs/t"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AURORA_")}
+    env.update(AURORA_TORCH_THREADS="1", AURORA_TRAINER_WARM_START_STEPS="2")
+
+    def trainer(redis_url: str, *extra: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "aurora_tools.cli", "trainer", "--store", url, "--redis", redis_url, "--run", "t",
+             "--steps", "1", "--batch", "2", "--group", "2", *rclone.cli_options(), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+
+    p = trainer(redis_server.url)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 1 and "--commit-via redis" in out and "Traceback" not in out, out
+    store = open_store(url, rclone.storage_options())
+    assert scan_versions(store).latest is None  # refused before publishing anything
+    # With Redis committing: v0 is published and recorded (the run then waits for Actors: stop it).
+    p = trainer(persistent_redis, "--commit-via", "redis")
+    client = connect(persistent_redis)
+    try:
+        _wait_for(lambda: p.poll() is not None or client.exists("aurora:{t}:commit:snapshot:0"), "v0's commit record", 240)
+        assert p.poll() is None, p.communicate()[0]
+        commits = commit_records_for(client, "t")
+        assert commits is not None
+        _wait_for(lambda: scan_versions(store).latest == 0, "v0's manifest", 60)
+        assert read_manifest(store, "snapshot", 0, commits=commits).version == 0
+    finally:
+        p.terminate()
+        p.communicate(timeout=60)
+        client.close()

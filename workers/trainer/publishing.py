@@ -79,6 +79,7 @@ def publish_version(
     producer: Mapping[str, Any] | None = None,
     weights_digest: str | None = None,
     signer: Signer | None = None,
+    commit: Callable[[str, int, bytes], None] | None = None,
 ) -> Published:
     """Ship version ``v`` (made by ``step``) from ``old`` -> ``new`` as ``transfer`` says.
 
@@ -98,11 +99,11 @@ def publish_version(
 
         m = publish_delta(
             store, run, v, extract(plan, old, new), base_state, config, on_segment=on_segment, producer=producer, weights_digest=weights_digest,
-            signer=signer,
+            signer=signer, commit=commit,
         )
         return Published(m.state, "delta", m.total_bytes, m.nnz)
     if transfer == "full":
-        m = publish_snapshot(store, run, v, snapshot_tensors(new), None, config, producer=producer, signer=signer)
+        m = publish_snapshot(store, run, v, snapshot_tensors(new), None, config, producer=producer, signer=signer, commit=commit)
         return Published(m.state, "snapshot", m.total_bytes)
     # Nothing moves: the version exists only as an announcement.
     return Published(unshipped_state(v), "none")

@@ -40,6 +40,7 @@ from aurora_store.apply.sink import weights_digest
 from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.codec.extract import fuse_weights, unfuse_weights
 from aurora_store.coordination.bus import COMMIT, VERSION, Bus
+from aurora_store.coordination.commit import prepare_commit
 from aurora_store.coordination.ledger import AcceptedResult, Ledger
 from aurora_store.coordination.redisconn import connect
 from aurora_store.coordination.retention import run_held_versions
@@ -162,6 +163,8 @@ class Trainer:
         self.bus = riding(Bus(raw, ep.run), self.redis_dep, self.stop)
         self.keys = RunKeys(ep.run)
         self.signer = signer_from_option(cfg.sign_key, cfg.sign_key_id)
+        self._commit: Callable[[str, int, bytes], None] | None = None
+        """Redis-commit mode's callback (FORMAT.md §1), set by :meth:`_prepare_commit`; None: the store commits."""
         """Signs every manifest this Trainer writes (FORMAT.md §4.1); None: an unsigned run."""
         self.epoch = 0
         """This Trainer's epoch: 1 for a fresh run, one more than any before it on resume."""
@@ -220,7 +223,7 @@ class Trainer:
         self._forget_states()
         m = publish_snapshot(
             self.store, self.ep.run, 0, fuse_weights(self.published, self.plan), None, self._pub_cfg(), producer=self._producer(0), model=self.model_files,
-            signer=self.signer,
+            signer=self.signer, commit=self._commit,
         )
         self.states[0] = m.state
         self.full_bytes = m.total_bytes
@@ -602,7 +605,7 @@ class Trainer:
             out = publish_version(
                 self.store, self.ep.run, v, b, self.cfg.transfer, self.plan, self.published, new, self.states[v - 1],
                 self._pub_cfg(), self.bus, self._snapshot_tensors, producer=self._producer(b), weights_digest=digest,
-                signer=self.signer,
+                signer=self.signer, commit=self._commit,
             )
         except VersionConflict as e:
             raise FencedOut(f"version {v} was published by another Trainer; this one (epoch {self.epoch}) stops: {e}") from e
@@ -615,7 +618,7 @@ class Trainer:
         if self.cfg.transfer == "delta" and self.cfg.snapshot_every and v % self.cfg.snapshot_every == 0:
             publish_snapshot(
                 self.store, self.ep.run, v, self._snapshot_tensors(self.published), out.state, self._pub_cfg(),
-                producer=self._producer(b), model=self.model_files, signer=self.signer,
+                producer=self._producer(b), model=self.model_files, signer=self.signer, commit=self._commit,
             )
             self._retain()
         return out.nbytes, out.changed
@@ -644,8 +647,22 @@ class Trainer:
         if plan.versions or plan.orphans:
             log.info("retention: %s", plan.summary())
 
+    def _prepare_commit(self) -> None:
+        """Before the first publish: know how this store commits (FORMAT.md §1).
+
+        ``commit_via="store"`` probes that the store honours create-only writes
+        and refuses one that does not (one line naming the way out);
+        ``"redis"`` checks that Redis persists its data, puts the run in
+        Redis-commit mode and completes manifests whose write was lost.
+        """
+        self._commit = self.redis_dep.call(
+            lambda: prepare_commit(self._raw_store, self._raw_redis, self.ep.run, self.cfg.commit_via), "prepare the commit mode", self.stop
+        )
+
     def run(self) -> list[StepLog]:
         try:
+            if self.cfg.weight_transfer and self.cfg.transfer != "none":
+                self._prepare_commit()
             start = self.resume() if self.cfg.resume else 0
             if not self.cfg.resume:
                 self.setup()
