@@ -26,6 +26,7 @@ from workers.trainer.fsdp import (
     SINGLE,
     DistContext,
     GrpoBatch,
+    exit_process,
     gather_bf16,
     grpo_epochs,
     init_from_env,
@@ -88,6 +89,7 @@ def _rank(rank: int, world: int, port: int, rows: int, out: str) -> None:
     if ctx.leader:
         torch.save({"full": full, "bf16": bf16, "tied": bf16["lm_head.weight"] is bf16["model.embed_tokens.weight"]}, out)
     leave(ctx)
+    exit_process(0)
 
 
 def test_local_rows_cover_the_batch_once() -> None:

@@ -18,6 +18,7 @@ from aurora_store.storage import Store
 
 if TYPE_CHECKING:
     from aurora_store.format.signing import TrustKeys
+    from aurora_store.lineage.interfaces import CommitRecords
 
 __all__ = ["VersionRow", "Lineage", "read_lineage", "layer_of"]
 
@@ -106,12 +107,16 @@ def _key_id(m: Manifest) -> str | None:
     return kid if isinstance(kid, str) else None
 
 
-def read_lineage(store: Store, trust: TrustKeys | None = None) -> Lineage:
+def read_lineage(store: Store, trust: TrustKeys | None = None, commits: CommitRecords | None = None) -> Lineage:
     """Read every manifest of the run and classify every object under it.
 
     ``trust``: a manifest these keys do not accept (unsigned, untrusted or bad
     signature) is a problem, and left out like an unreadable one.
+    ``commits``: the run commits through Redis (FORMAT.md §1); a manifest
+    without a matching record is a problem too (not committed, or refused).
     """
+    if commits is not None:
+        from aurora_store.lineage.fetch import check_commit_record
     lin = Lineage(store.url)
     keys = store.list()
     by_vdir: dict[tuple[str, int], list[str]] = {}
@@ -129,6 +134,8 @@ def read_lineage(store: Store, trust: TrustKeys | None = None) -> Lineage:
             continue
         try:
             data = store.get(mkey)
+            if commits is not None:
+                check_commit_record(commits, kind, v, data, store.where(mkey))
             m = Manifest.from_bytes(data, store.where(mkey))
             if trust is not None:
                 trust.check_json(json.loads(data), store.where(mkey), kind, v)

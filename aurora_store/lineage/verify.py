@@ -22,6 +22,7 @@ from aurora_store.storage import Store
 
 if TYPE_CHECKING:
     from aurora_store.format.signing import TrustKeys
+    from aurora_store.lineage.interfaces import CommitRecords
 
 __all__ = ["VerifyReport", "verify_run"]
 
@@ -58,6 +59,7 @@ def verify_run(
     streams: int = DEFAULT_STREAMS,
     progress: Callable[[str], None] | None = None,
     trust: TrustKeys | None = None,
+    commits: CommitRecords | None = None,
 ) -> VerifyReport:
     """Verify versions in ``[first, last]`` (all by default).
 
@@ -69,10 +71,12 @@ def verify_run(
     and validated (FORMAT.md §3) against the run's model, the version as a
     whole too (no overlapping entries, the declared ``nnz``). With ``trust``,
     every manifest must be signed by one of its keys (FORMAT.md §4.1): one
-    that is not is a problem and none of its objects is read.
+    that is not is a problem and none of its objects is read. With
+    ``commits`` (a run that commits through Redis, FORMAT.md §1), so is a
+    manifest without a matching commit record.
     """
     rep = VerifyReport()
-    lin = read_lineage(store, trust)
+    lin = read_lineage(store, trust, commits)
     rep.problems.extend(lin.problems)
     if lin.orphans:
         rep.warnings.append(f"{len(lin.orphans)} orphan object(s) (uncommitted publish attempts); `aurora gc` removes them")

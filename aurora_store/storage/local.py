@@ -62,6 +62,11 @@ def _makedirs_durable(folder: str, attempts: int = 3) -> None:
 class LocalStore(Store):
     """A run root on the local filesystem."""
 
+    def put(self, key: str, data: bytes, mode: str = "create") -> None:
+        if mode == "overwrite":  # a new folder (``.aurora/`` of the commit marker): created first, as a create does
+            self._retry(f"put {self.where(key)}", lambda: _makedirs_durable(os.path.dirname(self._path(key))))
+        super().put(key, data, mode)
+
     def _create(self, key: str, path: str, data: bytes) -> None:
         self._retry(f"put {self.where(key)}", lambda: self._link_exclusive(key, path, data))
 

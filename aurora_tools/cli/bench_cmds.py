@@ -1,4 +1,4 @@
-"""``aurora bench codec|transfer|ledger|e2e|wan|chaos``: each benchmark prints a table, or one JSON object.
+"""``aurora bench codec|transfer|ledger|e2e|wan|chaos|hostile``: each benchmark prints a table, or one JSON object.
 
 Each benchmark declares its own options (``add_*_arguments`` import it, so
 :mod:`aurora_tools.cli.main` calls them only for the benchmark being run),
@@ -22,6 +22,8 @@ __all__ = [
     "cmd_bench_e2e",
     "cmd_bench_wan",
     "cmd_bench_chaos",
+    "add_hostile_arguments",
+    "cmd_bench_hostile",
 ]
 
 
@@ -101,5 +103,17 @@ def add_chaos_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
     from aurora_tools.bench.chaos import main
+
+    return main(args)
+
+
+def add_hostile_arguments(p: argparse.ArgumentParser) -> None:
+    from aurora_tools.bench.hostile import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_bench_hostile(args: argparse.Namespace) -> int:
+    from aurora_tools.bench.hostile import main
 
     return main(args)

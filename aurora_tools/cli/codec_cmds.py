@@ -267,7 +267,9 @@ def cmd_delta_apply(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {args.out}: is a folder; give a file name")
     store = open_store(args.store, storage_options(args.storage_option))
     trust = _trust(args)
-    tensors, state = materialize(store, args.version, progress=say, trust=trust)
+    from aurora_tools.cli.store_cmds import commits_of
+
+    tensors, state = materialize(store, args.version, progress=say, trust=trust, commits=commits_of(args, store))
     meta = {"aurora.version": str(args.version), "aurora.state": state}
 
     def write(tmp: str) -> None:

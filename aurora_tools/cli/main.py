@@ -92,6 +92,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     da.add_argument("--out", required=True, metavar="FILE.safetensors")
     add_store_args(da)
     add_trust_key_arg(da)
+    store_cmds.add_commit_check_args(da)
     da.set_defaults(func=codec_cmds.cmd_delta_apply)
 
     ln = sub.add_parser("lineage", help="one row per version; orphans and gaps called out")
@@ -99,6 +100,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     ln.add_argument("--json", action="store_true")
     add_storage_option(ln, help=None)
     add_trust_key_arg(ln)
+    store_cmds.add_commit_check_args(ln)
     ln.set_defaults(func=store_cmds.cmd_lineage)
 
     vf = sub.add_parser("verify", help="re-hash every object, check chain continuity and state digests")
@@ -109,6 +111,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     vf.add_argument("-v", "--verbose", action="store_true")
     add_storage_option(vf, help=None)
     add_trust_key_arg(vf)
+    store_cmds.add_commit_check_args(vf)
     vf.set_defaults(func=store_cmds.cmd_verify)
 
     kg = sub.add_parser("keygen", help="a new Ed25519 signing key: DIR/signing-key.pem (private, 0600) and DIR/signing-key.pub.pem")
@@ -174,6 +177,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     bx = bench.add_parser("chaos", help="the real workers under a seeded fault schedule (Redis, S3, Trainer, Actor, Relay faults): what is guaranteed")
     later.fill(("bench", "chaos"), bx, bench_cmds.add_chaos_arguments)
     bx.set_defaults(func=bench_cmds.cmd_bench_chaos)
+    bh = bench.add_parser("hostile", help="every attack of issue 13 against the real CLI: refused, nothing applied, no traceback; valid controls accepted")
+    later.fill(("bench", "hostile"), bh, bench_cmds.add_hostile_arguments)
+    bh.set_defaults(func=bench_cmds.cmd_bench_hostile)
     return ap
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Any
 
 from aurora_store.errors import ConfigError
 from aurora_store.options import add_storage_option, storage_options, trust_key_paths
@@ -13,7 +14,7 @@ from aurora_tools.cli.console import say
 if TYPE_CHECKING:
     from aurora_store.format.signing import TrustKeys
 
-__all__ = ["add_gc_arguments", "cmd_lineage", "cmd_verify", "cmd_gc", "cmd_keygen", "trust_of"]
+__all__ = ["add_commit_check_args", "add_gc_arguments", "cmd_lineage", "cmd_verify", "cmd_gc", "cmd_keygen", "commits_of", "trust_of"]
 
 
 def trust_of(args: argparse.Namespace) -> TrustKeys | None:
@@ -21,6 +22,56 @@ def trust_of(args: argparse.Namespace) -> TrustKeys | None:
     from aurora_store.format.signing import trust_from_option
 
     return trust_from_option(trust_key_paths(getattr(args, "trust_key", None)))
+
+
+def add_commit_check_args(p: argparse.ArgumentParser) -> None:
+    """``--redis URL --run NAME``: check a Redis-commit run's manifests against their records (FORMAT.md §1)."""
+    p.add_argument(
+        "--redis", default=None, metavar="URL",
+        help="the run's Redis, for a run that commits through Redis (--commit-via redis): every manifest "
+        "is checked against its commit record (with --run)",
+    )
+    p.add_argument("--run", default=None, metavar="NAME", help="run name (with --redis)")
+
+
+def commits_of(args: argparse.Namespace, store: Any) -> Any:
+    """The commit records to check this command's manifests against, or None when the run commits in the store.
+
+    Why: in Redis-commit mode a manifest in the store is a version only if
+    it matches its Redis record; read without the records, any manifest a
+    stray writer left would pass. A store that carries the marker
+    ``.aurora/commit.json`` is therefore refused, in one line, unless
+    ``--redis URL --run NAME`` are given.
+    """
+    from aurora_store.storage.probe import read_commit_marker
+
+    url, run = getattr(args, "redis", None), getattr(args, "run", None)
+    if run is not None and url is None:
+        url = os.environ.get("AURORA_REDIS_URL") or None
+    if (url is None) != (run is None):
+        raise ConfigError("--redis URL and --run NAME go together")
+    marker = read_commit_marker(store)
+    if url is None:
+        if marker is not None:
+            raise ConfigError(
+                f"{store.url}: run {marker[:64]!r} commits through Redis (FORMAT.md §1): its manifests cannot be "
+                "checked without --redis URL --run NAME"
+            )
+        return None
+    from aurora_store.coordination.commit import commit_records_for
+    from aurora_store.coordination.redisconn import connect
+
+    assert run is not None  # with url (checked above)
+    client = connect(url)  # closed when the command's process ends
+    commits = commit_records_for(client, run)
+    if commits is None and marker is not None:
+        raise ConfigError(
+            f"{store.url} says run {marker[:64]!r} commits through Redis, but that Redis has no commit mode "
+            f"for run {run!r} (another --run, or a Redis that lost its records)"
+        )
+    if commits is None:
+        say(f"note: run {run!r} commits in the store, not through Redis: there are no records to check")
+    return commits
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -40,7 +91,8 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     from aurora_store.lineage.report import read_lineage
     from aurora_store.storage import open_store
 
-    lin = read_lineage(open_store(args.url, storage_options(args.storage_option)), trust_of(args))
+    store = open_store(args.url, storage_options(args.storage_option))
+    lin = read_lineage(store, trust_of(args), commits_of(args, store))
     if args.json:
         print(json.dumps(lin.to_json(), indent=1))
         return 0
@@ -73,7 +125,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     store = open_store(args.url, storage_options(args.storage_option))
     rep = verify_run(
         store, args.from_version, args.to_version, deep=args.deep, progress=say if args.verbose else None,
-        trust=trust_of(args),
+        trust=trust_of(args), commits=commits_of(args, store),
     )
     for w in rep.warnings:
         say(f"warning: {w}")

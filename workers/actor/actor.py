@@ -64,12 +64,14 @@ from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import manifest_key
 from aurora_store.format.signing import TrustKeys
 from aurora_store.lineage.fetch import ManifestReader, fetch_delta, fetch_snapshot
+from aurora_store.lineage.interfaces import CommitRecords
 from aurora_store.lineage.plan import ChainPlan, VersionIndex, plan_chain, scan_versions
 from aurora_store.outage import Dependency, is_transient, riding
 from aurora_store.storage import Store, open_store
 from workers.actor.config import ActorConfig, ActorStats
 from workers.actor.held import chain_error, check_chain, check_reached, check_staged
 from workers.actor.quarantine import Quarantine, StagedFull, staged_nbytes
+from workers.commits import RidingRecords, resolve_commit_records
 from workers.common import (
     MODEL_CONFIG_KEY,
     TOKENIZER_KEY,
@@ -178,6 +180,9 @@ class Actor:
         """version -> when the region's Relay last announced a segment of it."""
         self._mirror_behind = False
         self._state_refused: tuple[int, int] | None = None
+        self.commits: CommitRecords | None = None
+        """The run's Redis commit records (FORMAT.md §1) when it commits through Redis; None: the store commits."""
+        self._commits_known = False
         self._model_unchecked: dict[str, str] | None = None
         """The model files read before any snapshot listed them (key -> sha256): checked at bootstrap."""
         """(step, active version) last refused for its state: logged once."""
@@ -316,7 +321,8 @@ class Actor:
             if index is None:
                 return None
             usable = index.without(self.quarantine.blocked())
-            reader = ManifestReader(self.origin, self.cfg.trust)
+            self._resolve_commits()
+            reader = ManifestReader(self.origin, self.cfg.trust, self.commits)
             plan = self._store(partial(_newest_plan, usable, reader), "plan the bootstrap")
             if plan is None:
                 if not said:
@@ -341,6 +347,24 @@ class Actor:
             return full.version, full.state
         return None
 
+    def _resolve_commits(self) -> None:
+        """Whether the run commits through Redis: asked once, when its first version is seen (workers.commits)."""
+        if self._commits_known:
+            return
+        found = resolve_commit_records(self.redis, self.ep.run, self.origin, self._redis, self._store, log, self.cfg.actor_id)
+        self.commits = None if found is None else RidingRecords(found, self.redis_dep, self.stop)
+        self._commits_known = True
+
+    def _checked(self, store: Store, reader: ManifestReader, kind: str, version: int) -> Any:
+        """The manifest ``reader`` accepted; in a Redis-commit run, read again (and refused, naming why) when it did not.
+
+        Without records, None lets the fetch read it (and raise what names it), as before.
+        """
+        m = reader.get(kind, version)
+        if m is None and self.commits is not None:
+            m = _manifest(store, None, kind, version, self.cfg.trust, self.commits)
+        return m
+
     def _stage_full(self, store: Store, plan: ChainPlan, reader: ManifestReader | None = None) -> StagedFull:
         """Fetch a whole version: ``plan``'s snapshot, then its deltas, each checked against the state it lands on.
 
@@ -352,21 +376,21 @@ class Actor:
         from aurora_store.codec.extract import spec_of
 
         assert plan.snapshot is not None
-        reader = reader or ManifestReader(store, self.cfg.trust)
+        reader = reader or ManifestReader(store, self.cfg.trust, self.commits)
         self._full_bytes = reader.cost("snapshot", plan.snapshot) or self._full_bytes
         if isinstance(self.engine, StoreStaging):
             # The chain is checked here, manifest by manifest, and handed to the engine,
             # which reads none of them again (see workers.actor.held).
             sn = plan.snapshot
-            chain = [_attributed("snapshot", sn, lambda: _manifest(store, reader, "snapshot", sn, self.cfg.trust))]
-            chain += [_attributed("delta", v, lambda v=v: _manifest(store, reader, "delta", v, self.cfg.trust)) for v in plan.deltas]  # type: ignore[misc]
+            chain = [_attributed("snapshot", sn, lambda: _manifest(store, reader, "snapshot", sn, self.cfg.trust, self.commits))]
+            chain += [_attributed("delta", v, lambda v=v: _manifest(store, reader, "delta", v, self.cfg.trust, self.commits)) for v in plan.deltas]  # type: ignore[misc]
             broken = check_chain(chain)
             if broken is not None:
                 raise _Refused("delta", broken, chain_error(broken, chain))
             _attributed("delta" if plan.deltas else "snapshot", plan.target, lambda: self._check_expected(plan.target, chain[-1].state, store))
             return StagedFull(plan.target, chain[-1].state, None, sn, plan.bytes or 0, manifests=tuple(chain))
         s = plan.snapshot
-        sm, tensors = _attributed("snapshot", s, lambda: fetch_snapshot(store, s, self.cfg.streams, reader.get("snapshot", s), trust=self.cfg.trust))
+        sm, tensors = _attributed("snapshot", s, lambda: fetch_snapshot(store, s, self.cfg.streams, self._checked(store, reader, "snapshot", s), trust=self.cfg.trust))
         specs = self.engine.param_specs()
 
         def fits() -> None:
@@ -380,7 +404,7 @@ class Actor:
         sink, state = FusedWeights(tensors), sm.state
         for v in plan.deltas:
             m, staged = _attributed(
-                "delta", v, lambda v=v, st=state: fetch_delta(store, v, specs, self.cfg.streams, expect_base_state=st, manifest=reader.get("delta", v), trust=self.cfg.trust)  # type: ignore[misc]
+                "delta", v, lambda v=v, st=state: fetch_delta(store, v, specs, self.cfg.streams, expect_base_state=st, manifest=self._checked(store, reader, "delta", v), trust=self.cfg.trust)  # type: ignore[misc]
             )
             apply_delta(staged, sink)
             state = m.state
@@ -466,10 +490,12 @@ class Actor:
         if isinstance(self.engine, StoreStaging):
             # Read (and checked) here once, handed to the engine, and compared with what it staged.
             opts = self.ep.storage_options if store is self.origin else self.cfg.mirror_options
-            m = known if known is not None else _manifest(store, None, "delta", version, self.cfg.trust)
+            m = known if known is not None else _manifest(store, None, "delta", version, self.cfg.trust, self.commits)
             got, staged = self.engine.stage_from_store(store, opts, version, self.staged_state, self.cfg.streams, manifest=m)
             check_staged(version, m, got, staged)
             return m, staged
+        if known is None and self.commits is not None:  # checked against its record: never re-read unchecked
+            known = _manifest(store, None, "delta", version, self.cfg.trust, self.commits)
         return fetch_delta(store, version, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state, manifest=known, trust=self.cfg.trust)
 
     def _staged_bytes(self) -> int:
@@ -611,7 +637,7 @@ class Actor:
         if not reachable:
             return self._no_way(broken, f"no version after v{self.staged_version} up to v{goal} at {store.url}")
         target = max(reachable)
-        reader = ManifestReader(store, self.cfg.trust)
+        reader = ManifestReader(store, self.cfg.trust, self.commits)
         try:
             plan = plan_chain(index, target, held=self.staged_version, cost=reader.cost)
         except (ChainError, VersionNotFound) as e:
@@ -998,12 +1024,16 @@ def _nonempty(index: VersionIndex) -> VersionIndex | None:
     return index if index.latest is not None else None
 
 
-def _manifest(store: Store, reader: ManifestReader | None, kind: str, version: int, trust: TrustKeys | None = None) -> Any:
-    """The manifest ``reader`` holds, else read now; either way accepted by ``trust`` (FORMAT.md §4.1)."""
+def _manifest(
+    store: Store, reader: ManifestReader | None, kind: str, version: int, trust: TrustKeys | None = None,
+    commits: CommitRecords | None = None,
+) -> Any:
+    """The manifest ``reader`` holds, else read now; either way accepted by ``trust`` (FORMAT.md §4.1)
+    and, in a run that commits through Redis, by its record (``commits``, FORMAT.md §1)."""
     from aurora_store.lineage.fetch import check_trusted, read_manifest
 
     m = reader.get(kind, version) if reader is not None else None
     if m is not None:
         check_trusted(store, m, trust)  # the reader may have been made without it
         return m
-    return read_manifest(store, kind, version, trust)
+    return read_manifest(store, kind, version, trust, commits)

@@ -42,7 +42,7 @@ from aurora_store.codec.extract import spec_of
 from aurora_store.errors import ChainError, ConfigError, IntegrityError, ModelMismatchError
 from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import Manifest
-from aurora_store.lineage.fetch import fetch_delta, fetch_snapshot
+from aurora_store.lineage.fetch import ManifestReader, bound_index, fetch_delta, fetch_snapshot
 from aurora_store.lineage.plan import plan_chain, scan_versions
 from workers.engine.vllm_params import Held, keep_cpu_linear_on_live_weights
 from workers.engine.vllm_wire import decode_entries, encode_entries, reply
@@ -146,10 +146,12 @@ class AuroraWorkerExtension:
             target = index.latest if version is None else version
             if target is None:
                 raise ChainError(f"{store.url}: no version to bootstrap from")
-            plan = plan_chain(index, target)
+            # Only snapshots bound to the chain (FORMAT.md §4.1): a planted one is never the start.
+            reader = ManifestReader(store)
+            plan = plan_chain(bound_index(index, reader), target)
             if plan.snapshot is None:
                 raise ChainError(f"version {target} is unreachable: no snapshot at or below it")
-            sm, tensors = fetch_snapshot(store, plan.snapshot, streams)
+            sm, tensors = fetch_snapshot(store, plan.snapshot, streams, reader.get("snapshot", plan.snapshot))
             if set(tensors) != set(h.sink.tensors):
                 raise ModelMismatchError(
                     f"snapshot {plan.snapshot} names {sorted(set(tensors) ^ set(h.sink.tensors))[:3]} "

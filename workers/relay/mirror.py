@@ -24,10 +24,18 @@ from concurrent.futures import wait as wait_all
 
 from aurora_store.clock import Clock
 from aurora_store.coordination.bus import VERSION, Event
-from aurora_store.errors import AuroraError, ObjectNotFound, SignatureError
+from aurora_store.errors import (
+    AuroraError,
+    ManifestError,
+    ObjectNotFound,
+    SignatureError,
+    VersionNotFound,
+)
 from aurora_store.format.manifest import Manifest, manifest_key, parse_version_dir, version_dir
 from aurora_store.format.signing import TrustKeys
+from aurora_store.lineage.fetch import check_commit_record
 from aurora_store.lineage.gc import GcPlan, retain, retained, retention_floor
+from aurora_store.lineage.interfaces import CommitRecords
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.storage import Store
 from workers.relay.config import VersionId
@@ -79,6 +87,12 @@ class VersionMirror:
         self.keep_snapshots = keep_snapshots
         self.trust = trust
         """Mirror only manifests these keys signed (FORMAT.md §4.1); None: no check."""
+        self.resolve_commits: Callable[[], CommitRecords | None] | None = None
+        """Asked once, at the first manifest read from origin: the run's Redis commit records
+        (FORMAT.md §1, Redis-commit mode), or None when the store commits (:mod:`workers.commits`)."""
+        self._commits: CommitRecords | None = None
+        self._commits_known = False
+        self._unrecorded: set[VersionId] = set()
         self._lock = lock
         self._traffic = traffic
         self._announce = announce
@@ -161,6 +175,19 @@ class VersionMirror:
             return _NOT_YET
         with self._lock:
             self._traffic.fetched(vid, len(data))
+        commits = self.commit_records()
+        if commits is not None:
+            # Before the manifest is parsed or anything copied for it: not committed, nothing to mirror.
+            try:
+                check_commit_record(commits, kind, version, data, self.origin.where(mk))
+            except VersionNotFound as e:
+                if vid not in self._unrecorded:
+                    self._unrecorded.add(vid)
+                    log.warning("relay %s: %s; not mirrored until it is recorded", self.region, e)
+                return _NOT_YET
+            except ManifestError as e:
+                return str(e)
+            self._unrecorded.discard(vid)
         try:
             m = Manifest.from_bytes(data, self.origin.where(mk))
         except AuroraError as e:
@@ -211,6 +238,13 @@ class VersionMirror:
         self.announce_version(m)
         return None
 
+    def commit_records(self) -> CommitRecords | None:
+        """The run's commit records (Redis-commit mode), or None; resolved once, on first use."""
+        if not self._commits_known and self.resolve_commits is not None:
+            self._commits = self.resolve_commits()
+            self._commits_known = True
+        return self._commits
+
     def announce_version(self, m: Manifest) -> None:
         """Tell the region about a complete version, once."""
         vid: VersionId = (m.kind, m.version)
@@ -231,7 +265,7 @@ class VersionMirror:
         attempts that never committed stay behind. A run that has nothing at
         origin yet (no model description, no version) is waited for, said
         once. Returns whether the mirror now holds every version it should,
-        quarantined versions aside (their own attempts are scheduled).
+        quarantined versions and manifests without a commit record aside (their own attempts are scheduled).
         """
         # model/ (docs/WORKERS.md), so the mirror is a run root an Actor can join from.
         # These objects have no digest to check against; they are created once,
@@ -267,7 +301,9 @@ class VersionMirror:
                 log.error("relay %s: %s %d not mirrored: %s", self.region, kind, v, e)
                 ok = False
                 continue
-            if not done and (kind, v) not in self.quarantine.failures():
+            # A manifest without a commit record (Redis-commit runs) is no version: it must not keep
+            # the mirror from being advertised (its record always lands before a real manifest).
+            if not done and (kind, v) not in self.quarantine.failures() and (kind, v) not in self._unrecorded:
                 ok = False
         return ok
 

@@ -47,9 +47,11 @@ from aurora_store.coordination.redisconn import connect
 from aurora_store.coordination.retention import LedgerHeldVersions
 from aurora_store.errors import CoordinationError, OutageTooLong
 from aurora_store.lineage.gc import GcPlan
+from aurora_store.lineage.interfaces import CommitRecords
 from aurora_store.outage import Dependency, riding
 from aurora_store.redact import redact_url
 from aurora_store.storage import Store, open_store
+from workers.commits import RidingRecords, resolve_commit_records
 from workers.relay.config import RelayConfig, RelayStats, VersionId
 from workers.relay.copier import Copier, Traffic
 from workers.relay.follower import Follower, ListingSchedule
@@ -118,6 +120,7 @@ class Relay:
             self._announce, self.schedule.want_resync, self.quarantine, config.keep_snapshots,
             trust=config.trust,
         )
+        self.versions.resolve_commits = self._commit_records
         self.heartbeat = Heartbeat(
             self.redis, config.run, config.region, config.mirror, config.heartbeat_s, config.ttl_s,
             self.versions.held_versions, self.redis_dep, clock,
@@ -128,6 +131,16 @@ class Relay:
             config.origin, config.mirror, config.block_ms, self.redis_dep, self.halt, clock, self._announce,
             self._serve, self.clean_mirror if config.keep_snapshots else None, config.gc_every_s,
         )
+
+    def _commit_records(self) -> CommitRecords | None:
+        """The run's Redis commit records when it commits through Redis (:mod:`workers.commits`)."""
+        found = resolve_commit_records(
+            self.redis, self.cfg.run, self.origin_store,
+            lambda fn, what: self.redis_dep.call(fn, what, self.halt.event),
+            lambda fn, what: self.origin_dep.call(fn, what, self.halt.event),
+            log, f"relay {self.cfg.region}",
+        )
+        return None if found is None else RidingRecords(found, self.redis_dep, self.halt.event)
 
     def __repr__(self) -> str:
         return f"Relay(region={self.cfg.region!r}, origin={redact_url(self.cfg.origin)!r}, mirror={redact_url(self.cfg.mirror)!r})"

@@ -79,9 +79,18 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
 
 def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace, storage_options: Mapping[str, Any]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    rc = main(args, storage_options)
-    if rc:
-        raise SystemExit(rc)
+    from workers.trainer.fsdp import exit_process
+
+    try:
+        rc = main(args, storage_options)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # mp.spawn reports the rank's failure; the traceback is its record
+        rc = 1
+    exit_process(rc)
 
 
 def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
@@ -99,7 +108,12 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
         port = free_port()  # torch.distributed's rendezvous cannot bind port 0 and report it
         # The parsed arguments travel to the new processes: only plain values pickle.
         plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
-        mp.spawn(_spawned_rank, args=(nproc, port, plain, dict(storage_options)), nprocs=nproc)
+        try:
+            mp.spawn(_spawned_rank, args=(nproc, port, plain, dict(storage_options)), nprocs=nproc)
+        except mp.ProcessExitedException as e:
+            # The rank said why in its own log lines (above); here, one line.
+            log.error("trainer rank %d ended with %s; the run stops", e.error_index, f"exit status {e.exit_code}" if e.exit_code is not None and e.exit_code >= 0 else f"signal {e.signal_name}")
+            return 1
         return 0
     ctx = init_from_env()
     try:

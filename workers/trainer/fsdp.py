@@ -37,6 +37,7 @@ __all__ = [
     "broadcast_module",
     "exchange",
     "gather_bf16",
+    "exit_process",
     "leave",
     "init_from_env",
     "local_rows",
@@ -103,6 +104,27 @@ def leave(ctx: DistContext) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def exit_process(rc: int = 0) -> None:
+    """End a spawned rank now: flush what it printed and logged, then ``os._exit``.
+
+    After the work is done and the group left, a rank's interpreter teardown
+    can still abort in C++ ("terminate called without an active exception":
+    a native thread of torch's still joinable while static objects are
+    destroyed), seen one run in a few on a loaded machine. The exit status
+    would then say SIGABRT for a rank that finished; skipping the teardown
+    keeps the status the rank's own.
+    """
+    import contextlib
+    import logging
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    logging.shutdown()
+    os._exit(rc)
 
 
 def broadcast_module(model: torch.nn.Module, src: int = 0) -> None:

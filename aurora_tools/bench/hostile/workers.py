@@ -1,0 +1,228 @@
+"""Attacks on an Actor's mirror path, against the real :class:`workers.actor.Actor` in-process.
+
+A real redis-server (``aurora_store.testing.servers.RedisServer``) carries the
+run's keys; origin, a true mirror, an "evil" copy and a forged version live in
+local stores. Each case builds a fresh Actor on the synthetic engine and runs
+its staging step; "applied" means a forged state was staged or activated.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aurora_tools.bench.hostile.cases import Case, Context, Result
+
+__all__ = ["WORKER_CASES"]
+
+VERSIONS = 3
+REGION = "r1"
+
+
+class _TwoFaced:
+    """A store that answers the first read of ``key`` truly and every later one with ``later``."""
+
+    def __init__(self, inner: Any, key: str, later: bytes) -> None:
+        self.inner, self.key, self.later, self.reads = inner, key, later, 0
+
+    def get(self, key: str, *a: Any, **kw: Any) -> bytes:
+        if key == self.key:
+            self.reads += 1
+            if self.reads > 1:
+                return self.later
+        return self.inner.get(key, *a, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _StoreStagingEngine:
+    """An engine whose "workers" fetch deltas from the store themselves (as vLLM's do), and
+    read the manifest again rather than use the one handed over (the old vLLM behaviour)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.held: dict[int, tuple[str, Any]] = {}
+
+    def stage_from_store(self, store: Any, storage_options: Any, version: int, expect_base_state: str | None, streams: int = 2, manifest: Any = None) -> tuple[Any, Any]:
+        from aurora_store.lineage.fetch import fetch_delta
+        from workers.engine import RemoteStaged
+
+        m, staged = fetch_delta(store, version, self.inner.param_specs(), streams, expect_base_state, manifest=None)
+        self.held[version] = (m.state, staged)
+        return m, RemoteStaged(version, version - 1, m.state, staged.nnz)
+
+    def bootstrap_from_store(self, *a: Any, **kw: Any) -> tuple[int, str]:
+        raise RuntimeError("not used here")
+
+    def apply(self, staged: Any) -> None:
+        from aurora_store.errors import IntegrityError
+
+        state, delta = self.held.pop(staged.version)
+        if state != staged.state:  # as vLLM's ranks do: refused before any write
+            raise IntegrityError(f"delta {staged.version}: staged {state}, asked for {staged.state}")
+        self.inner.apply(delta)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _mirror_run(ctx: Context) -> dict[str, Any]:
+    """Deltas 1..3 at origin, true copies ``mirror`` and ``evil``, a forged v1 (same base state) in ``forge``."""
+    if "mirrors" in ctx.resources:
+        return ctx.resources["mirrors"]
+    import os
+
+    import redis
+
+    from aurora_store.codec.extract import extract
+    from aurora_store.format.manifest import manifest_key
+    from aurora_store.lineage.publish import PublishConfig, publish_delta
+    from aurora_store.storage import open_store
+    from aurora_store.testing.servers import RedisServer
+    from aurora_tools.synthetic.shapes import QWEN3_TINY
+    from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
+    from workers.model import fusion_plan_for
+
+    tmp = ctx.dir("mirrors")
+    os.environ["AURORA_SYNTHETIC_CACHE"] = str(tmp / "cache")
+    server = RedisServer().start()
+    ctx.closers.append(server.stop)
+    spec = SyntheticSpec(QWEN3_TINY, seed=7)
+    origin = open_store(f"file://{tmp}/origin")
+    base = w = base_weights(spec.shape, spec.seed)
+    plan = fusion_plan_for(w, tied=True)
+    cfg = PublishConfig(streams=2, segment_bytes=4096)
+    state, states = spec.base_state, {0: spec.base_state}
+    for v in range(1, VERSIONS + 1):
+        new = {n: t.clone() for n, t in w.items()}
+        sparse_update(new, spec.density, spec.seed, v)
+        state = states[v] = publish_delta(origin, "r", v, extract(plan, w, new), state, cfg).state
+        w = new
+    for d in ("mirror", "evil", "forged-mirror"):
+        shutil.copytree(tmp / "origin", tmp / d)
+    forged = {n: t.clone() for n, t in base.items()}
+    sparse_update(forged, spec.density, spec.seed + 99, 1)
+    fm = publish_delta(open_store(f"file://{tmp}/forge"), "r", 1, extract(plan, base, forged), spec.base_state, cfg)
+    from aurora_store.format.manifest import version_dir
+
+    vdir = version_dir("delta", 1)
+    # The mirror two-faced case: forged segments beside the true ones, the forged manifest its second answer.
+    shutil.copytree(tmp / "forge" / vdir, tmp / "mirror" / vdir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("manifest.json"))
+    # The forged chain: a mirror whose v1 is the forged version, manifest and segments.
+    shutil.rmtree(tmp / "forged-mirror" / vdir)
+    shutil.copytree(tmp / "forge" / vdir, tmp / "forged-mirror" / vdir)
+    res = {
+        "spec": spec, "tmp": tmp, "redis": server.url, "client": redis.Redis.from_url(server.url), "states": states,
+        "forged_manifest": (tmp / "forge" / manifest_key("delta", 1)).read_bytes(), "forged_state": fm.state,
+    }
+    ctx.resources["mirrors"] = res
+    return res
+
+
+def _actor(run: dict[str, Any], relay_url: str | None, **cfg: Any) -> Any:
+    """A fresh Actor of a fresh run name at v0, the Trainer's head at 3 and its expected states recorded."""
+    from aurora_store.testing.clock import ManualClock
+    from aurora_tools.synthetic.engine import SyntheticEngine
+    from workers.actor import Actor, ActorConfig
+    from workers.common import Endpoints, RunKeys, record_expected_state
+
+    class Recorder(Actor):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            self.sources: list[tuple[int, bool]] = []
+
+        def _on_staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
+            self.sources.append((version, from_mirror))
+
+    name = f"hostile{time.monotonic_ns()}"
+    a = Recorder(Endpoints(f"file://{run['tmp']}/origin", run["redis"], name), ActorConfig(actor_id="a", region=REGION, **cfg), clock=ManualClock())
+    eng = SyntheticEngine(run["spec"], hold=True, digests=True)
+    eng.load_base()
+    a.engine = eng
+    a.active = a.staged_version = 0
+    a.active_state = a.staged_state = run["spec"].base_state
+    keys = RunKeys(name)
+    for v, st in run["states"].items():  # what the Trainer records as it commits each version
+        record_expected_state(run["client"], keys, v, st)
+    run["client"].hset(keys.trainer, mapping={"head": VERSIONS})
+    if relay_url is not None:
+        run["client"].set(keys.relay(REGION), relay_url)
+    return a
+
+
+def _judge(res: Result, run: dict[str, Any], a: Any, want_sources: list[tuple[int, bool]] | None, how: str) -> None:
+    """Refused (or, for a control, accepted) when the Actor staged exactly the true chain."""
+    staged_states = [s for _, s, _ in a.staged]
+    true_chain = staged_states == [run["states"][v] for v in range(1, VERSIONS + 1)]
+    res.applied = run["forged_state"] in staged_states or a.active_state == run["forged_state"]
+    ok_sources = want_sources is None or a.sources == want_sources
+    if res.applied:
+        res.outcome, res.how = "applied", "the forged state was staged"
+    elif true_chain and ok_sources:
+        res.outcome = "accepted" if res.expected == "accept" else "refused"
+        res.how = how
+    else:
+        res.outcome, res.how = "failed", f"staged {len(staged_states)} versions, sources {a.sources}"
+
+
+def _planted_url(ctx: Context, res: Result) -> None:
+    run = _mirror_run(ctx)
+    tmp = run["tmp"]
+    a = _actor(run, f"file://{tmp}/evil", mirror=f"file://{tmp}/mirror")
+    a._stage_available()
+    _judge(res, run, a, [(v, False) for v in range(1, VERSIONS + 1)], "planted URL ignored; read origin")
+
+
+def _two_faced(ctx: Context, res: Result) -> None:
+    from aurora_store.format.manifest import manifest_key
+    from aurora_store.storage import open_store
+
+    run = _mirror_run(ctx)
+    url = f"file://{run['tmp']}/mirror"
+    a = _actor(run, url, mirror=url)
+    a.engine = eng = _StoreStagingEngine(a.engine)
+    store = _TwoFaced(open_store(url), manifest_key("delta", 1), run["forged_manifest"])
+    a._mirror = (url, store)
+    a._stage_available()
+    _judge(res, run, a, None, "second answer refused; v1 read from origin")
+    if res.outcome == "refused" and (store.reads < 2 or a.sources[0] != (1, False)):
+        res.outcome, res.how = "failed", f"mirror read {store.reads} times, sources {a.sources}"
+    if run["forged_state"] in {s for s, _ in eng.held.values()}:
+        res.applied, res.outcome = True, "applied"
+
+
+def _forged_chain(ctx: Context, res: Result) -> None:
+    run = _mirror_run(ctx)
+    url = f"file://{run['tmp']}/forged-mirror"
+    a = _actor(run, url, mirror=url)
+    a._stage_available()
+    _judge(res, run, a, None, "forged v1 refused; read from origin")
+    if res.outcome == "refused" and a.sources[0] != (1, False):
+        res.outcome, res.how = "failed", f"sources {a.sources}"
+
+
+def _valid_mirror(ctx: Context, res: Result) -> None:
+    run = _mirror_run(ctx)
+    tmp: Path = run["tmp"]
+    if not (tmp / "true-mirror").exists():
+        shutil.copytree(tmp / "origin", tmp / "true-mirror")
+    url = f"file://{tmp}/true-mirror"
+    a = _actor(run, url, mirror=url)
+    a._stage_available()
+    _judge(res, run, a, [(v, True) for v in range(1, VERSIONS + 1)], "every version read from the mirror")
+
+
+def _case(name: str, expected: str, fn: Callable[[Context, Result], None], quick: bool = False) -> Case:
+    return Case(name, "actor", expected, fn, quick=quick)
+
+
+WORKER_CASES = [
+    _case("actor:mirror-url-planted-in-redis", "refuse", _planted_url, quick=True),
+    _case("actor:mirror-changes-its-answer", "refuse", _two_faced),
+    _case("actor:forged-mirror-chain", "refuse", _forged_chain),
+    _case("valid:actor-uses-its-mirror", "accept", _valid_mirror),
+]
