@@ -221,3 +221,19 @@ def test_only_the_trainer_may_write_the_commit_keys() -> None:
                 with pytest.raises(rx.NoPermissionError):
                     write()
             c.close()
+
+
+def test_the_relay_quarantines_a_manifest_that_differs_from_its_record(run: dict[str, Any], tmp_path: Path) -> None:
+    from relay_helpers import make_relay
+
+    origin: Store = run["origin"]
+    run["commits"].commit("delta", 2, origin.get(manifest_key("delta", 2)) + b" ")  # the record names other bytes
+    mirror = open_store(f"file://{tmp_path}/mirror")
+    relay = make_relay(origin, mirror, run["redis"], run["trainer"].run)
+    try:
+        relay.sync()
+        assert not mirror.exists(manifest_key("delta", 2))
+        assert ("delta", 2) in relay.stats().quarantined
+        assert mirror.exists(manifest_key("delta", 1))
+    finally:
+        relay.close()

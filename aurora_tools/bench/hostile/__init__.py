@@ -31,10 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def all_cases() -> list[Any]:
     """Every case, in the order they run: store and CLI attacks, Actor attacks, then the controls."""
     from aurora_tools.bench.hostile.cases import CASES
+    from aurora_tools.bench.hostile.race import RACE_CASES
     from aurora_tools.bench.hostile.workers import WORKER_CASES
 
-    attacks = [c for c in [*CASES, *WORKER_CASES] if c.expected == "refuse"]
-    return attacks + [c for c in [*CASES, *WORKER_CASES] if c.expected == "accept"]
+    every = [*CASES, *WORKER_CASES, *RACE_CASES]
+    attacks = [c for c in every if c.expected == "refuse"]
+    return attacks + [c for c in every if c.expected == "accept"]
 
 
 def run(quick: bool = False, only: list[str] | None = None, root: Path | None = None) -> dict[str, Any]:
