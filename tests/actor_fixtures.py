@@ -25,7 +25,7 @@ from aurora_store.apply.sink import weights_digest
 from aurora_store.codec.extract import extract, fuse_weights
 from aurora_store.coordination.ledger import Ledger
 from aurora_store.coordination.redisconn import connect
-from aurora_store.format.manifest import Manifest
+from aurora_store.format.manifest import Manifest, version_dir
 from aurora_store.lineage.binding import ModelFile
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.storage import Store
@@ -182,3 +182,25 @@ def running(actor: Actor) -> Iterator[dict[str, Any]]:
         t.join(timeout=60)
     if out["error"] is not None:
         raise out["error"]
+
+
+class Counting:
+    """A store that records every read that reaches it (wrap an Actor's origin with it)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner, self.gets, self.lists = inner, [], 0
+
+    def get(self, key: str, *a: Any, **kw: Any) -> bytes:
+        self.gets.append(key)
+        return self.inner.get(key, *a, **kw)
+
+    def list(self, *a: Any, **kw: Any) -> Any:
+        self.lists += 1
+        return self.inner.list(*a, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def segments_read(self, kind: str, version: int) -> list[str]:
+        d = version_dir(kind, version) + "/"
+        return [k for k in self.gets if k.startswith(d) and not k.endswith("manifest.json")]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from actor_fixtures import TinyRun
+from actor_fixtures import Counting, TinyRun
 from redis_fixtures import redis_client, redis_server, run_name  # noqa: F401
 
 from aurora_store.coordination.status import collect_status, render
@@ -27,28 +27,6 @@ from workers.actor.quarantine import StagedFull
 from workers.common import Endpoints
 
 pytestmark = pytest.mark.server
-
-
-class Counting:
-    """A store that records every read that reaches it."""
-
-    def __init__(self, inner: Store) -> None:
-        self.inner, self.gets, self.lists = inner, [], 0
-
-    def get(self, key: str, *a: Any, **kw: Any) -> bytes:
-        self.gets.append(key)
-        return self.inner.get(key, *a, **kw)
-
-    def list(self, *a: Any, **kw: Any) -> Any:
-        self.lists += 1
-        return self.inner.list(*a, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def segments_read(self, kind: str, version: int) -> list[str]:
-        d = version_dir(kind, version) + "/"
-        return [k for k in self.gets if k.startswith(d) and not k.endswith("manifest.json")]
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 A real Redis and ``file://`` (and one S3) stores; the stager is driven
 directly (``_stage_available``) on a :class:`ManualClock`, as in
 ``test_actor_staging``. The engine that reads the store itself is
-:class:`_StoreStagingEngine`, a real class of this module standing in for
+:class:`StoreStagingEngine` (from the hostile-input bench), a real class standing in for
 vLLM's workers: it fetches from the store on its own, and ``reread=True``
 makes it read the manifest again as vLLM's workers used to (the Actor must
 then catch the difference).
@@ -23,128 +23,43 @@ import pytest
 from redis_fixtures import redis_client, redis_server  # noqa: F401
 
 from aurora_store.codec.extract import extract
-from aurora_store.errors import ConfigError, IntegrityError
-from aurora_store.format.manifest import manifest_key, version_dir
-from aurora_store.lineage.fetch import fetch_delta, read_manifest
+from aurora_store.errors import ConfigError
+from aurora_store.format.manifest import manifest_key
+from aurora_store.lineage.fetch import read_manifest
 from aurora_store.lineage.publish import PublishConfig, publish_delta
 from aurora_store.storage import Store, open_store
 from aurora_store.testing.clock import ManualClock
 from aurora_store.testing.servers import S3Server
-from aurora_tools.synthetic.engine import SyntheticEngine
-from aurora_tools.synthetic.shapes import QWEN3_TINY
-from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
+from aurora_tools.bench.hostile.forge import TwoFacedStore
+from aurora_tools.bench.hostile.workers import (
+    VERSIONS,
+    SourceRecorder,
+    StoreStagingEngine,
+    mirror_actor,
+    publish_mirror_run,
+)
+from aurora_tools.synthetic.workload import base_weights, sparse_update
 from workers.actor import Actor, ActorConfig, add_arguments, config_from_args
-from workers.common import Endpoints, RunKeys
+from workers.common import Endpoints
 from workers.engine import RemoteStaged, StoreStaging
 from workers.model import fusion_plan_for
 
 pytestmark = pytest.mark.server
 
-VERSIONS = 3
-REGION = "r1"
-
-
-class _Recorder(Actor):
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        self.sources: list[tuple[int, bool]] = []
-
-    def _on_staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
-        self.sources.append((version, from_mirror))
-
-
-class _TwoFaced:
-    """A store that answers the first read of ``key`` truly and every later one with ``later``."""
-
-    def __init__(self, inner: Store, key: str, later: bytes) -> None:
-        self.inner, self.key, self.later, self.reads = inner, key, later, 0
-
-    def get(self, key: str, *a: Any, **kw: Any) -> bytes:
-        if key == self.key:
-            self.reads += 1
-            if self.reads > 1:
-                return self.later
-        return self.inner.get(key, *a, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-class _StoreStagingEngine:
-    """An engine whose "workers" fetch deltas from the store themselves (as vLLM's do), in this process.
-
-    ``reread``: ignore the manifest the Actor hands over and read it again
-    (what vLLM's workers did before the manifest was handed to them).
-    """
-
-    def __init__(self, inner: SyntheticEngine, reread: bool) -> None:
-        self.inner, self.reread = inner, reread
-        self.held: dict[int, tuple[str, Any]] = {}
-        self.options: list[dict[str, Any]] = []
-
-    def stage_from_store(
-        self, store: Store, storage_options: Any, version: int, expect_base_state: str | None, streams: int = 2, manifest: Any = None
-    ) -> tuple[Any, RemoteStaged]:
-        self.options.append(dict(storage_options or {}))
-        m, staged = fetch_delta(store, version, self.inner.param_specs(), streams, expect_base_state, manifest=None if self.reread else manifest)
-        self.held[version] = (m.state, staged)
-        return m, RemoteStaged(version, version - 1, m.state, staged.nnz)
-
-    def bootstrap_from_store(self, *a: Any, **kw: Any) -> tuple[int, str]:
-        raise AssertionError("not used here")
-
-    def apply(self, staged: Any) -> None:
-        state, delta = self.held.pop(staged.version)
-        if state != staged.state:  # as vLLM's ranks do: refused before any write
-            raise IntegrityError(f"delta {staged.version}: staged {state}, asked for {staged.state}")
-        self.inner.apply(delta)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 @pytest.fixture
 def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any) -> dict[str, Any]:  # noqa: F811
     """Deltas 1..VERSIONS at origin, a true copy in ``mirror``, an ``evil`` copy, and a forged v1 (same base_state)."""
     monkeypatch.setenv("AURORA_SYNTHETIC_CACHE", str(tmp_path / "cache"))
-    spec = SyntheticSpec(QWEN3_TINY, seed=7)
-    origin = open_store(f"file://{tmp_path}/origin")
-    base = w = base_weights(spec.shape, spec.seed)
-    plan = fusion_plan_for(w, tied=True)
-    cfg = PublishConfig(streams=2, segment_bytes=4096)
-    state, states = spec.base_state, {0: spec.base_state}
-    for v in range(1, VERSIONS + 1):
-        new = {n: t.clone() for n, t in w.items()}
-        sparse_update(new, spec.density, spec.seed, v)
-        state = states[v] = publish_delta(origin, "r", v, extract(plan, w, new), state, cfg).state
-        w = new
-    for d in ("mirror", "evil"):
-        shutil.copytree(tmp_path / "origin", tmp_path / d)
-    forged = {n: t.clone() for n, t in base.items()}
-    sparse_update(forged, spec.density, spec.seed + 99, 1)
-    fm = publish_delta(open_store(f"file://{tmp_path}/forge"), "r", 1, extract(plan, base, forged), spec.base_state, cfg)
-    assert fm.base_state == spec.base_state and fm.state != states[1]
-    # The forged version's segments sit in the mirror beside the true ones; its manifest is the second answer.
-    shutil.copytree(tmp_path / "forge" / version_dir("delta", 1), tmp_path / "mirror" / version_dir("delta", 1), dirs_exist_ok=True, ignore=shutil.ignore_patterns("manifest.json"))
-    return {
-        "spec": spec, "tmp": tmp_path, "redis": redis_server.url, "client": redis_client, "states": states,
-        "forged_manifest": (tmp_path / "forge" / manifest_key("delta", 1)).read_bytes(), "forged_state": fm.state,
-    }
+    res = publish_mirror_run(tmp_path)
+    fm = res["forged"]
+    assert fm.base_state == res["spec"].base_state and fm.state != res["states"][1]
+    res.update(redis=redis_server.url, client=redis_client)
+    return res
 
 
-def _actor(run: dict[str, Any], relay_url: str | None, **cfg: Any) -> _Recorder:
-    name = f"t{time.monotonic_ns()}"
-    a = _Recorder(Endpoints(f"file://{run['tmp']}/origin", run["redis"], name), ActorConfig(actor_id="a", region=REGION, **cfg), clock=ManualClock())
-    eng = SyntheticEngine(run["spec"], hold=True, digests=True)
-    eng.load_base()
-    a.engine = eng
-    a.active = a.staged_version = 0
-    a.active_state = a.staged_state = run["spec"].base_state
-    keys = RunKeys(name)
-    run["client"].hset(keys.trainer, mapping={"head": VERSIONS})
-    if relay_url is not None:
-        run["client"].set(keys.relay(REGION), relay_url)
-    return a
+def _actor(run: dict[str, Any], relay_url: str | None, **cfg: Any) -> SourceRecorder:
+    """A fresh Actor at v0, the Trainer's head at VERSIONS (no expected states recorded)."""
+    return mirror_actor(run, relay_url, record_states=False, **cfg)
 
 
 # -- mirrors are configured -----------------------------------------------------------
@@ -195,7 +110,7 @@ def test_a_configured_mirror_uses_its_own_storage_options(run: dict[str, Any], m
             if p.is_file():
                 mirror.put(str(p.relative_to(origin)), p.read_bytes(), mode="overwrite")
         a = _actor(run, url, mirror=url, mirror_options=opts)
-        a.engine = _StoreStagingEngine(a.engine, reread=False)
+        a.engine = StoreStagingEngine(a.engine, reread=False)
         a._stage_available()
         assert a.sources == [(v, True) for v in range(1, VERSIONS + 1)]
         assert a.engine.options == [opts] * VERSIONS  # what its workers are given too
@@ -225,9 +140,9 @@ def test_mirror_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- what the engine holds is what was checked ------------------------------------------
 
 
-def _two_faced_mirror(run: dict[str, Any], a: Actor) -> _TwoFaced:
+def _two_faced_mirror(run: dict[str, Any], a: Actor) -> TwoFacedStore:
     url = f"file://{run['tmp']}/mirror"
-    store = _TwoFaced(open_store(url), manifest_key("delta", 1), run["forged_manifest"])
+    store = TwoFacedStore(open_store(url), manifest_key("delta", 1), run["forged_manifest"])
     a._mirror = (url, store)  # type: ignore[assignment]
     return store
 
@@ -235,7 +150,7 @@ def _two_faced_mirror(run: dict[str, Any], a: Actor) -> _TwoFaced:
 def test_a_mirror_that_changes_its_manifest_between_two_reads_is_refused(run: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     """Workers that read the manifest again get the forged one: the Actor sees another state and reads origin."""
     a = _actor(run, f"file://{run['tmp']}/mirror", mirror=f"file://{run['tmp']}/mirror")
-    a.engine = eng = _StoreStagingEngine(a.engine, reread=True)
+    a.engine = eng = StoreStagingEngine(a.engine, reread=True)
     assert isinstance(eng, StoreStaging)
     mirror = _two_faced_mirror(run, a)
     with caplog.at_level(logging.WARNING, logger="aurora.actor"):
@@ -249,7 +164,7 @@ def test_a_mirror_that_changes_its_manifest_between_two_reads_is_refused(run: di
 
 def test_workers_handed_the_checked_manifest_never_read_it_again(run: dict[str, Any]) -> None:
     a = _actor(run, f"file://{run['tmp']}/mirror", mirror=f"file://{run['tmp']}/mirror")
-    a.engine = _StoreStagingEngine(a.engine, reread=False)
+    a.engine = StoreStagingEngine(a.engine, reread=False)
     mirror = _two_faced_mirror(run, a)
     a._stage_available()
     assert mirror.reads == 1 and a.sources == [(v, True) for v in range(1, VERSIONS + 1)]
@@ -260,7 +175,7 @@ def test_workers_handed_the_checked_manifest_never_read_it_again(run: dict[str, 
 def test_an_engine_that_refuses_activation_leaves_the_version_quarantined(run: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     """Staged under one state, asked to activate another: nothing written, the version quarantined, staging starts over."""
     a = _actor(run, None)
-    a.engine = eng = _StoreStagingEngine(a.engine, reread=False)
+    a.engine = eng = StoreStagingEngine(a.engine, reread=False)
     a._stage_available()
     digest = eng.digest()
     first, _, _ = a.staged.popleft()

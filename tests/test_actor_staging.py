@@ -14,53 +14,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from actor_fixtures import Counting
 from redis_fixtures import redis_client, redis_server  # noqa: F401
 
 from aurora_store.clock import SYSTEM_CLOCK
 from aurora_store.codec.extract import extract
 from aurora_store.format.manifest import manifest_key, version_dir
 from aurora_store.lineage.publish import PublishConfig, publish_delta
-from aurora_store.storage import Store, open_store
+from aurora_store.storage import open_store
 from aurora_store.testing.clock import ManualClock
+from aurora_tools.bench.hostile.workers import SourceRecorder
 from aurora_tools.synthetic.engine import SyntheticEngine
 from aurora_tools.synthetic.shapes import QWEN3_TINY
 from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
-from workers.actor import Actor, ActorConfig
+from workers.actor import ActorConfig
 from workers.common import Endpoints, RunKeys
 from workers.model import fusion_plan_for
 
 pytestmark = pytest.mark.server
 
 VERSIONS = 4
-
-
-class _Recorder(Actor):
-    """An Actor that records where each staged version came from."""
-
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        self.sources: list[tuple[int, bool]] = []
-
-    def _on_staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
-        self.sources.append((version, from_mirror))
-
-
-class _Origin:
-    """Counts the manifest reads that reach origin (each one a cross-region round trip)."""
-
-    def __init__(self, inner: Store) -> None:
-        self.inner, self.gets, self.lists = inner, [], 0
-
-    def get(self, key: str, *a: Any, **kw: Any) -> bytes:
-        self.gets.append(key)
-        return self.inner.get(key, *a, **kw)
-
-    def list(self, *a: Any, **kw: Any) -> Any:
-        self.lists += 1
-        return self.inner.list(*a, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 @pytest.fixture
@@ -81,15 +54,15 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redi
 
 def _actor(
     run: dict[str, Any], grace: float = 60.0, head: int | None = VERSIONS, relay: bool = True, clock: ManualClock | None = None
-) -> _Recorder:
+) -> SourceRecorder:
     tmp: Path = run["tmp"]
     name = f"t{time.monotonic_ns()}"
-    a = _Recorder(
+    a = SourceRecorder(
         Endpoints(f"file://{tmp}/origin", run["redis"], name),
         ActorConfig(actor_id="a", region="r1", mirror_grace_s=grace, mirror=f"file://{tmp}/mirror"),
         clock=clock or ManualClock(),
     )
-    a.origin = _Origin(a.origin)  # type: ignore[assignment]
+    a.origin = Counting(a.origin)  # type: ignore[assignment]
     eng = SyntheticEngine(run["spec"], hold=True, digests=True)
     eng.load_base()
     a.engine = eng  # type: ignore[assignment]

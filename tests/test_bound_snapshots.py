@@ -36,6 +36,7 @@ from aurora_store.lineage.plan import plan_chain, scan_versions
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.storage import Store, open_store
 from aurora_store.testing.clock import ManualClock
+from aurora_tools.bench.hostile.workers import SourceRecorder
 from aurora_tools.synthetic.engine import SyntheticEngine
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
@@ -299,19 +300,10 @@ def forged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, r
     return {"spec": spec, "tmp": tmp_path, "redis": redis_server.url, "client": redis_client, "states": states, "fstates": fstates}
 
 
-class _Recorder(Actor):
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        self.sources: list[tuple[int, bool]] = []
-
-    def _on_staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
-        self.sources.append((version, from_mirror))
-
-
-def _mirror_actor(run: dict[str, Any], record: bool) -> _Recorder:
+def _mirror_actor(run: dict[str, Any], record: bool) -> SourceRecorder:
     name = f"t{time.monotonic_ns()}"
     tmp = run["tmp"]
-    a = _Recorder(
+    a = SourceRecorder(
         Endpoints(f"file://{tmp}/origin", run["redis"], name),
         ActorConfig(actor_id="a", region="r1", mirror=f"file://{tmp}/mirror"),
         clock=ManualClock(),

@@ -176,9 +176,8 @@ def test_delta_apply_refuses_without_redis_and_materializes_with_it(run: dict[st
 def test_only_the_trainer_may_write_the_commit_keys() -> None:
     """infra/redis/aurora.acl: the Trainer writes the records and the mode; Actors, Relays and the
     read-only user read them (Redis >= 7) and cannot write them."""
-    import redis
     import redis.exceptions as rx
-    from test_redis_acl import ACL_FILE, ADMIN, PASSWORDS, _binary, for_redis6, render_acl
+    from test_redis_acl import PASSWORDS, _binary, load_acl
 
     from aurora_store.coordination.keys import RunKeys
     from aurora_store.testing.servers import RedisServer
@@ -187,13 +186,7 @@ def test_only_the_trainer_may_write_the_commit_keys() -> None:
     binary, version = _binary()
     keys = RunKeys(run_)
     with RedisServer(binary) as server:
-        boot = redis.Redis(host="127.0.0.1", port=server.port)
-        boot.execute_command("ACL", "SETUSER", ADMIN[0], "on", f">{ADMIN[1]}", "~*", "&*", "+@all")
-        boot.close()
-        admin = redis.Redis(host="127.0.0.1", port=server.port, username=ADMIN[0], password=ADMIN[1])
-        for user, rules in render_acl(ACL_FILE.read_text(), run_, PASSWORDS):
-            admin.execute_command("ACL", "SETUSER", user, "reset", *(rules if version >= (7, 0) else for_redis6(rules)))
-        admin.close()
+        load_acl(server, run_, version).close()
 
         def client(role: str) -> Any:
             return connect(f"redis://aurora-{role}:{PASSWORDS[role]}@127.0.0.1:{server.port}/0")

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import zstandard
 from codec_helpers import (
     RecordingSink,
     assert_bit_identical,
@@ -34,10 +33,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aurora_store.apply.sink import FusedWeights, apply_delta
-from aurora_store.codec import varint
-from aurora_store.codec.entries import PAPER, EncodeOptions, encode_entry
-from aurora_store.codec.extract import extract, spec_of
-from aurora_store.codec.fusion import FusionPlan
+from aurora_store.codec.entries import PAPER, EncodeOptions
+from aurora_store.codec.extract import spec_of
 from aurora_store.errors import (
     EntryError,
     FormatError,
@@ -50,51 +47,34 @@ from aurora_store.format.manifest import version_dir
 from aurora_store.format.segment import (
     MAX_HEADER_BYTES,
     decode_segment,
-    encode_segment,
     parse_safetensors,
 )
 from aurora_store.lineage.fetch import fetch_delta
+from aurora_tools.bench.hostile.forge import (
+    BITMASK,
+    DELETE,
+    M_CHANGED,
+    NAIVE_U32,
+    ZSTD_ONLY,
+    Mut,
+    bit_past_range,
+    drop_tensor,
+    flip_in,
+    frame,
+    leb,
+    lengthen_val,
+    model,
+    mutated_segment,
+    retype_val,
+    set_field,
+    set_tensor,
+    shorten_val,
+    valid_segment,
+    zeros_bomb,
+)
 
 BASE_STATE = "sha256:" + "ab" * 32
-M_CHANGED = [3, 10, 50, 51, 100]  # flat indices of "m" that change
 M_GAPS = [3, 7, 40, 1, 49]
-
-
-def model() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(5)
-    base = {
-        "f": torch.randn(40, generator=g).float(),
-        "m": torch.randn(8, 16, generator=g).bfloat16(),
-        "w": torch.randn(64, generator=g).bfloat16(),
-    }
-    new = {n: t.clone() for n, t in base.items()}
-    new["f"][[1, 30]] += 1
-    new["m"].view(-1)[M_CHANGED] += 0.25
-    return base, new
-
-
-def valid_segment(target: EncodeOptions, version: int = 1) -> bytes:
-    """Entry 0: ``f`` (paper encoding); entry 1: ``m`` with the target options."""
-    base, new = model()
-    plan = FusionPlan.from_specs({n: spec_of(t, n) for n, t in base.items()})
-    deltas = {d.name: d for d in extract(plan, base, new)}
-    entries = []
-    for name, opts in (("f", PAPER), ("m", target)):
-        d = deltas[name]
-        entries.append(
-            encode_entry(
-                d.name,
-                d.spec,
-                0,
-                d.spec.numel,
-                d.indices,
-                d.new_bits,
-                d.old_bits,
-                opts,
-                d.read_new_range,
-            )
-        )
-    return encode_segment(entries, version, version - 1)
 
 
 def specs() -> dict[str, Any]:
@@ -102,92 +82,7 @@ def specs() -> dict[str, Any]:
     return {n: spec_of(t, n) for n, t in base.items()}
 
 
-# --- the cases ----------------------------------------------------------------
-
-Mut = Callable[[list[dict[str, Any]], dict[str, Any]], None]
-ZSTD_ONLY = EncodeOptions(index_encodings=("leb128",), value_modes=("new",), codecs=("zstd",))
-NAIVE_U32 = EncodeOptions(index_encodings=("u32",), codecs=("none",), value_modes=("new",))
-BITMASK = EncodeOptions(index_encodings=("bitmask",), codecs=("none",), value_modes=("new",))
-
-
-def frame(raw: bytes, content_size: bool = True) -> bytes:
-    return zstandard.ZstdCompressor(write_content_size=content_size).compress(raw)
-
-
-def set_tensor(name: str, data: bytes, code: str = "U8") -> Mut:
-    def mut(ents: list[dict[str, Any]], tens: dict[str, Any]) -> None:
-        width = {"U8": 1, "BF16": 2, "F16": 2, "U16": 2}[code]
-        tens[name] = (code, [len(data) // width], data)
-
-    return mut
-
-
-def set_field(**kw: Any) -> Mut:
-    def mut(ents: list[dict[str, Any]], tens: dict[str, Any]) -> None:
-        for k, v in kw.items():
-            if v is DELETE:
-                del ents[1][k]
-            else:
-                ents[1][k] = v
-
-    return mut
-
-
-DELETE = object()
-
-
-def leb(*gaps: int) -> bytes:
-    return varint.encode(np.array(gaps, dtype=np.uint64))
-
-
-def retype_val(code: str) -> Mut:
-    def mut(ents: list[dict[str, Any]], tens: dict[str, Any]) -> None:
-        _, shape, raw = tens["1.val"]
-        tens["1.val"] = (code, shape, raw)
-
-    return mut
-
-
-def shorten_val(ents: list[dict[str, Any]], tens: dict[str, Any]) -> None:
-    code, shape, raw = tens["1.val"]
-    tens["1.val"] = (code, [shape[0] - 1], raw[:-2])
-
-
-def lengthen_val(ents: list[dict[str, Any]], tens: dict[str, Any]) -> None:
-    code, shape, raw = tens["1.val"]
-    tens["1.val"] = (code, [shape[0] + 1], raw + b"\x00\x00")
-
-
-def flip_in(name: str, pos: int) -> Mut:
-    def mut(ents: list[dict[str, Any]], tens: dict[str, Any]) -> None:
-        code, shape, raw = tens[name]
-        b = bytearray(raw)
-        b[pos] ^= 0xFF
-        tens[name] = (code, shape, bytes(b))
-
-    return mut
-
-
-def bit_past_range(ents: list[dict[str, Any]], tens: dict[str, Any]) -> None:
-    # range [0, 124) still needs 16 bytes; bit 126 lies past it
-    ents[1]["stop"] = 124
-    code, shape, raw = tens["1.idx"]
-    b = bytearray(raw)
-    b[126 // 8] |= 1 << (126 % 8)
-    tens["1.idx"] = (code, shape, bytes(b))
-
-
-def drop_tensor(name: str) -> Mut:
-    def mut(ents: list[dict[str, Any]], tens: dict[str, Any]) -> None:
-        del tens[name]
-
-    return mut
-
-
-def zeros_bomb(n: int) -> bytes:
-    cobj = zstandard.ZstdCompressor(level=1, write_content_size=False).compressobj()
-    parts = [cobj.compress(bytes(1 << 20)) for _ in range(n >> 20)]
-    return b"".join([*parts, cobj.flush()])
+# --- the cases (mutations from aurora_tools.bench.hostile.forge) ---------------
 
 
 @dataclass(frozen=True)
@@ -341,16 +236,7 @@ CASES = [
 
 
 def _apply_case(case: Case) -> bytes:
-    data = valid_segment(case.target)
-    state: dict[str, Any] = {}
-
-    def ents(e: list[dict[str, Any]]) -> None:
-        state["e"] = e
-
-    def tens(t: dict[str, Any]) -> None:
-        case.mutate(state["e"], t)
-
-    return rewrite_segment(data, entries=ents, tensors=tens)
+    return mutated_segment(case.target, case.mutate)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,6 @@ of a whole version and of the containers around it:
 
 from __future__ import annotations
 
-import json
 import struct
 import tracemalloc
 from pathlib import Path
@@ -25,8 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import zstandard
-from codec_helpers import publish_raw_delta, write_safetensors
+from codec_helpers import publish_raw_delta
 from redis_fixtures import redis_client, redis_server, run_name  # noqa: F401
 
 from aurora_store.codec.entries import NAIVE, ParamSpec
@@ -47,42 +45,17 @@ from aurora_store.format.segment import check_header_length, decode_segment, par
 from aurora_store.lineage.fetch import fetch_delta, read_manifest
 from aurora_store.lineage.verify import verify_run
 from aurora_store.storage import Store
+from aurora_tools.bench.hostile.forge import (
+    BIG,
+    bomb_many_params,
+    bomb_one_param,
+    dense_entry,
+    segment,
+    zeros_frame,
+)
 
 BASE_STATE = "sha256:" + "ab" * 32
-BIG = 1 << 20  # elements of one "large" parameter: 2 MiB of bf16
 BIG_SPEC = ParamSpec((BIG,), "bfloat16")
-
-
-def zeros_frame(nbytes: int) -> bytes:
-    """A few dozen bytes that decode to ``nbytes`` zero bytes (content size declared)."""
-    return zstandard.ZstdCompressor(level=19, write_content_size=True).compress(bytes(nbytes))
-
-
-def dense_entry(i: int, param: str, start: int, stop: int, numel: int = BIG) -> dict[str, Any]:
-    return {
-        "param": param, "shape": [numel], "dtype": "bfloat16", "start": start, "stop": stop,
-        "nnz": stop - start, "encoding": "dense", "val": f"{i}.val", "val_codec": "zstd",
-    }
-
-
-def segment(entries: list[dict[str, Any]], frames: list[bytes], version: int = 1) -> bytes:
-    meta = {
-        "aurora.format": "1", "aurora.kind": "delta", "aurora.version": str(version),
-        "aurora.base_version": str(version - 1), "aurora.entries": json.dumps(entries),
-    }
-    return write_safetensors([(f"{i}.val", "U8", [len(f)], f) for i, f in enumerate(frames)], meta)
-
-
-def bomb_one_param(n: int) -> bytes:
-    """``n`` dense entries, each a ~100-byte frame that decodes to all of ``big``: 2 MiB each."""
-    frame = zeros_frame(2 * BIG)
-    return segment([dense_entry(i, "big", 0, BIG) for i in range(n)], [frame] * n)
-
-
-def bomb_many_params(n: int) -> bytes:
-    """``n`` dense entries for ``n`` different parameters: no overlap, 2 MiB each."""
-    frame = zeros_frame(2 * BIG)
-    return segment([dense_entry(i, f"p{i}", 0, BIG) for i in range(n)], [frame] * n)
 
 
 def traced_peak(fn: Any) -> tuple[BaseException | None, int]:

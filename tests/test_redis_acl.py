@@ -82,17 +82,22 @@ def for_redis6(rules: list[str]) -> list[str]:
     return [t for t in rules if not t.startswith("%") and not (t.startswith("-") and "|" in t)]
 
 
+def load_acl(server: RedisServer, run: str, version: tuple[int, ...]) -> Any:
+    """Load infra/redis/aurora.acl for ``run`` (with PASSWORDS) into a fresh server: an admin client, to close."""
+    boot = redis.Redis(host="127.0.0.1", port=server.port)
+    boot.execute_command("ACL", "SETUSER", ADMIN[0], "on", f">{ADMIN[1]}", "~*", "&*", "+@all")
+    boot.close()
+    admin = redis.Redis(host="127.0.0.1", port=server.port, username=ADMIN[0], password=ADMIN[1])
+    for user, rules in render_acl(ACL_FILE.read_text(), run, PASSWORDS):
+        admin.execute_command("ACL", "SETUSER", user, "reset", *(rules if version >= (7, 0) else for_redis6(rules)))
+    return admin
+
+
 @pytest.fixture(scope="module")
 def acl_server() -> Iterator[tuple[RedisServer, tuple[int, ...]]]:
     binary, version = _binary()
     with RedisServer(binary) as server:
-        admin = redis.Redis(host="127.0.0.1", port=server.port)
-        admin.execute_command("ACL", "SETUSER", ADMIN[0], "on", f">{ADMIN[1]}", "~*", "&*", "+@all")
-        admin.close()
-        admin = redis.Redis(host="127.0.0.1", port=server.port, username=ADMIN[0], password=ADMIN[1])
-        for user, rules in render_acl(ACL_FILE.read_text(), RUN, PASSWORDS):
-            admin.execute_command("ACL", "SETUSER", user, "reset", *(rules if version >= (7, 0) else for_redis6(rules)))
-        admin.close()
+        load_acl(server, RUN, version).close()
         yield server, version
 
 
@@ -227,12 +232,7 @@ def test_the_workers_run_under_their_own_users(tmp_path: Path) -> None:
         pytest.skip(f"the Actor reads the Trainer's head through a read-only pattern: needs Redis >= 7 ({binary} is {version})")
     run = "acl-workers"
     with RedisServer(binary) as server:
-        boot = redis.Redis(host="127.0.0.1", port=server.port)
-        boot.execute_command("ACL", "SETUSER", ADMIN[0], "on", f">{ADMIN[1]}", "~*", "&*", "+@all")
-        boot.close()
-        admin = redis.Redis(host="127.0.0.1", port=server.port, username=ADMIN[0], password=ADMIN[1])
-        for user, rules in render_acl(ACL_FILE.read_text(), run, PASSWORDS):
-            admin.execute_command("ACL", "SETUSER", user, "reset", *rules)
+        admin = load_acl(server, run, version)
         store, mirror = f"file://{tmp_path / 'store'}", f"file://{tmp_path / 'mirror'}"
         base = dict(os.environ, AURORA_TORCH_THREADS="1", PYTHONUNBUFFERED="1")
         base.pop("AURORA_REDIS_URL", None)

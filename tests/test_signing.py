@@ -46,23 +46,11 @@ from aurora_store.lineage.report import read_lineage
 from aurora_store.lineage.verify import verify_run
 from aurora_store.options import trust_key_paths
 from aurora_store.storage import LocalStore, Store
+from aurora_tools.bench.hostile.forge import CountingStore
 from aurora_tools.cli import main
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 
 CFG = PublishConfig(streams=2, segment_bytes=16 << 10)
-
-
-class CountingStore(LocalStore):
-    """A real local store that counts reads of segment and shard objects."""
-
-    segment_reads = 0
-    read: list[str] = []
-
-    def get(self, key: str) -> bytes:
-        if not key.endswith("manifest.json") and key.startswith(("deltas/", "snapshots/")):
-            type(self).segment_reads += 1
-            type(self).read.append(key)
-        return super().get(key)
 
 
 @pytest.fixture(autouse=True)
@@ -70,8 +58,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in list(os.environ):
         if k.startswith("AURORA_"):
             monkeypatch.delenv(k)
-    CountingStore.segment_reads = 0
-    CountingStore.read = []
+    CountingStore.reset()
 
 
 def _hmac_file(tmp_path: Path, name: str = "hmac.key") -> Path:

@@ -47,10 +47,31 @@ __all__ = [
     "bomb_many_params",
     "BIG",
     "CountingStore",
+    "TwoFacedStore",
     "model",
     "valid_segment",
     "raw_params",
+    "M_CHANGED",
+    "Mut",
+    "ZSTD_ONLY",
+    "NAIVE_U32",
+    "BITMASK",
+    "DENSE_XOR",
+    "DELETE",
+    "frame",
+    "zeros_bomb",
+    "leb",
+    "set_tensor",
+    "set_field",
+    "retype_val",
+    "shorten_val",
+    "lengthen_val",
+    "flip_in",
+    "bit_past_range",
+    "drop_tensor",
+    "not_object",
     "SEGMENT_MUTATIONS",
+    "mutated_segment",
     "hostile_segment",
 ]
 
@@ -201,6 +222,30 @@ class CountingStore(LocalStore):
         cls.read = []
 
 
+# --- a store that changes its answer -------------------------------------------------
+
+
+class TwoFacedStore:
+    """A store that answers the first read of ``key`` truly and every later one with ``later``.
+
+    What a mirror under someone else's control can do between the Actor's
+    check and its workers' read.
+    """
+
+    def __init__(self, inner: Store, key: str, later: bytes) -> None:
+        self.inner, self.key, self.later, self.reads = inner, key, later, 0
+
+    def get(self, key: str, *a: Any, **kw: Any) -> bytes:
+        if key == self.key:
+            self.reads += 1
+            if self.reads > 1:
+                return self.later
+        return self.inner.get(key, *a, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 # --- per-entry hostile segments (FORMAT.md §3, "A reader must reject ...") ---------
 
 M_CHANGED = [3, 10, 50, 51, 100]  # flat indices of "m" that change
@@ -245,24 +290,28 @@ ZSTD_ONLY = EncodeOptions(index_encodings=("leb128",), value_modes=("new",), cod
 NAIVE_U32 = EncodeOptions(index_encodings=("u32",), codecs=("none",), value_modes=("new",))
 BITMASK = EncodeOptions(index_encodings=("bitmask",), codecs=("none",), value_modes=("new",))
 DENSE_XOR = EncodeOptions(index_encodings=("dense",), value_modes=("xor",), codecs=("none",))
-_DELETE = object()
+DELETE = object()  # a value for :func:`set_field`: remove the field
 
 
-def _frame(raw: bytes) -> bytes:
-    return zstandard.ZstdCompressor(write_content_size=True).compress(raw)
+def frame(raw: bytes, content_size: bool = True) -> bytes:
+    """One zstd frame of ``raw`` (declaring its size unless told not to)."""
+    return zstandard.ZstdCompressor(write_content_size=content_size).compress(raw)
 
 
-def _zeros_bomb(n: int) -> bytes:
+def zeros_bomb(n: int) -> bytes:
+    """A frame of ``n`` zero bytes that does not declare its size: only decoding finds out."""
     cobj = zstandard.ZstdCompressor(level=1, write_content_size=False).compressobj()
     parts = [cobj.compress(bytes(1 << 20)) for _ in range(n >> 20)]
     return b"".join([*parts, cobj.flush()])
 
 
-def _leb(*gaps: int) -> bytes:
+def leb(*gaps: int) -> bytes:
     return varint.encode(np.array(gaps, dtype=np.uint64))
 
 
-def _set_tensor(name: str, data: Callable[[], bytes] | bytes, code: str = "U8") -> Mut:
+def set_tensor(name: str, data: Callable[[], bytes] | bytes, code: str = "U8") -> Mut:
+    """Replace tensor ``name`` with ``data`` (a callable is called only when the mutation runs)."""
+
     def mut(ents: list[Any], tens: dict[str, Tensor]) -> None:
         raw = data() if callable(data) else data
         width = {"U8": 1, "BF16": 2, "F16": 2, "U16": 2}[code]
@@ -271,10 +320,12 @@ def _set_tensor(name: str, data: Callable[[], bytes] | bytes, code: str = "U8") 
     return mut
 
 
-def _set_field(**kw: Any) -> Mut:
+def set_field(**kw: Any) -> Mut:
+    """Set (or, with :data:`DELETE`, remove) fields of entry 1."""
+
     def mut(ents: list[Any], tens: dict[str, Tensor]) -> None:
         for k, v in kw.items():
-            if v is _DELETE:
+            if v is DELETE:
                 del ents[1][k]
             else:
                 ents[1][k] = v
@@ -282,7 +333,7 @@ def _set_field(**kw: Any) -> Mut:
     return mut
 
 
-def _retype_val(code: str) -> Mut:
+def retype_val(code: str) -> Mut:
     def mut(ents: list[Any], tens: dict[str, Tensor]) -> None:
         _, shape, raw = tens["1.val"]
         tens["1.val"] = (code, shape, raw)
@@ -290,12 +341,17 @@ def _retype_val(code: str) -> Mut:
     return mut
 
 
-def _shorten_val(ents: list[Any], tens: dict[str, Tensor]) -> None:
+def shorten_val(ents: list[Any], tens: dict[str, Tensor]) -> None:
     code, shape, raw = tens["1.val"]
     tens["1.val"] = (code, [shape[0] - 1], raw[:-2])
 
 
-def _flip_in(name: str, pos: int) -> Mut:
+def lengthen_val(ents: list[Any], tens: dict[str, Tensor]) -> None:
+    code, shape, raw = tens["1.val"]
+    tens["1.val"] = (code, [shape[0] + 1], raw + b"\x00\x00")
+
+
+def flip_in(name: str, pos: int) -> Mut:
     def mut(ents: list[Any], tens: dict[str, Tensor]) -> None:
         code, shape, raw = tens[name]
         b = bytearray(raw)
@@ -305,7 +361,7 @@ def _flip_in(name: str, pos: int) -> Mut:
     return mut
 
 
-def _bit_past_range(ents: list[Any], tens: dict[str, Tensor]) -> None:
+def bit_past_range(ents: list[Any], tens: dict[str, Tensor]) -> None:
     ents[1]["stop"] = 124  # range [0, 124) still needs 16 bytes; bit 126 lies past it
     code, shape, raw = tens["1.idx"]
     b = bytearray(raw)
@@ -313,50 +369,49 @@ def _bit_past_range(ents: list[Any], tens: dict[str, Tensor]) -> None:
     tens["1.idx"] = (code, shape, bytes(b))
 
 
-def _drop_tensor(name: str) -> Mut:
+def drop_tensor(name: str) -> Mut:
     def mut(ents: list[Any], tens: dict[str, Tensor]) -> None:
         del tens[name]
 
     return mut
 
 
-def _not_object(ents: list[Any], tens: dict[str, Tensor]) -> None:
+def not_object(ents: list[Any], tens: dict[str, Tensor]) -> None:
     ents[1] = ["m"]
 
 
 #: name -> (encoding of entry 1, mutation, what the refusal must say): a subset
 #: of tests/test_hostile_segments.py's cases, one per kind of check.
 SEGMENT_MUTATIONS: dict[str, tuple[EncodeOptions, Mut, str]] = {
-    "zstd-bomb-values": (ZSTD_ONLY, _set_tensor("1.val", lambda: _zeros_bomb(64 << 20)), "past the bound"),
-    "zstd-declares-too-much": (ZSTD_ONLY, _set_tensor("1.val", lambda: _frame(bytes(1 << 20))), "declares 1048576 bytes"),
-    "zstd-corrupt": (ZSTD_ONLY, _flip_in("1.val", 6), "corrupt|truncated"),
-    "zstd-trailing": (ZSTD_ONLY, _set_tensor("1.val", lambda: _frame(bytes(10)) + b"\x00"), "after its frame"),
-    "unknown-codec": (PAPER, _set_field(val_codec="brotli"), "unknown val_codec"),
-    "unknown-encoding": (PAPER, _set_field(encoding="rle"), "unknown encoding"),
-    "truncated-varint": (PAPER, _set_tensor("1.idx", _leb(3, 7, 40, 1) + b"\xb1"), "truncated"),
-    "varint-over-10-bytes": (PAPER, _set_tensor("1.idx", b"\x83" + b"\x80" * 9 + b"\x00" + _leb(7, 40, 1, 49)), "longer than 10 bytes"),
-    "varint-above-2^63": (PAPER, _set_tensor("1.idx", b"\xff" * 9 + b"\x01" + _leb(7, 40, 1, 49)), "above 2"),
-    "zero-gap": (PAPER, _set_tensor("1.idx", _leb(3, 7, 40, 0, 50)), "gap of 0"),
-    "index-out-of-range": (PAPER, _set_tensor("1.idx", _leb(3, 7, 40, 1, 77)), "outside"),
-    "nnz-too-large": (PAPER, _set_field(nnz=6), "expected 6"),
-    "value-dtype": (PAPER, _retype_val("F16"), "expected BF16"),
-    "value-too-short": (PAPER, _shorten_val, "expected \\[5\\]"),
-    "unknown-parameter": (PAPER, _set_field(param="model.nope.weight"), "no parameter"),
-    "wrong-shape": (PAPER, _set_field(shape=[16, 8]), "in the model"),
-    "range-past-numel": (PAPER, _set_field(stop=129), "is not inside"),
-    "missing-field": (PAPER, _set_field(nnz=_DELETE), "missing field"),
-    "bool-is-not-int": (PAPER, _set_field(stop=True), "has type bool"),
-    "missing-val-tensor": (PAPER, _drop_tensor("1.val"), "which the segment lacks"),
-    "bitmask-bit-past-range": (BITMASK, _bit_past_range, "past the range"),
-    "u32-not-increasing": (NAIVE_U32, _set_tensor("1.idx", np.array([3, 10, 51, 50, 100], "<u4").tobytes()), "not strictly increasing"),
-    "dense-xor-count": (DENSE_XOR, _set_field(nnz=3), "nnz is 3"),
-    "entry-not-object": (PAPER, _not_object, "not a JSON object"),
+    "zstd-bomb-values": (ZSTD_ONLY, set_tensor("1.val", lambda: zeros_bomb(64 << 20)), "past the bound"),
+    "zstd-declares-too-much": (ZSTD_ONLY, set_tensor("1.val", lambda: frame(bytes(1 << 20))), "declares 1048576 bytes"),
+    "zstd-corrupt": (ZSTD_ONLY, flip_in("1.val", 6), "corrupt|truncated"),
+    "zstd-trailing": (ZSTD_ONLY, set_tensor("1.val", lambda: frame(bytes(10)) + b"\x00"), "after its frame"),
+    "unknown-codec": (PAPER, set_field(val_codec="brotli"), "unknown val_codec"),
+    "unknown-encoding": (PAPER, set_field(encoding="rle"), "unknown encoding"),
+    "truncated-varint": (PAPER, set_tensor("1.idx", leb(3, 7, 40, 1) + b"\xb1"), "truncated"),
+    "varint-over-10-bytes": (PAPER, set_tensor("1.idx", b"\x83" + b"\x80" * 9 + b"\x00" + leb(7, 40, 1, 49)), "longer than 10 bytes"),
+    "varint-above-2^63": (PAPER, set_tensor("1.idx", b"\xff" * 9 + b"\x01" + leb(7, 40, 1, 49)), "above 2"),
+    "zero-gap": (PAPER, set_tensor("1.idx", leb(3, 7, 40, 0, 50)), "gap of 0"),
+    "index-out-of-range": (PAPER, set_tensor("1.idx", leb(3, 7, 40, 1, 77)), "outside"),
+    "nnz-too-large": (PAPER, set_field(nnz=6), "expected 6"),
+    "value-dtype": (PAPER, retype_val("F16"), "expected BF16"),
+    "value-too-short": (PAPER, shorten_val, "expected \\[5\\]"),
+    "unknown-parameter": (PAPER, set_field(param="model.nope.weight"), "no parameter"),
+    "wrong-shape": (PAPER, set_field(shape=[16, 8]), "in the model"),
+    "range-past-numel": (PAPER, set_field(stop=129), "is not inside"),
+    "missing-field": (PAPER, set_field(nnz=DELETE), "missing field"),
+    "bool-is-not-int": (PAPER, set_field(stop=True), "has type bool"),
+    "missing-val-tensor": (PAPER, drop_tensor("1.val"), "which the segment lacks"),
+    "bitmask-bit-past-range": (BITMASK, bit_past_range, "past the range"),
+    "u32-not-increasing": (NAIVE_U32, set_tensor("1.idx", np.array([3, 10, 51, 50, 100], "<u4").tobytes()), "not strictly increasing"),
+    "dense-xor-count": (DENSE_XOR, set_field(nnz=3), "nnz is 3"),
+    "entry-not-object": (PAPER, not_object, "not a JSON object"),
 }
 
 
-def hostile_segment(name: str) -> bytes:
-    """The valid two-entry segment with the named mutation applied to entry 1."""
-    target, mutate, _ = SEGMENT_MUTATIONS[name]
+def mutated_segment(target: EncodeOptions, mutate: Mut) -> bytes:
+    """The valid two-entry segment (entry 1 encoded with ``target``) after ``mutate``."""
     state: dict[str, Any] = {}
 
     def ents(e: list[Any]) -> None:
@@ -366,3 +421,9 @@ def hostile_segment(name: str) -> bytes:
         mutate(state["e"], t)
 
     return rewrite_segment(valid_segment(target), entries=ents, tensors=tens)
+
+
+def hostile_segment(name: str) -> bytes:
+    """The valid two-entry segment with the named mutation applied to entry 1."""
+    target, mutate, _ = SEGMENT_MUTATIONS[name]
+    return mutated_segment(target, mutate)

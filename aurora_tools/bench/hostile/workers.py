@@ -14,44 +14,50 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from aurora_store.errors import IntegrityError
+from aurora_store.format.manifest import manifest_key, version_dir
+from aurora_store.lineage.fetch import fetch_delta
 from aurora_tools.bench.hostile.cases import Case, Context, Result
+from aurora_tools.bench.hostile.forge import TwoFacedStore
+from workers.actor import Actor
+from workers.engine import RemoteStaged
 
-__all__ = ["WORKER_CASES"]
+__all__ = ["WORKER_CASES", "SourceRecorder", "StoreStagingEngine", "publish_mirror_run", "mirror_actor", "VERSIONS", "REGION"]
 
 VERSIONS = 3
 REGION = "r1"
 
 
-class _TwoFaced:
-    """A store that answers the first read of ``key`` truly and every later one with ``later``."""
+class SourceRecorder(Actor):
+    """An Actor that records, for each version it stages, whether it came from its mirror."""
 
-    def __init__(self, inner: Any, key: str, later: bytes) -> None:
-        self.inner, self.key, self.later, self.reads = inner, key, later, 0
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.sources: list[tuple[int, bool]] = []
 
-    def get(self, key: str, *a: Any, **kw: Any) -> bytes:
-        if key == self.key:
-            self.reads += 1
-            if self.reads > 1:
-                return self.later
-        return self.inner.get(key, *a, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    def _on_staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
+        self.sources.append((version, from_mirror))
 
 
-class _StoreStagingEngine:
-    """An engine whose "workers" fetch deltas from the store themselves (as vLLM's do), and
-    read the manifest again rather than use the one handed over (the old vLLM behaviour)."""
+class StoreStagingEngine:
+    """An engine whose "workers" fetch deltas from the store themselves (as vLLM's do), in this process.
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    ``reread``: ignore the manifest the Actor hands over and read it again
+    (what vLLM's workers did before the manifest was handed to them); the
+    Actor must then catch the difference. ``options`` records the storage
+    options each fetch was given.
+    """
+
+    def __init__(self, inner: Any, reread: bool = True) -> None:
+        self.inner, self.reread = inner, reread
         self.held: dict[int, tuple[str, Any]] = {}
+        self.options: list[dict[str, Any]] = []
 
-    def stage_from_store(self, store: Any, storage_options: Any, version: int, expect_base_state: str | None, streams: int = 2, manifest: Any = None) -> tuple[Any, Any]:
-        from aurora_store.lineage.fetch import fetch_delta
-        from workers.engine import RemoteStaged
-
-        m, staged = fetch_delta(store, version, self.inner.param_specs(), streams, expect_base_state, manifest=None)
+    def stage_from_store(
+        self, store: Any, storage_options: Any, version: int, expect_base_state: str | None, streams: int = 2, manifest: Any = None
+    ) -> tuple[Any, RemoteStaged]:
+        self.options.append(dict(storage_options or {}))
+        m, staged = fetch_delta(store, version, self.inner.param_specs(), streams, expect_base_state, manifest=None if self.reread else manifest)
         self.held[version] = (m.state, staged)
         return m, RemoteStaged(version, version - 1, m.state, staged.nnz)
 
@@ -59,8 +65,6 @@ class _StoreStagingEngine:
         raise RuntimeError("not used here")
 
     def apply(self, staged: Any) -> None:
-        from aurora_store.errors import IntegrityError
-
         state, delta = self.held.pop(staged.version)
         if state != staged.state:  # as vLLM's ranks do: refused before any write
             raise IntegrityError(f"delta {staged.version}: staged {state}, asked for {staged.state}")
@@ -70,27 +74,21 @@ class _StoreStagingEngine:
         return getattr(self.inner, name)
 
 
-def _mirror_run(ctx: Context) -> dict[str, Any]:
-    """Deltas 1..3 at origin, true copies ``mirror`` and ``evil``, a forged v1 (same base state) in ``forge``."""
-    if "mirrors" in ctx.resources:
-        return ctx.resources["mirrors"]
-    import os
+def publish_mirror_run(tmp: Path) -> dict[str, Any]:
+    """Deltas 1..VERSIONS at ``tmp/origin``, true copies in ``mirror`` and ``evil``, a forged v1
+    (same base state) in ``forge`` whose segments also sit in ``mirror`` beside the true ones.
 
-    import redis
-
+    Returns ``spec``, ``tmp``, ``states`` (version -> true state), ``forged``
+    (the forged manifest), ``forged_manifest`` (its bytes) and ``forged_state``.
+    The caller points ``AURORA_SYNTHETIC_CACHE`` somewhere first.
+    """
     from aurora_store.codec.extract import extract
-    from aurora_store.format.manifest import manifest_key
     from aurora_store.lineage.publish import PublishConfig, publish_delta
     from aurora_store.storage import open_store
-    from aurora_store.testing.servers import RedisServer
     from aurora_tools.synthetic.shapes import QWEN3_TINY
     from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
     from workers.model import fusion_plan_for
 
-    tmp = ctx.dir("mirrors")
-    os.environ["AURORA_SYNTHETIC_CACHE"] = str(tmp / "cache")
-    server = RedisServer().start()
-    ctx.closers.append(server.stop)
     spec = SyntheticSpec(QWEN3_TINY, seed=7)
     origin = open_store(f"file://{tmp}/origin")
     base = w = base_weights(spec.shape, spec.seed)
@@ -102,52 +100,66 @@ def _mirror_run(ctx: Context) -> dict[str, Any]:
         sparse_update(new, spec.density, spec.seed, v)
         state = states[v] = publish_delta(origin, "r", v, extract(plan, w, new), state, cfg).state
         w = new
-    for d in ("mirror", "evil", "forged-mirror"):
+    for d in ("mirror", "evil"):
         shutil.copytree(tmp / "origin", tmp / d)
     forged = {n: t.clone() for n, t in base.items()}
     sparse_update(forged, spec.density, spec.seed + 99, 1)
     fm = publish_delta(open_store(f"file://{tmp}/forge"), "r", 1, extract(plan, base, forged), spec.base_state, cfg)
-    from aurora_store.format.manifest import version_dir
-
     vdir = version_dir("delta", 1)
     # The mirror two-faced case: forged segments beside the true ones, the forged manifest its second answer.
     shutil.copytree(tmp / "forge" / vdir, tmp / "mirror" / vdir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("manifest.json"))
-    # The forged chain: a mirror whose v1 is the forged version, manifest and segments.
-    shutil.rmtree(tmp / "forged-mirror" / vdir)
-    shutil.copytree(tmp / "forge" / vdir, tmp / "forged-mirror" / vdir)
-    res = {
-        "spec": spec, "tmp": tmp, "redis": server.url, "client": redis.Redis.from_url(server.url), "states": states,
+    return {
+        "spec": spec, "tmp": tmp, "states": states, "forged": fm,
         "forged_manifest": (tmp / "forge" / manifest_key("delta", 1)).read_bytes(), "forged_state": fm.state,
     }
+
+
+def _mirror_run(ctx: Context) -> dict[str, Any]:
+    """Deltas 1..3 at origin, true copies ``mirror`` and ``evil``, a forged v1 (same base state) in ``forge``."""
+    if "mirrors" in ctx.resources:
+        return ctx.resources["mirrors"]
+    import os
+
+    import redis
+
+    from aurora_store.testing.servers import RedisServer
+
+    tmp = ctx.dir("mirrors")
+    os.environ["AURORA_SYNTHETIC_CACHE"] = str(tmp / "cache")
+    server = RedisServer().start()
+    ctx.closers.append(server.stop)
+    res = publish_mirror_run(tmp)
+    # The forged chain: a mirror whose v1 is the forged version, manifest and segments.
+    vdir = version_dir("delta", 1)
+    shutil.copytree(tmp / "origin", tmp / "forged-mirror")
+    shutil.rmtree(tmp / "forged-mirror" / vdir)
+    shutil.copytree(tmp / "forge" / vdir, tmp / "forged-mirror" / vdir)
+    res.update(redis=server.url, client=redis.Redis.from_url(server.url))
     ctx.resources["mirrors"] = res
     return res
 
 
-def _actor(run: dict[str, Any], relay_url: str | None, **cfg: Any) -> Any:
-    """A fresh Actor of a fresh run name at v0, the Trainer's head at 3 and its expected states recorded."""
+def mirror_actor(run: dict[str, Any], relay_url: str | None, record_states: bool = True, **cfg: Any) -> SourceRecorder:
+    """A fresh Actor (on the synthetic engine, at v0) of a fresh run name over ``run``
+    (:func:`publish_mirror_run` plus ``redis`` and ``client``): the Trainer's head at
+    VERSIONS, its expected states recorded unless told not to, the region's Relay key
+    naming ``relay_url``; ``cfg`` goes to :class:`ActorConfig`."""
     from aurora_store.testing.clock import ManualClock
     from aurora_tools.synthetic.engine import SyntheticEngine
-    from workers.actor import Actor, ActorConfig
+    from workers.actor import ActorConfig
     from workers.common import Endpoints, RunKeys, record_expected_state
 
-    class Recorder(Actor):
-        def __init__(self, *a: Any, **kw: Any) -> None:
-            super().__init__(*a, **kw)
-            self.sources: list[tuple[int, bool]] = []
-
-        def _on_staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
-            self.sources.append((version, from_mirror))
-
     name = f"hostile{time.monotonic_ns()}"
-    a = Recorder(Endpoints(f"file://{run['tmp']}/origin", run["redis"], name), ActorConfig(actor_id="a", region=REGION, **cfg), clock=ManualClock())
+    a = SourceRecorder(Endpoints(f"file://{run['tmp']}/origin", run["redis"], name), ActorConfig(actor_id="a", region=REGION, **cfg), clock=ManualClock())
     eng = SyntheticEngine(run["spec"], hold=True, digests=True)
     eng.load_base()
     a.engine = eng
     a.active = a.staged_version = 0
     a.active_state = a.staged_state = run["spec"].base_state
     keys = RunKeys(name)
-    for v, st in run["states"].items():  # what the Trainer records as it commits each version
-        record_expected_state(run["client"], keys, v, st)
+    if record_states:
+        for v, st in run["states"].items():  # what the Trainer records as it commits each version
+            record_expected_state(run["client"], keys, v, st)
     run["client"].hset(keys.trainer, mapping={"head": VERSIONS})
     if relay_url is not None:
         run["client"].set(keys.relay(REGION), relay_url)
@@ -172,7 +184,7 @@ def _judge(res: Result, run: dict[str, Any], a: Any, want_sources: list[tuple[in
 def _planted_url(ctx: Context, res: Result) -> None:
     run = _mirror_run(ctx)
     tmp = run["tmp"]
-    a = _actor(run, f"file://{tmp}/evil", mirror=f"file://{tmp}/mirror")
+    a = mirror_actor(run, f"file://{tmp}/evil", mirror=f"file://{tmp}/mirror")
     a._stage_available()
     _judge(res, run, a, [(v, False) for v in range(1, VERSIONS + 1)], "planted URL ignored; read origin")
 
@@ -183,10 +195,10 @@ def _two_faced(ctx: Context, res: Result) -> None:
 
     run = _mirror_run(ctx)
     url = f"file://{run['tmp']}/mirror"
-    a = _actor(run, url, mirror=url)
-    a.engine = eng = _StoreStagingEngine(a.engine)
-    store = _TwoFaced(open_store(url), manifest_key("delta", 1), run["forged_manifest"])
-    a._mirror = (url, store)
+    a = mirror_actor(run, url, mirror=url)
+    a.engine = eng = StoreStagingEngine(a.engine, reread=True)
+    store = TwoFacedStore(open_store(url), manifest_key("delta", 1), run["forged_manifest"])
+    a._mirror = (url, store)  # type: ignore[assignment]  # a Store in all it is asked
     a._stage_available()
     _judge(res, run, a, None, "second answer refused; v1 read from origin")
     if res.outcome == "refused" and (store.reads < 2 or a.sources[0] != (1, False)):
@@ -198,7 +210,7 @@ def _two_faced(ctx: Context, res: Result) -> None:
 def _forged_chain(ctx: Context, res: Result) -> None:
     run = _mirror_run(ctx)
     url = f"file://{run['tmp']}/forged-mirror"
-    a = _actor(run, url, mirror=url)
+    a = mirror_actor(run, url, mirror=url)
     a._stage_available()
     _judge(res, run, a, None, "forged v1 refused; read from origin")
     if res.outcome == "refused" and a.sources[0] != (1, False):
@@ -211,7 +223,7 @@ def _valid_mirror(ctx: Context, res: Result) -> None:
     if not (tmp / "true-mirror").exists():
         shutil.copytree(tmp / "origin", tmp / "true-mirror")
     url = f"file://{tmp}/true-mirror"
-    a = _actor(run, url, mirror=url)
+    a = mirror_actor(run, url, mirror=url)
     a._stage_available()
     _judge(res, run, a, [(v, True) for v in range(1, VERSIONS + 1)], "every version read from the mirror")
 
