@@ -51,8 +51,7 @@ def _wait(cond, proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: 
 
 
 CRASH = 6
-"""Crash points are at version 6: the newest checkpoint is the one before step 4, so every
-crash leaves at least one version published after it."""
+"""Crash points are at version 6 (``segment``: the first version from 6 on with a segment)."""
 
 
 @pytest.mark.parametrize("crash", [None, "segment", "manifest", "closed"], ids=["mid-batch", "mid-publish", "after-manifest", "after-close"])
@@ -65,7 +64,10 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
     # A step whose groups all scored alike changes no weight and publishes no segment:
     # "segment" crashes at the first version from CRASH on that has one.
     spec = f"{crash}@{CRASH}+" if crash == "segment" else f"{crash}@{CRASH}"
-    trainer = _trainer(store_url, redis_url, tlog, env={CRASH_ENV: spec} if crash else None)
+    # With a crash point, only the checkpoint before step 0 is taken: whatever version the
+    # crash lands on, versions were published after the newest checkpoint.
+    extra = ("--checkpoint-every", "1000") if crash else ()
+    trainer = _trainer(store_url, redis_url, tlog, *extra, env={CRASH_ENV: spec} if crash else None)
     actor = None
     try:
         _wait(lambda: r.hget(RunKeys(RUN).trainer, "head") is not None, trainer, tlog, "v0")
