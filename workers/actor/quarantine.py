@@ -16,31 +16,20 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aurora_store.clock import Clock
 from aurora_store.config import Backoff
 from aurora_store.format.checkpoint import StagedDelta
+from workers.quarantine import QuarantineBook, VersionId
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Quarantine", "StagedFull", "staged_nbytes"]
+__all__ = ["Quarantine", "StagedFull", "VersionId", "staged_nbytes"]
 
-VersionId = tuple[str, int]
-"""(kind, version): ``("delta", 7)`` or ``("snapshot", 5)``."""
-
-
-@dataclass(slots=True)
-class _Entry:
-    failures: int
-    next_at: float
-    reason: str
-
-
-class Quarantine:
+class Quarantine(QuarantineBook):
     """Versions that failed validation, with their back-off; thread-safe, timed on ``clock``.
 
     One log line when a version is quarantined and one when it is used after
@@ -49,26 +38,18 @@ class Quarantine:
 
     def __init__(self, backoff: Backoff, clock: Clock, log: logging.Logger, rng: random.Random | None = None) -> None:
         self.backoff = backoff
-        self.clock = clock
         self.log = log
         self._rng = rng or random.Random()
-        self._lock = threading.Lock()
-        self._entries: dict[VersionId, _Entry] = {}
+        super().__init__(lambda n: self.backoff.delay(n - 1, self._rng), clock)
 
-    def allowed(self, kind: str, version: int) -> bool:
+    def allowed(self, kind: str, version: int) -> bool:  # type: ignore[override]
         """Whether the version may be fetched now (not quarantined, or its wait is over)."""
-        with self._lock:
-            e = self._entries.get((kind, version))
-            return e is None or self.clock.monotonic() >= e.next_at
+        return super().allowed((kind, version))
 
     def failed(self, kind: str, version: int, error: BaseException) -> float:
         """Record a failed validation; returns the seconds until the next attempt."""
         reason = str(error) or type(error).__name__
-        with self._lock:
-            e = self._entries.get((kind, version))
-            n = 1 if e is None else e.failures + 1
-            delay = self.backoff.delay(n - 1, self._rng)
-            self._entries[(kind, version)] = _Entry(n, self.clock.monotonic() + delay, reason)
+        n, delay = self.record((kind, version), reason)
         if n == 1:
             self.log.error(
                 "%s %d failed validation (%s: %s); quarantined: not fetched again for %.0fs, then less and less often",
@@ -80,29 +61,17 @@ class Quarantine:
 
     def cleared(self, kind: str, version: int) -> None:
         """The version was fetched and validated: forget it (one log line if it was quarantined)."""
-        if not self._entries:  # the common case: no lock taken
-            return
-        with self._lock:
-            e = self._entries.pop((kind, version), None)
+        e = self.pop((kind, version))
         if e is not None:
             self.log.warning("%s %d is valid again after %d failed attempt(s); quarantine lifted", kind, version, e.failures)
 
     def forget_below(self, version: int) -> None:
         """Forget versions below ``version``: the Actor is past them and will never fetch them."""
-        with self._lock:
-            for vid in [vid for vid in self._entries if vid[1] < version]:
-                del self._entries[vid]
-
-    def blocked(self) -> frozenset[VersionId]:
-        """Versions whose wait is not over: a planner routes around them."""
-        now = self.clock.monotonic()
-        with self._lock:
-            return frozenset(vid for vid, e in self._entries.items() if now < e.next_at)
+        self.forget(lambda vid: vid[1] < version)
 
     def versions(self) -> list[int]:
         """Every quarantined version number, ascending (what the heartbeat reports)."""
-        with self._lock:
-            return sorted({v for _, v in self._entries})
+        return sorted({v for _, v in self.failures()})
 
 
 @dataclass(frozen=True, slots=True)
