@@ -259,6 +259,8 @@ def test_a_damaged_version_is_quarantined_with_back_off(
         origin.put(key, damaged[key], mode="overwrite")  # repaired at origin
         clock.advance(32.0)  # the next attempt is due
         wait_until(mirrored(relay, ("delta", 2)), "delta 2 after the repair")
+        # The Relay lifts the quarantine just after the version is complete: wait for that too.
+        wait_until(lambda: relay.stats().quarantined == {}, "delta 2 out of quarantine")
         assert relay.stats().quarantined == {}
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len([m for m in errors if "delta 2 not mirrored" in m and "quarantined" in m]) == 1  # logged once
