@@ -27,6 +27,7 @@ from aurora_store.storage import Store
 
 __all__ = [
     "MODEL_CONFIG_KEY",
+    "MODEL_PREFIX",
     "TOKENIZER_KEY",
     "RunKeys",
     "write_model_description",
@@ -45,8 +46,10 @@ __all__ = [
     "Endpoints",
 ]
 
-MODEL_CONFIG_KEY = "model/config.json"
-TOKENIZER_KEY = "model/tokenizer.json"
+MODEL_PREFIX = "model/"
+"""Where the run root holds the model's description (config, tokenizer files, generation config)."""
+MODEL_CONFIG_KEY = MODEL_PREFIX + "config.json"
+TOKENIZER_KEY = MODEL_PREFIX + "tokenizer.json"
 
 log = logging.getLogger("aurora.workers")
 
@@ -66,20 +69,39 @@ class Endpoints:
     __repr__ = redacted_repr  # the Redis URL may hold a password, the options keys and tokens
 
 
-def write_model_description(store: Store, config_json: str, tokenizer_json: str) -> list[ModelFile]:
+def write_model_description(
+    store: Store, config_json: str | bytes, tokenizer_json: str | bytes | None, extra: Mapping[str, bytes] | None = None
+) -> list[ModelFile]:
     """Create-only: a run's model is fixed for its whole life.
 
-    Returns the files as version 0's snapshot manifest lists them (FORMAT.md
-    §1): the Trainer passes them to ``publish_snapshot(model=...)``, so they
-    are covered by that manifest's hashes (and signature), and readers check
-    them before use (:func:`read_model_description`).
+    ``model/config.json`` and ``model/tokenizer.json`` (the character
+    tokenizer's, or a Hugging Face ``tokenizer.json``; None for a directory
+    without one), then ``extra`` (file name -> bytes: the generation config,
+    the tokenizer's config and chat template, :mod:`workers.pretrained`),
+    each under ``model/``. Returns the files as version 0's snapshot
+    manifest lists them (FORMAT.md §1): the Trainer passes them to
+    ``publish_snapshot(model=...)``, so they are covered by that manifest's
+    hashes (and signature), and readers check them before use
+    (:func:`read_model_description`).
     """
+    named: dict[str, bytes] = {}
+    if tokenizer_json is not None:
+        named["tokenizer.json"] = _bytes(tokenizer_json)
+    for name, data in (extra or {}).items():
+        if name != "config.json":
+            named.setdefault(name, data)
+    # The config last: a reader that finds it finds every other file (the Actor waits for it).
+    named["config.json"] = _bytes(config_json)
     files = []
-    for key, text in ((MODEL_CONFIG_KEY, config_json), (TOKENIZER_KEY, tokenizer_json)):
-        data = text.encode("utf-8")
+    for name, data in named.items():
+        key = MODEL_PREFIX + name
         store.put(key, data, mode="create")
         files.append(ModelFile(key, len(data), hashlib.sha256(data).hexdigest()))
     return files
+
+
+def _bytes(text: str | bytes) -> bytes:
+    return text.encode("utf-8") if isinstance(text, str) else bytes(text)
 
 
 def model_files_listed(store: Store) -> tuple[dict[str, ModelFile] | None, str]:
@@ -154,37 +176,65 @@ def read_model_description(store: Store, used: dict[str, str] | None = None, unl
     Each file is checked against the list in version 0's manifest first
     (:func:`model_files_listed`): a file changed after version 0 raises
     :class:`~aurora_store.errors.IntegrityError`. A run whose manifests list
-    no files (written before they were listed) is read as before, with a
-    warning; ``unlisted_ok``: without it (the caller checks later, with
-    :func:`check_model_files`, once version 0 exists). ``used`` receives
-    key -> sha256 of the bytes read.
+    no files (written before they were listed, or a Trainer still setting
+    up) is read from what ``model/`` holds, with a warning unless
+    ``unlisted_ok`` (the caller checks later, with :func:`check_model_files`,
+    once version 0 exists). ``used`` receives key -> sha256 of the bytes read.
+
+    The tokenizer is the character tokenizer when ``model/tokenizer.json`` is
+    one, else a :class:`~workers.tokenizer.HFTokenizer` built from the stored
+    tokenizer files and generation config; a family the fusion map does not
+    know is refused (:func:`workers.pretrained.check_family`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from workers.pretrained import MAX_FILE_BYTES, check_family, tokenizer_from_files
     from workers.tokenizer import CharTokenizer
 
     listed, where = model_files_listed(store)
     if listed is None and not unlisted_ok:
         _say_unlisted(store, where)
+    keys = sorted(k for k in listed if k.startswith(MODEL_PREFIX)) if listed is not None else store.list(MODEL_PREFIX)
+    if MODEL_CONFIG_KEY not in keys:
+        raise ConfigError(f"{store.where(MODEL_CONFIG_KEY)}: the run has no model description yet (has the Trainer started?)")
+    files: dict[str, bytes] = {}
     try:
-        cfg_raw = _checked_model_file(store, MODEL_CONFIG_KEY, listed, where)
-        tok_raw = _checked_model_file(store, TOKENIZER_KEY, listed, where)
+        for key in keys:
+            if listed is None and store.size(key) > MAX_FILE_BYTES:
+                raise IntegrityError(f"{store.where(key)}: over the {MAX_FILE_BYTES} bytes a model description file may have")
+            files[key[len(MODEL_PREFIX):]] = _checked_model_file(store, key, listed, where)
     except ObjectNotFound as e:
-        raise ConfigError(f"{e}: the run has no model description yet (has the Trainer started?)") from None
+        raise ConfigError(f"{e}: the run's model description is incomplete") from None
     if used is not None:
-        used.update({MODEL_CONFIG_KEY: hashlib.sha256(cfg_raw).hexdigest(), TOKENIZER_KEY: hashlib.sha256(tok_raw).hexdigest()})
+        used.update({MODEL_PREFIX + n: hashlib.sha256(b).hexdigest() for n, b in files.items()})
     try:
-        cfg_dict = json.loads(cfg_raw)
-        model_type = cfg_dict.pop("model_type")
-    except (ValueError, KeyError, AttributeError, TypeError) as e:
+        cfg_dict = json.loads(files["config.json"])
+        model_type = check_family(cfg_dict, store.where(MODEL_CONFIG_KEY))
+        cfg_dict.pop("model_type")
+    except (ValueError, AttributeError, TypeError) as e:
         raise ConfigError(f"{store.where(MODEL_CONFIG_KEY)}: not a model config: {e}") from None
     cfg = AutoConfig.for_model(model_type, **cfg_dict)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg)
     torch.nn.Module.to(model, dtype=torch.bfloat16)
-    tokenizer = CharTokenizer.from_json(tok_raw.decode("utf-8"), where=store.where(TOKENIZER_KEY))
+    tok_raw = files.get("tokenizer.json")
+    tokenizer: Any
+    if tok_raw is not None and _is_char_tokenizer(tok_raw):
+        tokenizer = CharTokenizer.from_json(tok_raw.decode("utf-8"), where=store.where(TOKENIZER_KEY))
+    else:
+        tokenizer = tokenizer_from_files(files, getattr(cfg, "vocab_size", None), store.where(MODEL_PREFIX))
     return model.eval(), tokenizer
+
+
+def _is_char_tokenizer(raw: bytes) -> bool:
+    from workers.tokenizer import CHAR_FORMAT
+
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(d, dict) and d.get("format") == CHAR_FORMAT
 
 
 DIGEST_LOG_ENV = "AURORA_DIGEST_LOG"

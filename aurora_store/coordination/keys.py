@@ -113,6 +113,11 @@ class RunKeys:
         return f"{self.prefix}digest:actors"
 
     @property
+    def evals(self) -> str:
+        """hash: version -> JSON {accuracy, problems, seconds, measured_ms}: held-out accuracy the Trainer measured on it."""
+        return f"{self.prefix}evals"
+
+    @property
     def activations(self) -> str:
         """hash ``actor|version`` -> JSON {stage_s, activate_s, source}: how each activation went."""
         return f"{self.prefix}activations"

@@ -74,7 +74,6 @@ from workers.actor.quarantine import Quarantine, StagedFull, staged_nbytes
 from workers.commits import RidingRecords, resolve_commit_records
 from workers.common import (
     MODEL_CONFIG_KEY,
-    TOKENIZER_KEY,
     Endpoints,
     RunKeys,
     check_model_files,
@@ -267,7 +266,7 @@ class Actor:
         """Build the engine from the run's model description (no weights yet); waits for the run."""
 
         def described() -> bool | None:
-            return True if self.origin.exists(MODEL_CONFIG_KEY) and self.origin.exists(TOKENIZER_KEY) else None
+            return True if self.origin.exists(MODEL_CONFIG_KEY) else None  # written last (write_model_description)
 
         if self._wait_for_run("model description", described) is None:
             return
@@ -277,7 +276,7 @@ class Actor:
         used: dict[str, str] = {}
         model, self.tokenizer = self._store(lambda: read_model_description(self.origin, used, unlisted_ok=not listed), "read the model description")
         self._model_unchecked = None if listed else used
-        self.engine = make_engine(self.cfg.engine, self.tokenizer)
+        self.engine = make_engine(self.cfg.engine, self.tokenizer, self.cfg.device)
         self.engine.load(model)
 
     def bootstrap(self) -> None:
@@ -898,10 +897,11 @@ class Actor:
         return False
 
     def _generate_and_settle(self, leases: list[Lease]) -> None:
-        prompts = [json.loads(le.payload)["ids"] for le in leases]
+        bodies = [json.loads(le.payload) for le in leases]
+        prompts = [b["ids"] for b in bodies]
         group = leases[0].group
         t0 = time.perf_counter()
-        gen = self.engine.generate(prompts, group, self.cfg.max_new_tokens, seed=self.cfg.seed ^ leases[0].token, temperature=self.cfg.temperature)
+        gen = self.engine.generate(prompts, group, _max_new_tokens(bodies, self.cfg.max_new_tokens), seed=self.cfg.seed ^ leases[0].token, temperature=self.cfg.temperature)
         if self.cfg.slowdown > 1:
             self.clock.wait(self.stop, gen.seconds * (self.cfg.slowdown - 1))
         gen_s = time.perf_counter() - t0
@@ -1037,3 +1037,14 @@ def _manifest(
         check_trusted(store, m, trust)  # the reader may have been made without it
         return m
     return read_manifest(store, kind, version, trust, commits)
+
+
+MAX_NEW_TOKENS_LIMIT = 32768
+"""Most tokens per completion an Actor generates, whatever a prompt's payload asks (Redis is not trusted)."""
+
+
+def _max_new_tokens(bodies: list[Any], default: int) -> int:
+    """The completion length the Trainer accepts, as its payloads say (the smallest, bounded); ``default`` when they say none."""
+    asked = [b.get("max_new_tokens") for b in bodies if isinstance(b, dict)]
+    ok = [int(n) for n in asked if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_NEW_TOKENS_LIMIT]
+    return min(ok) if ok and len(ok) == len(bodies) else default

@@ -292,7 +292,9 @@ class TorchEngine:
         temperature: float,
         gen: torch.Generator,
     ) -> list[Completion]:
-        dev, pad, eos = self.device, self.tokenizer.pad_id, self.tokenizer.eos_id
+        dev, pad = self.device, self.tokenizer.pad_id
+        # Every end-of-sequence id of the generation config (Qwen3 and Llama 3 have several).
+        stops = torch.tensor(list(getattr(self.tokenizer, "stop_ids", (self.tokenizer.eos_id,))), dtype=torch.long, device=dev)
         b, width = len(rows), max(len(r) for r in rows)
         ids = torch.full((b, width), pad, dtype=torch.long)
         attn = torch.zeros((b, width), dtype=torch.long)
@@ -318,7 +320,7 @@ class TorchEngine:
                 nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
             nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
             lengths += (~finished).long()
-            finished |= nxt == eos
+            finished |= torch.isin(nxt, stops)
             steps.append(nxt)
             # One host sync per token; it ends the batch as soon as every row stopped.
             if t == max_new_tokens - 1 or bool(finished.all()):

@@ -437,6 +437,8 @@ class VLLMEngine:
         if not temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         vllm = import_vllm()
+        # Every end-of-sequence id of the generation config (Qwen3 and Llama 3 have several).
+        stops = [int(i) for i in getattr(self.tokenizer, "stop_ids", (self.tokenizer.eos_id,))]
         reqs: list[dict[str, list[int]]] = []
         params = []
         for i, p in enumerate(prompts):
@@ -454,7 +456,7 @@ class VLLMEngine:
                         temperature=temperature,
                         max_tokens=max_new_tokens,
                         seed=_request_seed(seed, i, j),
-                        stop_token_ids=[self.tokenizer.eos_id],
+                        stop_token_ids=stops,
                         detokenize=False,
                     )
                 )
@@ -463,12 +465,11 @@ class VLLMEngine:
             t0 = time.perf_counter()
             outs = llm.generate(reqs, params, use_tqdm=False)
             seconds = time.perf_counter() - t0
-        eos = self.tokenizer.eos_id
         comps = []
         for o in outs:
             c = o.outputs[0]
             toks = tuple(int(t) for t in c.token_ids)
-            comps.append(Completion(toks, self.tokenizer.decode(toks), bool(toks) and toks[-1] == eos))
+            comps.append(Completion(toks, self.tokenizer.decode(toks), bool(toks) and toks[-1] in stops))
         done = tuple(tuple(comps[i * group : (i + 1) * group]) for i in range(len(prompts)))
         return Generation(done, sum(len(c.token_ids) for c in comps), seconds)
 

@@ -155,7 +155,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_bf16(named: Iterator[tuple[str, torch.Tensor]] | Sequence[tuple[str, torch.Tensor]], ctx: DistContext) -> dict[str, torch.Tensor]:
-    """Full bf16 host copies of the named parameters on rank 0 (``{}`` elsewhere).
+    """Full bf16 copies of the named parameters on rank 0 (``{}`` elsewhere), on rank 0's device.
+
+    The copies stay where the weights live (a GPU's memory on CUDA), so the
+    delta is extracted there and only the changed elements come to the host.
 
     Every rank must call this with the same names in the same order: each
     parameter is one collective. Tied names (the same tensor twice) are
@@ -171,7 +174,7 @@ def gather_bf16(named: Iterator[tuple[str, torch.Tensor]] | Sequence[tuple[str, 
             continue
         full = _full(t.detach())
         if ctx.leader:
-            seen[key] = out[name] = full.to(device="cpu", dtype=torch.bfloat16).contiguous()
+            seen[key] = out[name] = full.to(device=ctx.device, dtype=torch.bfloat16).contiguous()
         else:
             seen[key] = torch.empty(0)
         del full

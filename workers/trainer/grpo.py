@@ -1,7 +1,7 @@
 """GRPO: a batch's rollouts rewarded by the Trainer, group-normalized advantages, the fixed terms of the update.
 
 Nothing an Actor says about rewards is trusted: each completion is scored
-here with :func:`workers.task.reward` against the answer the Trainer kept.
+here by the task's reward against the answer the Trainer kept.
 A payload that does not parse, has the wrong group size, an over-long
 completion or a token outside the vocabulary is dropped and counted.
 
@@ -19,8 +19,8 @@ import torch
 
 from aurora_store.coordination.ledger import AcceptedResult
 from workers.model import Packed, hf_weights, logprobs, pack_completions
-from workers.task import Problem, reward
-from workers.tokenizer import CharTokenizer
+from workers.task import Problem, RewardRunner
+from workers.tokenizer import CharTokenizer, HFTokenizer
 from workers.trainer.fsdp import GrpoBatch
 
 __all__ = ["Rollouts", "advantages", "behavior_logprobs", "grpo_batch", "read_rollouts"]
@@ -52,12 +52,18 @@ class Rollouts:
 def read_rollouts(
     collected: Mapping[str, AcceptedResult],
     problems: Mapping[str, Problem],
-    tokenizer: CharTokenizer,
+    tokenizer: CharTokenizer | HFTokenizer,
     group: int,
     max_new_tokens: int,
+    rewards: RewardRunner,
 ) -> Rollouts:
-    """Parse, check and reward every collected payload, in prompt order."""
+    """Parse, check and reward every collected payload, in prompt order.
+
+    Rewards are the task's, computed by ``rewards`` (each call bounded in
+    wall-clock time) from the completion's text as the tokenizer decodes it.
+    """
     out = Rollouts()
+    scored: list[tuple[str, Problem]] = []
     for pid, r in sorted(collected.items()):
         prob = problems[pid]
         try:
@@ -75,12 +81,13 @@ def read_rollouts(
         out.tokens += n_tok
         out.gen_tokens[r.actor] = out.gen_tokens.get(r.actor, 0) + n_tok
         out.gen_s[r.actor] = out.gen_s.get(r.actor, 0.0) + max(1e-3, float(body.get("gen_s", 0.0)))
-        ids = tokenizer.encode(prob.prompt_text, bos=True)
+        ids = tokenizer.render_prompt(prob.prompt_text)
         out.groups.append(len(out.prompts))
         for c in cs:
             out.prompts.append(ids)
             out.completions.append(c if c else [tokenizer.eos_id])
-            out.rewards.append(reward(tokenizer.decode(c), prob.answer))
+            scored.append((tokenizer.decode(c), prob))
+    out.rewards = rewards.score(scored)
     return out
 
 

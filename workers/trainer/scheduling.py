@@ -14,7 +14,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from aurora_store.clock import Clock
 from aurora_store.coordination.ledger import AcceptedResult, Ledger, LedgerLost
@@ -27,8 +27,13 @@ from aurora_store.coordination.scheduler import (
     plan_step,
 )
 from aurora_store.errors import ConfigError
-from workers.task import Problem, make_problems
-from workers.tokenizer import CharTokenizer
+from workers.task import Problem, Task
+
+
+class PromptRenderer(Protocol):
+    """What batches need of a tokenizer: the ids a prompt is generated from."""
+
+    def render_prompt(self, text: str) -> list[int]: ...
 
 __all__ = [
     "BatchClose",
@@ -49,16 +54,22 @@ Prompts = list[tuple[str, bytes]]
 
 
 def batch_prompts(
-    b: int, size: int, seed: int, difficulty: int, tokenizer: CharTokenizer
+    b: int, size: int, seed: int, task: Task, tokenizer: PromptRenderer, max_new_tokens: int
 ) -> tuple[Prompts, dict[str, Problem]]:
-    """The prompts of batch ``b`` (payloads for the Actors) and their problems (the answers stay here)."""
-    problems = make_problems(size, seed=seed * 100_003 + b + 7, difficulty=difficulty)
+    """The prompts of batch ``b`` (payloads for the Actors) and their problems (the answers stay here).
+
+    A payload holds the prompt's text, the ids to generate from (the
+    tokenizer's chat template applied, when it has one) and the longest
+    completion the Trainer accepts, so an Actor needs nothing of the run
+    but the model description.
+    """
+    problems = task.train_problems(b, size, seed)
     prompts: Prompts = []
     by_id: dict[str, Problem] = {}
     for p in problems:
         pid = f"b{b}-{p.id}"
         by_id[pid] = p
-        body = {"id": pid, "text": p.prompt_text, "ids": tokenizer.encode(p.prompt_text, bos=True)}
+        body = {"id": pid, "text": p.prompt_text, "ids": tokenizer.render_prompt(p.prompt_text), "max_new_tokens": max_new_tokens}
         prompts.append((pid, json.dumps(body).encode()))
     return prompts, by_id
 

@@ -62,8 +62,10 @@ from workers.common import (
     write_model_description,
 )
 from workers.model import fusion_plan_for, hf_weights, is_tied, logprobs, tiny_qwen3, warm_start
-from workers.task import Problem, make_problems
-from workers.tokenizer import CharTokenizer
+from workers.pretrained import ModelDir, load_pretrained, read_model_dir
+from workers.task import Problem, RewardRunner, Task, make_task
+from workers.tokenizer import CharTokenizer, HFTokenizer
+from workers.trainer.evaluation import Evaluator
 from workers.trainer.checkpoint import (
     Checkpoint,
     load_latest_checkpoint,
@@ -147,6 +149,8 @@ class Trainer:
             raise ValueError("the Trainer runs on rank 0; other ranks run follow()")
         self.ep = ep
         self.cfg = cfg
+        if not ctx.sharded and _device(cfg.device) != ctx.device:
+            ctx = DistContext(ctx.rank, ctx.world, _device(cfg.device))
         self.ctx = ctx
         self.clock = clock
         self.on_step = on_step
@@ -171,7 +175,19 @@ class Trainer:
         self.resumed_from: int | None = None
         """Step of the checkpoint this Trainer resumed from (None: a fresh run)."""
 
-        self.tokenizer = CharTokenizer()
+        self.tokenizer: CharTokenizer | HFTokenizer = CharTokenizer()
+        """The built-in model's; ``--model``'s own once :meth:`_build_model` ran."""
+        self.model_dir: ModelDir | None = read_model_dir(cfg.model) if cfg.model else None
+        self.task: Task = make_task(
+            cfg.task, cfg.data, cfg.eval_data, seed=cfg.seed, difficulty=cfg.difficulty, storage_options=dict(ep.storage_options),
+        )
+        if self.model_dir is None and cfg.task in ("gsm8k", "math"):
+            raise ConfigError(f"--task {cfg.task} needs --model DIR: the built-in tiny model's character tokenizer knows only the arithmetic alphabet")
+        self.rewards = RewardRunner(self.task, cfg.reward_timeout_s)
+        """Scores every completion in a child process, each call bounded by ``reward_timeout_s``."""
+        self.evaluator: Evaluator | None = None
+        self.eval_accuracy: dict[int, float] = {}
+        """version -> held-out accuracy measured on it (``eval_every``)."""
         self.rng = random.Random(cfg.seed)
         self.problems: dict[str, Problem] = {}
         self.collected: dict[int, dict[str, AcceptedResult]] = {}
@@ -212,14 +228,17 @@ class Trainer:
         self._enter_epoch((self.ledger.stored_epoch() or 0) + 1)
         t0 = time.perf_counter()
         self._build_model()
-        warm = make_problems(2000, seed=self.cfg.seed + 1, difficulty=self.cfg.difficulty)
-        rep = warm_start(self.model, self.tokenizer, warm, steps=self.cfg.warm_start_steps, seed=self.cfg.seed)
-        log.info("warm start: %d steps in %.1fs, loss %.3f -> %.3f", rep.steps, rep.seconds, rep.first_loss, rep.last_loss)
+        warm = self.task.warm_start_problems(2000, seed=self.cfg.seed + 1) if self.model_dir is None else []
+        if warm and self.cfg.warm_start_steps > 0:
+            # The built-in model starts from random weights: a short supervised phase gives GRPO
+            # some rewarded samples. A user's checkpoint is version 0 as it is.
+            rep = warm_start(self.model, self.tokenizer, warm, steps=self.cfg.warm_start_steps, seed=self.cfg.seed)
+            log.info("warm start: %d steps in %.1fs, loss %.3f -> %.3f", rep.steps, rep.seconds, rep.first_loss, rep.last_loss)
         self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if self.cfg.kl_coef > 0 else None
         self._prepare_training()
         self.published = self._bf16_weights()
         self.versions_bf16: dict[int, dict[str, torch.Tensor]] = {0: self.published}
-        self.model_files = write_model_description(self.store, self.model.config.to_json_string(), self.tokenizer.to_json())
+        self.model_files = self._write_model_description()
         self._forget_states()
         m = publish_snapshot(
             self.store, self.ep.run, 0, fuse_weights(self.published, self.plan), None, self._pub_cfg(), producer=self._producer(0), model=self.model_files,
@@ -229,12 +248,53 @@ class Trainer:
         self.full_bytes = m.total_bytes
         self._after_publish(0, m.state, "snapshot", m.total_bytes)
         log.info("v0 snapshot published (%d bytes) in %.1fs total setup", m.total_bytes, time.perf_counter() - t0)
+        self._evaluate(0)
         for b in range(self.cfg.max_lag + 1):
             self._create_batch(b, 0)
         self._checkpoint(0)
 
     def _build_model(self) -> None:
-        self.model = tiny_qwen3(self.tokenizer.vocab_size, seed=self.cfg.seed, dtype=torch.float32, head_dim=self.cfg.head_dim)
+        """The fp32 master: ``--model``'s checkpoint (its tokenizer with it), or the built-in tiny Qwen3."""
+        md = self.model_dir
+        if md is not None:
+            self.model = load_pretrained(md.path, torch.float32)
+            self.tokenizer = HFTokenizer.from_dir(md.path, model_vocab=int(self.model.config.vocab_size))
+            log.info("model: %s (%s, %.1f M parameters), tokenizer of %d ids%s", md.path, md.family,
+                     sum(p.numel() for p in self.model.parameters()) / 1e6, self.tokenizer.vocab_size,
+                     ", chat template" if self.tokenizer.chat_template else "")
+        else:
+            self.model = tiny_qwen3(self.tokenizer.vocab_size, seed=self.cfg.seed, dtype=torch.float32, head_dim=self.cfg.head_dim)
+        if not self.ctx.sharded:
+            torch.nn.Module.to(self.model, self.ctx.device)
+
+    def _write_model_description(self) -> list[ModelFile]:
+        """``model/`` in the run root: what an Actor builds the model and its tokenizer from (FORMAT.md §1)."""
+        md = self.model_dir
+        if md is not None:
+            return write_model_description(self.store, md.files["config.json"], md.files.get("tokenizer.json"), md.files)
+        assert isinstance(self.tokenizer, CharTokenizer)
+        gen = self.model.generation_config.to_json_string().encode("utf-8")
+        return write_model_description(self.store, self.model.config.to_json_string(), self.tokenizer.to_json(), {"generation_config.json": gen})
+
+    def _evaluate(self, v: int) -> None:
+        """Score the held-out set on version ``v`` when it is due (``eval_every``); recorded with ``v``."""
+        every = self.cfg.eval_every
+        if every <= 0 or v % every != 0 or not self.cfg.weight_transfer:
+            return
+        if self.evaluator is None:
+            self.evaluator = Evaluator(
+                self.task, self.tokenizer, self.rewards, self.behavior, self.cfg.eval_size, self.cfg.max_new_tokens, self.ctx.device,
+            )
+        res = self.evaluator.run(v, self.published)
+        self.eval_accuracy[v] = res.accuracy
+        log.info("eval v%d: accuracy %.3f on %d held-out problems (%.1fs)", v, res.accuracy, res.problems, res.seconds)
+        self.redis_dep.call(lambda: res.record(self._raw_redis, self.keys), "record an evaluation", self.stop)
+        try:
+            self.store_dep.call(lambda: res.save(self._raw_store), "save an evaluation", self.stop)
+        except Exception as e:  # noqa: BLE001 - the record in Redis is the one read; the object documents the run
+            if not is_transient(e):
+                raise
+            log.warning("eval v%d: not saved to the store: %s", v, e)
 
     def _prepare_training(self) -> None:
         """After the master weights are final: the behaviour copy, sharding, the optimizer, the plan."""
@@ -314,7 +374,7 @@ class Trainer:
     def _identity(self) -> dict[str, Any]:
         """The knobs a resumed run must share with the one it continues."""
         c = self.cfg
-        return {"seed": c.seed, "batch": c.batch, "group": c.group, "head_dim": c.head_dim, "max_lag": c.max_lag, "difficulty": c.difficulty, "transfer": c.transfer}
+        return {"seed": c.seed, "batch": c.batch, "group": c.group, "head_dim": c.head_dim, "max_lag": c.max_lag, "difficulty": c.difficulty, "transfer": c.transfer, "task": c.task}
 
     def resume(self) -> int:
         """Continue the run in the store from its newest checkpoint; returns the step to run next.
@@ -435,7 +495,7 @@ class Trainer:
     # -- batches ------------------------------------------------------------------
     def _batch_prompts(self, b: int) -> list[tuple[str, bytes]]:
         """(prompt id, payload) of batch ``b``; the answers stay here."""
-        prompts, problems = batch_prompts(b, self.cfg.batch, self.cfg.seed, self.cfg.difficulty, self.tokenizer)
+        prompts, problems = batch_prompts(b, self.cfg.batch, self.cfg.seed, self.task, self.tokenizer, self.cfg.max_new_tokens)
         self.problems.update(problems)
         return prompts
 
@@ -502,7 +562,7 @@ class Trainer:
 
     # -- GRPO -------------------------------------------------------------------------
     def _rollouts(self, b: int) -> RolloutTuple:
-        r = read_rollouts(self.collected[b], self.problems, self.tokenizer, self.cfg.group, self.cfg.max_new_tokens)
+        r = read_rollouts(self.collected[b], self.problems, self.tokenizer, self.cfg.group, self.cfg.max_new_tokens, self.rewards)
         self._update_tau(r.gen_tokens, r.gen_s)
         return r.prompts, r.completions, r.rewards, r.groups, r.tokens, r.by_actor, r.bad
 
@@ -571,6 +631,7 @@ class Trainer:
             b, v, entry.reward, tokens, entry.tokens_per_s, t_wait, t_train, t_pub, delta_bytes, 100 * delta_bytes / max(1, self.full_bytes), eligible, excluded,
         )
         self._log_step_json(b, v, gen_version, twice0, wrong0)
+        self._evaluate(v)
         if self.on_step:
             self.on_step(entry)
         self._checkpoint(v)
@@ -671,6 +732,7 @@ class Trainer:
                     break
                 self.train_step(b)
         finally:
+            self.rewards.close()
             # Only once the other ranks wait for messages: before that they wait
             # in another collective and a message would not match it.
             if getattr(self, "_followers_joined", False):
@@ -681,6 +743,15 @@ class Trainer:
 
 class _Reissued(Exception):  # noqa: N818 - control flow inside the Trainer, never raised to a caller
     """A lost step was issued again (perhaps on another version): collect it afresh."""
+
+
+def _device(name: str) -> torch.device:
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: CUDA is not available to this torch ({torch.__version__}); use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+    return dev
 
 
 def _jsonable(x: Any) -> Any:
@@ -702,8 +773,10 @@ def follow(cfg: TrainerConfig, ctx: DistContext) -> int:
     """
     if ctx.leader:
         raise ValueError("rank 0 runs the Trainer, not follow()")
-    tokenizer = CharTokenizer()
-    model = tiny_qwen3(tokenizer.vocab_size, seed=cfg.seed, dtype=torch.float32, head_dim=cfg.head_dim)
+    if cfg.model:
+        model = load_pretrained(read_model_dir(cfg.model).path, torch.float32)
+    else:
+        model = tiny_qwen3(CharTokenizer().vocab_size, seed=cfg.seed, dtype=torch.float32, head_dim=cfg.head_dim)
     torch.nn.Module.to(model, ctx.device)
     model.train()
     broadcast_module(model)

@@ -1,0 +1,136 @@
+"""Tiny Hugging Face model directories and data files, made on the spot, for tests, demos and trials.
+
+Nothing can be downloaded here, so :func:`make_model_dir` builds what a
+user would bring: a ``save_pretrained`` directory of a tiny Qwen3 or Llama
+(random bf16 weights, safetensors), with a byte-level BPE tokenizer trained
+on the spot by the ``tokenizers`` library, a chat template in the family's
+own style and a generation config naming its stop tokens.
+:func:`write_gsm8k_jsonl` and :func:`write_math_jsonl` write small data
+files in the GSM8K and MATH/DeepScaleR formats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["FAMILY_STYLES", "TinySpec", "make_model_dir", "write_gsm8k_jsonl", "write_math_jsonl"]
+
+_QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_LLAMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+FAMILY_STYLES: dict[str, dict[str, object]] = {
+    # specials in id order, then (bos, eos, pad, extra stop ids), the chat template
+    "qwen3": {"specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>", "stops": ["<|im_end|>", "<|endoftext|>"], "template": _QWEN_TEMPLATE},
+    "qwen2": {"specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>", "stops": ["<|im_end|>", "<|endoftext|>"], "template": _QWEN_TEMPLATE},
+    "llama": {"specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|pad|>"], "bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "pad": "<|pad|>", "stops": ["<|eot_id|>", "<|end_of_text|>"], "template": _LLAMA_TEMPLATE},
+    "mistral": {"specials": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "bos": "<s>", "eos": "</s>", "pad": "<unk>", "stops": ["</s>"], "template": "{{ bos_token }}{% for message in messages %}[INST] {{ message['content'] }} [/INST]{% endfor %}"},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TinySpec:
+    """Sizes of a tiny model (defaults: about 0.1 M parameters plus the embedding)."""
+
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 2
+    kv_heads: int = 1
+    head_dim: int = 32
+    """vLLM's CPU attention needs a head size of at least 32."""
+    intermediate: int = 128
+    max_positions: int = 512
+    vocab: int = 512
+    """Target vocabulary of the BPE tokenizer trained for it."""
+    tie_word_embeddings: bool = True
+
+
+def _corpus(seed: int) -> Iterator[str]:
+    rng = random.Random(f"aurora-tiny-corpus/{seed}")
+    words = "the a of to and is in it for on with as are was how many what each has total cost more less than times sum answer".split()
+    for _ in range(3000):
+        a, b = rng.randint(0, 999), rng.randint(0, 99)
+        yield f"Q: {a}+{b}=? A: {a}+{b}={a + b}\n#### {a + b}"
+        yield " ".join(rng.choice(words) for _ in range(12)) + f" {a} {b}."
+        yield f"\\boxed{{{a}}} \\frac{{{b}}}{{{a + 1}}} = {b}/{a + 1} Give the final answer after '####'."
+
+
+def make_model_dir(out: str | os.PathLike[str], family: str = "qwen3", seed: int = 0, spec: TinySpec | None = None) -> str:
+    """A ``save_pretrained`` directory of a tiny ``family`` model and its tokenizer; returns its path.
+
+    The weights are random, seeded (the same arguments give the same bits),
+    saved in bf16 as safetensors; the tokenizer is a byte-level BPE trained
+    on a generated corpus, with the family's special tokens and chat template.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+
+    spec = spec or TinySpec()
+    style = FAMILY_STYLES[family]
+    specials = list(style["specials"])  # type: ignore[call-overload]
+    p = os.fspath(out)
+    os.makedirs(p, exist_ok=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=spec.vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(_corpus(seed), trainer)
+    kw = {k: style[k] for k in ("bos", "eos", "pad") if style[k] is not None}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, **{f"{k}_token": v for k, v in kw.items()}, additional_special_tokens=[s for s in specials if s not in kw.values()],
+    )
+    tok.chat_template = style["template"]
+    tok.save_pretrained(p)
+    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
+    cfg = AutoConfig.for_model(
+        family, vocab_size=len(tok), hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=ids.get(str(style["bos"])), eos_token_id=ids[str(style["eos"])],
+        pad_token_id=ids[str(style["pad"])],
+    )
+    cfg.architectures = [type(AutoModelForCausalLM.from_config(cfg)).__name__]  # cheap at this size
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg)
+    torch.nn.Module.to(model, dtype=torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        bos_token_id=cfg.bos_token_id, eos_token_id=[ids[s] for s in style["stops"]], pad_token_id=cfg.pad_token_id,  # type: ignore[attr-defined]
+    )
+    model.save_pretrained(p, safe_serialization=True)
+    return p
+
+
+def write_gsm8k_jsonl(path: str | os.PathLike[str], n: int = 40, seed: int = 0) -> str:
+    """``n`` GSM8K-format rows (``{"question", "answer": "... #### N"}``) of small word problems."""
+    rng = random.Random(f"aurora-gsm8k/{seed}")
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            a, b = rng.randint(1, 9), rng.randint(1, 9)
+            q = f"Tom has {a} apples and buys {b} more. How many apples does he have?"
+            f.write(json.dumps({"question": q, "answer": f"He has {a}+{b}=<<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}", "id": f"gsm-{seed}-{i}"}) + "\n")
+    return os.fspath(path)
+
+
+def write_math_jsonl(path: str | os.PathLike[str], n: int = 40, seed: int = 0) -> str:
+    """``n`` MATH/DeepScaleR-style rows (``{"problem", "answer"}``), answers plain, boxed or fractions."""
+    rng = random.Random(f"aurora-math/{seed}")
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            a, b = rng.randint(1, 9), rng.randint(2, 9)
+            if i % 2:
+                row = {"problem": f"What is ${a}/{b}$ as a fraction?", "answer": f"\\frac{{{a}}}{{{b}}}"}
+            else:
+                row = {"problem": f"Compute ${a} + {b}$.", "solution": f"We add: ${a}+{b} = \\boxed{{{a + b}}}$."}
+            f.write(json.dumps({**row, "id": f"math-{seed}-{i}"}) + "\n")
+    return os.fspath(path)
