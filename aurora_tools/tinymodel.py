@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["FAMILY_STYLES", "TinySpec", "make_model_dir", "write_gsm8k_jsonl", "write_math_jsonl"]
+__all__ = ["FAMILY_STYLES", "TinySpec", "make_model_dir", "supervise", "write_gsm8k_jsonl", "write_math_jsonl"]
 
 _QWEN_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -109,6 +109,40 @@ def make_model_dir(out: str | os.PathLike[str], family: str = "qwen3", seed: int
     )
     model.save_pretrained(p, safe_serialization=True)
     return p
+
+
+def supervise(model_dir: str | os.PathLike[str], pairs: Sequence[tuple[str, str]], steps: int = 150, lr: float = 3e-3, seed: int = 0, batch: int = 32) -> float:
+    """Fine-tune the directory's model on (user message, answer) pairs, in place; returns the last loss.
+
+    A random tiny model never earns a 0/1 reward, so GRPO would have no
+    signal: this is the "pretrained checkpoint" a user would bring. Prompts
+    are rendered with the directory's chat template, answers end with its
+    eos; AdamW in float32, saved back in bf16 (safetensors).
+    """
+    import torch
+
+    from workers.model import logprobs, pack_completions
+    from workers.pretrained import load_pretrained
+    from workers.tokenizer import HFTokenizer
+
+    p = os.fspath(model_dir)
+    model = load_pretrained(p, torch.float32).train()
+    tok = HFTokenizer.from_dir(p, model_vocab=int(model.config.vocab_size))
+    rows = [(tok.render_prompt(q), tok.encode(a, eos=True)) for q, a in pairs]
+    rng = random.Random(f"aurora-supervise/{seed}")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        pick = [rows[rng.randrange(len(rows))] for _ in range(batch)]
+        packed = pack_completions([r[0] for r in pick], [r[1] for r in pick], tok.pad_id)
+        loss = -logprobs(model, *packed, reduction="mean").mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    torch.nn.Module.to(model, dtype=torch.bfloat16)
+    model.save_pretrained(p, safe_serialization=True)
+    return float(loss.detach())
 
 
 def write_gsm8k_jsonl(path: str | os.PathLike[str], n: int = 40, seed: int = 0) -> str:

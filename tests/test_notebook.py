@@ -8,6 +8,7 @@ of v8 that never committed (an orphan).
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import sys
@@ -62,6 +63,12 @@ def make_run(url: str) -> None:
         state, current = m.state, new
         if v == SNAPSHOT_AT:
             publish_snapshot(store, "nb", v, _fused(plan, current), state, cfg)
+    # Held-out accuracy at v0, v3 and v6 as the Trainer's evaluation writes it, and one forged entry.
+    from aurora_store.coordination.evals import eval_key
+
+    for v, acc in ((0, 0.125), (3, 0.25), (6, 0.375)):
+        store.put(eval_key(v), json.dumps({"version": v, "accuracy": acc, "problems": 8}).encode())
+    store.put(eval_key(5), b'{"accuracy": 7}')  # out of range: skipped
     # A publish of the next version killed before its manifest: one orphan segment.
     store.put(
         f"{version_dir('delta', DELTAS + 1)}/{new_attempt_id()}/seg-00000.safetensors", b"x" * 1000
@@ -112,7 +119,8 @@ def test_lineage_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     text = "".join(texts)
 
     assert f"KERNEL {sys.executable}" in text
-    assert len(pngs) >= 3, f"expected at least 3 plots, got {len(pngs)}"
+    assert len(pngs) >= 4, f"expected at least 4 plots, got {len(pngs)}"
+    assert "eval v0: accuracy 0.125" in text and "eval v6: accuracy 0.375" in text and "eval v5" not in text
     assert all(p.startswith(b"\x89PNG") and len(p) > 5000 for p in pngs)
     assert run.as_uri() in text
     # The table: every version, both kinds.

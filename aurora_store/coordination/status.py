@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from aurora_store.coordination.decode import as_int, as_str
+from aurora_store.coordination.evals import read_evals
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger, LedgerLost
 from aurora_store.coordination.redisconn import translate_redis_errors
@@ -58,6 +59,10 @@ def collect_status(redis: Any, run: str, now_ms: int | None = None) -> dict[str,
         epoch = as_int(redis.get(keys.epoch), lenient=True)
         if epoch is not None:
             trainer["epoch"] = epoch
+        evals = read_evals(redis, keys)
+        if evals:
+            v = max(evals)
+            trainer["eval"] = {"version": v, "accuracy": evals[v]["accuracy"], "problems": as_int(evals[v].get("problems"), lenient=True), "evaluations": len(evals)}
 
     # Relays
     relays = []
@@ -152,6 +157,9 @@ def render(status: dict[str, Any]) -> str:
         lines.append(
             f"Trainer: head v{_v(t['head'])}{state} published {pub}; status {_v(t['status'])}, step {_v(t['step'])}{extra}"
         )
+        ev = t.get("eval")
+        if ev:
+            lines.append(f"  eval: accuracy {ev['accuracy']:.3f} on v{ev['version']} ({_v(ev['problems'])} held-out problems; {ev['evaluations']} evaluation(s) recorded)")
 
     relays = status.get("relays", [])
     lines.append(f"Relays ({len(relays)}):")

@@ -4,8 +4,9 @@ Every ``eval_every`` versions (and version 0) the Trainer generates one
 greedy completion per held-out problem on exactly the bf16 weights it
 published at that version, with the torch engine on its own device, and
 scores them with the task's reward (bounded like every reward). The
-accuracy goes to Redis (``evals``: version -> JSON, read by ``aurora
-status``, the demo and ``bench e2e --parity``) and to the run root as
+accuracy goes to Redis (``evals``: version -> JSON,
+:mod:`aurora_store.coordination.evals`, read by ``aurora status``, the demo
+and ``bench e2e --parity``) and to the run root as
 ``eval/v<version>.json`` (create-only), so a run's learning curve outlives
 its Redis.
 """
@@ -22,19 +23,13 @@ from typing import Any
 import torch
 
 from aurora_store.coordination.keys import RunKeys
-from aurora_store.coordination.versioned import record_versioned
+from aurora_store.coordination.evals import EVAL_PREFIX, eval_key, read_evals, read_store_evals, record_eval
 from aurora_store.errors import VersionConflict
 from aurora_store.storage import Store
 from workers.engine.torch_engine import EngineConfig, TorchEngine
 from workers.task import RewardRunner, Task
 
-__all__ = ["EVAL_PREFIX", "EvalResult", "Evaluator", "eval_key", "read_evals"]
-
-EVAL_PREFIX = "eval/"
-
-
-def eval_key(version: int) -> str:
-    return f"{EVAL_PREFIX}v{int(version):08d}.json"
+__all__ = ["EVAL_PREFIX", "EvalResult", "Evaluator", "eval_key", "read_evals", "read_store_evals"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +47,7 @@ class EvalResult:
         return json.dumps(asdict(self), sort_keys=True)
 
     def record(self, redis: Any, keys: RunKeys) -> None:
-        record_versioned(redis, keys, keys.evals, str(self.version), self.to_json(), self.version)
+        record_eval(redis, keys, self.version, asdict(self))
 
     def save(self, store: Store) -> None:
         """``eval/v<version>.json``, create-only; one already there (a resumed Trainer measuring again) is kept."""
@@ -92,18 +87,3 @@ class Evaluator:
         scores = self.rewards.score([(group[0].text, p) for p, group in zip(self.problems, g.completions, strict=True)])
         acc = sum(scores) / len(scores)
         return EvalResult(version, acc, len(scores), time.perf_counter() - t0, int(time.time() * 1000))
-
-
-def read_evals(redis: Any, keys: RunKeys) -> dict[int, dict[str, Any]]:
-    """version -> the evaluation recorded for it (entries that do not parse are skipped: Redis is not trusted)."""
-    out: dict[int, dict[str, Any]] = {}
-    for k, v in (redis.hgetall(keys.evals) or {}).items():
-        try:
-            rec = json.loads(v)
-            ver = int(k)
-            acc = float(rec["accuracy"])
-        except (ValueError, TypeError, KeyError):
-            continue
-        if 0.0 <= acc <= 1.0:
-            out[ver] = {**rec, "accuracy": acc}
-    return dict(sorted(out.items()))
