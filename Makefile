@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # What ruff, mypy and the import contracts check; tests/ is linted but not type-checked.
 PACKAGES := aurora_store workers aurora_tools
 
-.PHONY: venv demo test test-fast lint lint-imports typecheck bench-codec clean
+.PHONY: venv demo test test-fast lint lint-imports typecheck bench-codec gpu-wheels gpu-check clean
 
 venv: $(STAMP)
 
@@ -55,6 +55,28 @@ typecheck: $(STAMP)
 
 bench-codec: $(STAMP)
 	$(VENV)/bin/aurora bench codec
+
+# The GPU check (docs/BENCHMARKS.md, "GPU check"). `make gpu-wheels` runs here, with network:
+# the wheels of aurora_tools/gpucheck/requirements.txt (the whole import closure, no torch) for
+# the GPU machine's Python, into $(GPU_WHEELS). `make gpu-check` runs there, without this venv or
+# network: it installs the wheels that machine lacks into $(GPU_SITE) and runs the check with its
+# own python3 and CUDA torch; one JSON object on stdout. GPUCHECK_ARGS="--device cpu --small"
+# runs it on a CPU.
+GPU_PYTHON   ?= python3
+GPU_PYVER    ?= 3.12
+GPU_WHEELS   ?= build/gpu-wheels
+GPU_SITE     ?= /tmp/aurora-gpu-site
+GPUCHECK_ARGS ?=
+GPU_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux_2_5 manylinux1,--platform $(p)_x86_64)
+
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYVER) \
+		$(GPU_PLATFORMS) -d $(GPU_WHEELS) -r aurora_tools/gpucheck/requirements.txt
+	@du -sh $(GPU_WHEELS)
+
+gpu-check:
+	$(GPU_PYTHON) aurora_tools/gpucheck/install.py --wheels $(GPU_WHEELS) --target $(GPU_SITE)
+	PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m aurora_tools.gpucheck $(GPUCHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache \
