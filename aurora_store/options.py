@@ -24,6 +24,8 @@ from aurora_store.errors import ConfigError
 from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV
 
 __all__ = [
+    "Options",
+    "add_config_arg",
     "add_store_args",
     "add_storage_option",
     "add_redis_args",
@@ -42,6 +44,10 @@ SIGN_KEY_ENV = "AURORA_SIGN_KEY"
 """File of the key writers sign manifests with (``--sign-key``)."""
 TRUST_KEYS_ENV = "AURORA_TRUST_KEYS"
 """Comma-separated files of the keys readers accept signatures from (``--trust-key``)."""
+
+Options = argparse._ActionsContainer
+"""What the ``add_*`` functions declare options on: a parser, or one of its argument groups
+(``--help`` lists a worker's options by concern)."""
 
 STORE_HELP = "run root: s3://bucket/prefix/run, file:///path, or a path"
 STORAGE_OPTION_HELP = "fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000"
@@ -69,7 +75,7 @@ def storage_options(pairs: Sequence[str] | None, flag: str = "--storage-option")
 
 
 def add_store_args(
-    p: argparse.ArgumentParser,
+    p: Options,
     required: bool = True,
     *,
     store_help: str = STORE_HELP,
@@ -80,14 +86,14 @@ def add_store_args(
     add_storage_option(p, option_help)
 
 
-def add_storage_option(p: argparse.ArgumentParser, help: str | None = STORAGE_OPTION_HELP) -> None:
+def add_storage_option(p: Options, help: str | None = STORAGE_OPTION_HELP) -> None:
     """Repeatable ``--storage-option KEY=VALUE`` alone, for commands that take the
     run root as a positional URL (``aurora lineage URL``)."""
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help=help)
 
 
 def add_redis_args(
-    p: argparse.ArgumentParser,
+    p: Options,
     run_default: str | None = None,
     *,
     redis_help: str = REDIS_HELP,
@@ -133,7 +139,7 @@ class _RedisUrlAction(argparse.Action):
 
 
 def add_common_args(
-    p: argparse.ArgumentParser,
+    p: Options,
     run_default: str | None = None,
     *,
     store_help: str = STORE_HELP,
@@ -148,7 +154,7 @@ def add_common_args(
 DEBUG_LOGGERS_ENV = "AURORA_DEBUG_LOGGERS"
 
 
-def add_debug_logger_arg(p: argparse.ArgumentParser) -> None:
+def add_debug_logger_arg(p: Options) -> None:
     """Repeatable ``--debug-logger NAME``: a vendor logger (``botocore``, ``s3fs``…) to turn to DEBUG.
 
     ``-v`` turns Aurora's own loggers to DEBUG, never the vendors': botocore's
@@ -161,7 +167,7 @@ def add_debug_logger_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_outage_budget_arg(p: argparse.ArgumentParser, what: str = "Redis or the store") -> None:
+def add_outage_budget_arg(p: Options, what: str = "Redis or the store") -> None:
     """``--outage-budget-s S``, the same for every worker (:mod:`aurora_store.outage`)."""
     p.add_argument(
         "--outage-budget-s", type=float, default=None, metavar="S",
@@ -170,7 +176,7 @@ def add_outage_budget_arg(p: argparse.ArgumentParser, what: str = "Redis or the 
     )
 
 
-def add_sign_key_args(p: argparse.ArgumentParser) -> None:
+def add_sign_key_args(p: Options) -> None:
     """``--sign-key FILE`` and ``--key-id NAME``: sign every manifest written (FORMAT.md §4.1).
 
     FILE is an Ed25519 private key (``aurora keygen``) or an hmac-sha256
@@ -187,13 +193,27 @@ def add_sign_key_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_trust_key_arg(p: argparse.ArgumentParser) -> None:
+def add_trust_key_arg(p: Options) -> None:
     """Repeatable ``--trust-key [KEY_ID=]FILE``: accept only versions signed by these keys."""
     p.add_argument(
         "--trust-key", action="append", default=None, metavar="[KEY_ID=]FILE",
         help=f"accept only versions signed by this key (repeatable, for a key rotation): an Ed25519 "
         f"public key PEM, or an hmac-sha256 secret file (KEY_ID= names it) "
         f"(default: ${TRUST_KEYS_ENV}, comma-separated; none: signatures are not checked)",
+    )
+
+
+def add_config_arg(p: Options) -> None:
+    """``--config FILE.toml``: the worker's options from a TOML file, flags winning over it.
+
+    Declared here so each worker lists it with its own options; the file is read by
+    the ``aurora`` entry point (``aurora_tools.cli.config_file``) before the flags.
+    """
+    p.add_argument(
+        "--config", default=None, metavar="FILE.toml",
+        help="read options from this TOML file: keys are long option names (kl-coef = 0.01); "
+        "[trainer], [actor] and [relay] tables hold one worker's keys; flags override the file, "
+        "the file overrides environment variables (docs/WORKERS.md, \"Configuration files\")",
     )
 
 

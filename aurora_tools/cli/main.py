@@ -26,7 +26,7 @@ from aurora_store.options import (
     add_store_args,
     add_trust_key_arg,
 )
-from aurora_tools.cli import bench_cmds, codec_cmds, run_cmds, store_cmds
+from aurora_tools.cli import bench_cmds, codec_cmds, config_file, run_cmds, store_cmds
 
 __all__ = ["build_parser", "main"]
 
@@ -185,7 +185,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(args_list).parse_args(args_list)
+    # ``aurora trainer|actor|relay --config FILE.toml``: the file's values are the defaults flags override.
+    fills = {"trainer": run_cmds.add_trainer_arguments, "actor": run_cmds.add_actor_arguments, "relay": run_cmds.add_relay_arguments}
+    args = config_file.parse_worker_args(build_parser(args_list), args_list, fills)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

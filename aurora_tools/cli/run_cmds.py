@@ -12,6 +12,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from aurora_store.errors import ConfigError, CoordinationError
 from aurora_store.options import storage_options
@@ -40,8 +42,35 @@ def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
     add_synthetic(p)
 
 
+def _announce(
+    worker: str, args: argparse.Namespace, fill: Callable[[argparse.ArgumentParser], None], options: dict[str, Any],
+    resolve: Callable[[argparse.Namespace], Any] | None = None,
+) -> None:
+    """Print the effective options and record them in the run root (:mod:`.config_file`).
+
+    ``resolve``: the worker's ``config_from_args``, for the record's ``resolved`` part; a
+    value it refuses is left for the worker itself to report.
+    """
+    from aurora_tools.cli.config_file import announce
+
+    parser = argparse.ArgumentParser(add_help=False)
+    fill(parser)  # the names of the worker's options; the values are the parsed ones
+    config = None
+    if resolve is not None:
+        try:
+            config = resolve(args)
+        except (ConfigError, OSError, ValueError):
+            config = None
+    announce(worker, parser, args, options, background=True, config=config)
+
+
 def cmd_trainer(args: argparse.Namespace) -> int:
     options = storage_options(args.storage_option)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+        from workers.trainer import config_from_args
+
+        grpo = args.workload != "synthetic"
+        _announce("trainer", args, add_trainer_arguments, options, config_from_args if grpo else None)
     if args.workload == "synthetic":
         from aurora_tools.synthetic.trainer import trainer_main
 
@@ -61,6 +90,12 @@ def add_actor_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_actor(args: argparse.Namespace) -> int:
     options = storage_options(args.storage_option)
+    from workers.actor.cli import config_from_args
+    from workers.actor.config import ActorConfig
+
+    if not args.actor_id and not os.environ.get("AURORA_ACTOR_ID"):
+        args.actor_id = ActorConfig().actor_id  # a random one, chosen now so the record names this Actor
+    _announce("actor", args, add_actor_arguments, options, config_from_args if args.workload != "synthetic" else None)
     if args.workload == "synthetic":
         from aurora_tools.synthetic.actor import actor_main
 
@@ -79,6 +114,9 @@ def add_relay_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_relay(args: argparse.Namespace) -> int:
     from workers.relay import run_from_args
+    from workers.relay.cli import config_from_args
+
+    _announce("relay", args, add_relay_arguments, storage_options(args.storage_option), config_from_args)
 
     return run_from_args(args)
 

@@ -11,8 +11,11 @@ from typing import Any
 from aurora_store.errors import ConfigError
 from aurora_store.format.signing import trust_from_option
 from aurora_store.options import (
-    add_common_args,
+    add_config_arg,
+    add_debug_logger_arg,
     add_outage_budget_arg,
+    add_redis_args,
+    add_store_args,
     add_trust_key_arg,
     trust_key_paths,
 )
@@ -29,55 +32,69 @@ MIRROR_OPTIONS_ENV = "AURORA_ACTOR_MIRROR_OPTIONS"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments of ``aurora actor`` (the GRPO Actor)."""
+    """Arguments of ``aurora actor`` (the GRPO Actor), grouped by concern for ``--help``."""
     d = ActorConfig.__dataclass_fields__
-    add_common_args(p, store_help="run root at origin")
-    p.add_argument("--region", default=d["region"].default, help="region name; the Actor uses its Relay's mirror (--mirror) while it is alive")
-    p.add_argument(
+    where = p.add_argument_group("where the run lives")
+    add_store_args(where, store_help="run root at origin")
+    add_redis_args(where)
+    region = p.add_argument_group("region and mirror")
+    region.add_argument("--region", default=d["region"].default, help="region name; the Actor uses its Relay's mirror (--mirror) while it is alive")
+    region.add_argument(
         "--mirror", default=None, metavar="URL",
         help="run root of the region's mirror, the only one this Actor reads (default $AURORA_ACTOR_MIRROR; none: origin only)",
     )
-    p.add_argument(
+    region.add_argument(
         "--mirror-option", action="append", metavar="KEY=VALUE",
         help=f"fsspec option of the mirror store (repeatable; or ${MIRROR_OPTIONS_ENV}, a JSON object)",
     )
-    add_trust_key_arg(p)
-    p.add_argument("--id", dest="actor_id", default=None, help="Actor id (default: random)")
-    p.add_argument("--engine", default=d["engine"].default, choices=("torch", "vllm"), help="vllm: pip install 'aurora-store[vllm]' (docs/WORKERS.md)")
-    p.add_argument("--claim", type=int, default=d["claim"].default, help="prompts per generation batch")
-    p.add_argument(
+    region.add_argument(
         "--mirror-grace-s", type=float, default=d["mirror_grace_s"].default, metavar="S",
         help="with the region's Relay alive, wait this long for its mirror to have a version before reading origin (default %(default)s)",
     )
-    p.add_argument(
+    region.add_argument(
         "--relay-wait-s", type=float, default=d["relay_wait_s"].default, metavar="S",
         help="at start, wait up to S seconds for the region's Relay before staging from origin (default %(default)s: do not wait)",
     )
-    p.add_argument(
+    gen = p.add_argument_group("engine and generation")
+    gen.add_argument("--id", dest="actor_id", default=None, help="Actor id (default: random)")
+    gen.add_argument("--engine", default=d["engine"].default, choices=("torch", "vllm"), help="vllm: pip install 'aurora-store[vllm]' (docs/WORKERS.md)")
+    gen.add_argument("--device", default=None, metavar="DEV", help="torch engine only: cpu, cuda or cuda:N (default $AURORA_ENGINE_DEVICE, else cpu)")
+    gen.add_argument("--claim", type=int, default=d["claim"].default, help="prompts per generation batch")
+    gen.add_argument("--slowdown", type=float, default=d["slowdown"].default, help="run N times slower (experiments)")
+    gen.add_argument("--seed", type=int, default=d["seed"].default)
+    gen.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")
+    fetch = p.add_argument_group("fetching and recovery")
+    add_trust_key_arg(fetch)
+    fetch.add_argument(
         "--streams", type=int, default=None, metavar="S",
         help=f"parallel connections per fetched version (default: $AURORA_STREAMS, else {d['streams'].default})",
     )
-    add_outage_budget_arg(p, "Redis or the store")
-    p.add_argument(
+    fetch.add_argument(
         "--max-staged-mib", type=float, default=None, metavar="MIB",
         help=f"most staged data held beside the active weights (default $AURORA_ACTOR_MAX_STAGED_MIB, else {ActorConfig().max_staged_bytes >> 20})",
     )
-    p.add_argument("--slowdown", type=float, default=d["slowdown"].default, help="run N times slower (experiments)")
-    p.add_argument("--seed", type=int, default=d["seed"].default)
-    p.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")
+    add_outage_budget_arg(fetch, "Redis or the store")
+    conf = p.add_argument_group("config and logging")
+    add_config_arg(conf)
+    add_debug_logger_arg(conf)
 
 
 def config_from_args(args: argparse.Namespace, engine: str | None = None) -> ActorConfig:
-    """The flags over ``AURORA_ACTOR_*`` (and ``AURORA_STREAMS``) over the defaults;
-    ``engine`` overrides ``--engine`` (the synthetic workload's own engine)."""
+    """The flags (and ``--config`` file) over ``AURORA_ACTOR_*`` (and ``AURORA_STREAMS``) over the
+    defaults; ``engine`` overrides ``--engine`` (the synthetic workload's own engine)."""
     staged_mib = getattr(args, "max_staged_mib", None)
+    device = getattr(args, "device", None) or None
+    chosen = engine or args.engine
+    if device is not None and chosen != "torch":
+        raise ConfigError(f"--device {device}: only the torch engine takes it (--engine {chosen} places itself)")
     return ActorConfig.from_env(
-        actor_id=args.actor_id or None, region=args.region, engine=engine or args.engine, claim=args.claim,
+        actor_id=args.actor_id or None, region=args.region, engine=chosen, claim=args.claim,
         mirror=getattr(args, "mirror", None) or None, mirror_options=mirror_options(getattr(args, "mirror_option", None)) or None,
         slowdown=args.slowdown, seed=args.seed, mirror_grace_s=args.mirror_grace_s, relay_wait_s=args.relay_wait_s,
         streams=args.streams, outage_budget_s=outage_budget_s(getattr(args, "outage_budget_s", None)),
         max_staged_bytes=None if staged_mib is None else max(1, int(staged_mib * (1 << 20))),
         trust=trust_from_option(trust_key_paths(getattr(args, "trust_key", None))),
+        device=device,
     )
 
 

@@ -50,6 +50,9 @@ class ActorConfig:
     the mirror, is refused before any of its segments is read, and quarantined. None: no check."""
     engine: str = "torch"
     """Inference engine (``torch``, ``vllm``; see :func:`workers.engine.make_engine`)."""
+    device: str | None = field(default=None, metadata={"env": False})
+    """Device of the torch engine (``--device``: ``cpu``, ``cuda``, ``cuda:N``); None: the
+    engine's own setting (env ``AURORA_ENGINE_DEVICE``, else cpu)."""
     claim: int = 8
     """Prompts leased per claim (one generation batch)."""
     max_new_tokens: int = 14

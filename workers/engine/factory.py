@@ -13,15 +13,18 @@ ENGINES = ("torch", "vllm")
 """The names :func:`make_engine` knows."""
 
 
-def make_engine(name: str, tokenizer: TokenCodec) -> Any:
+def make_engine(name: str, tokenizer: TokenCodec, device: str | None = None) -> Any:
     """An unloaded engine by name: ``torch`` (:class:`~workers.engine.torch_engine.TorchEngine`,
-    configured from ``AURORA_ENGINE_*``) or ``vllm`` (:class:`~workers.engine.vllm_engine.VLLMEngine`,
-    configured from ``AURORA_VLLM_*``)."""
+    configured from ``AURORA_ENGINE_*``, ``device`` over ``AURORA_ENGINE_DEVICE``) or ``vllm``
+    (:class:`~workers.engine.vllm_engine.VLLMEngine`, configured from ``AURORA_VLLM_*``; it
+    places itself, so ``device`` must be None)."""
     if name == "torch":
         from workers.engine.torch_engine import EngineConfig, TorchEngine
 
-        return TorchEngine(tokenizer, EngineConfig())
+        return TorchEngine(tokenizer, EngineConfig.from_env(device=device))
     if name == "vllm":
+        if device is not None:
+            raise ConfigError(f"device {device!r}: only the torch engine takes one (vLLM places itself)")
         from workers.engine.vllm_engine import VLLMConfig, VLLMEngine, import_vllm
 
         import_vllm()  # fail now, with the install command, not later in a worker

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from aurora_store.errors import AuroraError
 from aurora_store.format.signing import trust_from_option
 from aurora_store.options import (
+    add_config_arg,
     add_debug_logger_arg,
     add_outage_budget_arg,
     add_redis_args,
@@ -29,31 +30,37 @@ log = logging.getLogger("aurora.relay")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments of ``aurora relay``."""
+    """Arguments of ``aurora relay``, grouped by concern for ``--help``."""
     d = RelayConfig.__dataclass_fields__
-    add_store_args(p, store_help="run root at origin", option_help="fsspec option of the origin store (repeatable)")
-    p.add_argument("--mirror", required=True, metavar="URL", help="run root of the region's mirror")
-    p.add_argument("--mirror-option", action="append", metavar="KEY=VALUE", help="fsspec option of the mirror store (repeatable)")
-    add_redis_args(p, run_help="run name (Redis namespace)")
-    p.add_argument("--region", required=True, help="region this Relay serves")
-    p.add_argument("--heartbeat-s", type=float, default=d["heartbeat_s"].default, help="heartbeat period (default %(default)s)")
-    p.add_argument("--ttl-s", type=float, default=d["ttl_s"].default, help="heartbeat key TTL (default %(default)s)")
-    p.add_argument("--block-ms", type=int, default=d["block_ms"].default, help="longest blocking stream read (default %(default)s)")
-    p.add_argument(
+    where = p.add_argument_group("where the run lives")
+    add_store_args(where, store_help="run root at origin", option_help="fsspec option of the origin store (repeatable)")
+    add_redis_args(where, run_help="run name (Redis namespace)")
+    region = p.add_argument_group("region and mirror")
+    region.add_argument("--region", required=True, help="region this Relay serves")
+    region.add_argument("--mirror", required=True, metavar="URL", help="run root of the region's mirror")
+    region.add_argument("--mirror-option", action="append", metavar="KEY=VALUE", help="fsspec option of the mirror store (repeatable)")
+    add_trust_key_arg(region)
+    timing = p.add_argument_group("copying and heartbeats")
+    timing.add_argument("--heartbeat-s", type=float, default=d["heartbeat_s"].default, help="heartbeat period (default %(default)s)")
+    timing.add_argument("--ttl-s", type=float, default=d["ttl_s"].default, help="heartbeat key TTL (default %(default)s)")
+    timing.add_argument("--block-ms", type=int, default=d["block_ms"].default, help="longest blocking stream read (default %(default)s)")
+    timing.add_argument(
         "--streams", type=int, default=None,
         help=f"concurrent copies (default: AURORA_STREAMS or {d['streams'].default})",
     )
-    p.add_argument("--resync-s", type=float, default=d["resync_s"].default, help="list origin this often even without a gap; 0: never (default %(default)s)")
-    add_outage_budget_arg(p, "Redis, origin or the mirror")
-    p.add_argument(
+    timing.add_argument("--resync-s", type=float, default=d["resync_s"].default, help="list origin this often even without a gap; 0: never (default %(default)s)")
+    rec = p.add_argument_group("recovery and retention")
+    add_outage_budget_arg(rec, "Redis, origin or the mirror")
+    rec.add_argument(
         "--keep-snapshots", type=int, default=d["keep_snapshots"].default, metavar="K",
         help="mirror retention: keep the newest K snapshots and everything after the oldest, plus what the region's live Actors hold; 0: keep everything (default %(default)s)",
     )
-    p.add_argument("--gc-every-s", type=float, default=d["gc_every_s"].default, metavar="S", help="clean the mirror this often; 0: never (default %(default)s)")
-    p.add_argument("--grace-s", type=float, default=d["grace_s"].default, metavar="S", help="spare mirror orphans and temporary files younger than this (default %(default)s)")
-    p.add_argument("-v", "--verbose", action="store_true", help="Aurora's own loggers at DEBUG (vendors' stay at INFO: see --debug-logger)")
-    add_debug_logger_arg(p)
-    add_trust_key_arg(p)
+    rec.add_argument("--gc-every-s", type=float, default=d["gc_every_s"].default, metavar="S", help="clean the mirror this often; 0: never (default %(default)s)")
+    rec.add_argument("--grace-s", type=float, default=d["grace_s"].default, metavar="S", help="spare mirror orphans and temporary files younger than this (default %(default)s)")
+    conf = p.add_argument_group("config and logging")
+    add_config_arg(conf)
+    conf.add_argument("-v", "--verbose", action="store_true", help="Aurora's own loggers at DEBUG (vendors' stay at INFO: see --debug-logger)")
+    add_debug_logger_arg(conf)
 
 
 def config_from_args(args: argparse.Namespace) -> RelayConfig:
@@ -99,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aurora relay", description="Mirror a run into a region's store.")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.config is not None:
+        parser.error("--config is read by `aurora relay` (aurora_tools), not by this entry point")
     try:
         return run_from_args(args)
     except AuroraError as e:
