@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,10 @@ class DemoConfig:
     """The eu Actors' wait for the Relay's mirror before reading origin (None: the Actor's default)."""
     redis_password_file: str | None = None
     """The password of ``redis`` (a URL without one), handed to the children by name, never by value."""
+    engines: tuple[str, ...] = ()
+    """Per-Actor engines, in start order (eu Actors, then us); Actors past its end use ``engine``."""
+    trainer_extra: Mapping[str, Any] = field(default_factory=dict)
+    """More :class:`~workers.trainer.TrainerConfig` fields (``max_lag``, ``eval_size``, ``lr`` ...)."""
 
     __repr__ = redacted_repr
 
@@ -210,8 +215,10 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
                 say(f"  ++ us-late joins after step {lg.step}: bootstraps from the newest snapshot + deltas, then gets work")
 
         tcfg = TrainerConfig(steps=cfg.steps, batch=cfg.batch, group=cfg.group, snapshot_every=cfg.snapshot_every, seed=cfg.seed, weight_transfer=cfg.weight_transfer)
-        if cfg.engine == "vllm":
+        if cfg.engine == "vllm" or "vllm" in cfg.engines:
             tcfg = dataclasses.replace(tcfg, head_dim=32)  # vLLM's CPU attention needs heads of 32 or more
+        if cfg.trainer_extra:
+            tcfg = dataclasses.replace(tcfg, **dict(cfg.trainer_extra))
         trainer = Trainer(Endpoints(origin_url, redis_url, cfg.run, storage_options), tcfg, on_step=on_step)
         failure: list[BaseException] = []
 
@@ -231,10 +238,11 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
         if cfg.relay and mirror_url is not None and cfg.actors_relay:
             procs.start("relay-eu", ["relay", "--store", origin_url, "--mirror", mirror_url, *common, "--region", "eu"])
         grace = ["--mirror-grace-s", str(cfg.mirror_grace_s)] if cfg.mirror_grace_s is not None else []
-        for name, region in actors:
+        for i, (name, region) in enumerate(actors):
             # The eu Actors are told their mirror; the Relay's key only says that it is alive.
             mirror = ["--mirror", mirror_url] if region == "eu" and mirror_url is not None else []
-            procs.start(name, ["actor", "--store", origin_url, *common, "--region", region, "--id", name, "--engine", cfg.engine, *grace, *mirror])
+            engine = cfg.engines[i] if i < len(cfg.engines) else cfg.engine
+            procs.start(name, ["actor", "--store", origin_url, *common, "--region", region, "--id", name, "--engine", engine, *grace, *mirror])
         if 0 < join_at < cfg.steps:
             # Started now so its imports are done, it joins when the run reaches join_at.
             procs.start("us-late", ["actor", "--store", origin_url, *common, "--region", "us", "--id", "us-late", "--join-at-version", str(join_at), "--engine", cfg.engine])

@@ -54,6 +54,34 @@ class TrainerConfig:
     """Attention head size of the tiny policy model; vLLM's CPU attention needs >= 32 (``aurora demo --engine vllm``)."""
     seed: int = 0
     """Seeds the model, the problems and the sampling of every batch."""
+    model: str | None = None
+    """A local Hugging Face causal-LM directory (config, safetensors weights, tokenizer files,
+    generation config) of a family the fusion map supports (Llama, Qwen2, Qwen3, Mistral):
+    version 0 is that checkpoint, bit for bit. None: the built-in tiny Qwen3 and its character
+    tokenizer (the demo's), warm-started on the arithmetic task."""
+    task: str = "arithmetic"
+    """The task (prompts and rewards): ``arithmetic``, ``gsm8k``, ``math``, or a custom
+    ``package.module:factory`` (:mod:`workers.task`)."""
+    data: str | None = None
+    """Training problems of the task: a JSON-lines or Parquet file, local or an ``s3://`` URL
+    (required by ``gsm8k`` and ``math``; ``arithmetic`` generates its own)."""
+    eval_data: str | None = None
+    """Held-out problems scored by :attr:`eval_every`; None: a held-out slice of :attr:`data`
+    (``eval_size`` problems, never trained on), or generated ones for ``arithmetic``."""
+    eval_every: int = 5
+    """Score the held-out set (greedy, one completion per prompt) every N versions, and version
+    0; the accuracy is recorded with the version it was measured on. 0: never."""
+    eval_size: int = 64
+    """Held-out problems scored at each evaluation (the first ones of the set)."""
+    reward_timeout_s: float = 5.0
+    """Wall-clock bound of one reward call (off the main thread); an answer that takes longer scores 0."""
+    min_actors: int = 0
+    """Before the first batch, wait until this many Actors are alive in the ledger (a fleet whose
+    engines take a minute to start, vLLM's, gets the run from its first step); 0: start at once."""
+    device: str = "cpu"
+    """Where the single-process Trainer holds its weights and trains: ``cpu``, ``cuda`` or
+    ``cuda:N`` (env ``AURORA_TRAINER_DEVICE``). Sharded runs (``--nproc``, ``torchrun``) use
+    one device per rank instead."""
     streams: int = streams_field()
     """Concurrent uploads per published version (env ``AURORA_STREAMS``)."""
     segment_bytes: int | None = field(default=None, metadata={"env": SEGMENT_MIB_ENV, "scale": 1 << 20})
@@ -123,6 +151,11 @@ class TrainerConfig:
             raise ConfigError(
                 f"poll_s, progress_s and heartbeat_timeout_s must be > 0 "
                 f"(got {self.poll_s}, {self.progress_s}, {self.heartbeat_timeout_s})"
+            )
+        if self.eval_every < 0 or self.eval_size < 1 or self.reward_timeout_s <= 0 or self.min_actors < 0:
+            raise ConfigError(
+                f"eval_every and min_actors must be >= 0, eval_size >= 1 and reward_timeout_s > 0 "
+                f"(got {self.eval_every}, {self.min_actors}, {self.eval_size}, {self.reward_timeout_s})"
             )
         if self.commit_via not in COMMIT_VIA:
             raise ConfigError(f"commit_via must be one of {', '.join(COMMIT_VIA)}, got {self.commit_via!r}")

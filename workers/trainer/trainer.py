@@ -179,7 +179,7 @@ class Trainer:
         """The built-in model's; ``--model``'s own once :meth:`_build_model` ran."""
         self.model_dir: ModelDir | None = read_model_dir(cfg.model) if cfg.model else None
         self.task: Task = make_task(
-            cfg.task, cfg.data, cfg.eval_data, seed=cfg.seed, difficulty=cfg.difficulty, storage_options=dict(ep.storage_options),
+            cfg.task, cfg.data, cfg.eval_data, seed=cfg.seed, difficulty=cfg.difficulty, storage_options=dict(ep.storage_options), holdout=cfg.eval_size,
         )
         if self.model_dir is None and cfg.task in ("gsm8k", "math"):
             raise ConfigError(f"--task {cfg.task} needs --model DIR: the built-in tiny model's character tokenizer knows only the arithmetic alphabet")
@@ -249,9 +249,27 @@ class Trainer:
         self._after_publish(0, m.state, "snapshot", m.total_bytes)
         log.info("v0 snapshot published (%d bytes) in %.1fs total setup", m.total_bytes, time.perf_counter() - t0)
         self._evaluate(0)
+        self._wait_for_actors()
         for b in range(self.cfg.max_lag + 1):
             self._create_batch(b, 0)
         self._checkpoint(0)
+
+    def _wait_for_actors(self) -> None:
+        """Hold the first batch until ``min_actors`` Actors are alive (their engines may take minutes to start)."""
+        want = self.cfg.min_actors
+        if want <= 0:
+            return
+        t0 = time.perf_counter()
+        said = 0.0
+        while not self.stop.is_set():
+            alive = sum(a.status == "alive" for a in self.ledger.actors())
+            if alive >= want:
+                log.info("%d Actor(s) alive after %.1fs: the first batch goes out", alive, time.perf_counter() - t0)
+                return
+            if time.perf_counter() - said >= self.cfg.progress_s:
+                log.info("waiting for %d Actor(s) before the first batch (%d alive)", want, alive)
+                said = time.perf_counter()
+            self.clock.wait(self.stop, self.cfg.poll_s * 4)
 
     def _build_model(self) -> None:
         """The fp32 master: ``--model``'s checkpoint (its tokenizer with it), or the built-in tiny Qwen3."""
