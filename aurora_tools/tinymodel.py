@@ -57,7 +57,7 @@ class TinySpec:
 
 def _corpus(seed: int) -> Iterator[str]:
     rng = random.Random(f"aurora-tiny-corpus/{seed}")
-    words = "the a of to and is in it for on with as are was how many what each has total cost more less than times sum answer".split()
+    words = ["the", "a", "of", "to", "and", "is", "in", "it", "for", "on", "with", "as", "are", "was", "how", "many", "what", "each", "has", "total", "cost", "more", "less", "than", "times", "sum", "answer"]
     for _ in range(3000):
         a, b = rng.randint(0, 999), rng.randint(0, 99)
         yield f"Q: {a}+{b}=? A: {a}+{b}={a + b}\n#### {a + b}"
@@ -74,7 +74,12 @@ def make_model_dir(out: str | os.PathLike[str], family: str = "qwen3", seed: int
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        GenerationConfig,
+        PreTrainedTokenizerFast,
+    )
 
     spec = spec or TinySpec()
     style = FAMILY_STYLES[family]

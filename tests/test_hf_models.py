@@ -20,7 +20,12 @@ from aurora_store.errors import ConfigError, IntegrityError
 from aurora_store.lineage.publish import PublishConfig, publish_snapshot
 from aurora_store.storage import open_store
 from aurora_tools.tinymodel import make_model_dir
-from workers.common import MODEL_PREFIX, model_files_listed, read_model_description, write_model_description
+from workers.common import (
+    MODEL_PREFIX,
+    model_files_listed,
+    read_model_description,
+    write_model_description,
+)
 from workers.model import fused_weights, fusion_plan_for, hf_weights
 from workers.pretrained import load_pretrained, read_model_dir
 from workers.tokenizer import CharTokenizer, HFTokenizer

@@ -228,10 +228,10 @@ class HFTokenizer:
         if os.path.exists(gen):
             try:
                 with open(gen, encoding="utf-8") as f:
-                    e = json.load(f).get("eos_token_id")
+                    named = json.load(f).get("eos_token_id")
             except (OSError, ValueError, AttributeError) as err:
                 raise TokenizerError(f"{gen}: not a generation config: {err}") from None
-            stop = [e] if isinstance(e, int) else [i for i in (e or []) if isinstance(i, int)]
+            stop = [named] if isinstance(named, int) else [i for i in (named or []) if isinstance(i, int)]
         return cls(tok, stop, model_vocab, where=p)
 
     @property

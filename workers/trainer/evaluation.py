@@ -13,6 +13,7 @@ its Redis.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
@@ -22,8 +23,14 @@ from typing import Any
 
 import torch
 
+from aurora_store.coordination.evals import (
+    EVAL_PREFIX,
+    eval_key,
+    read_evals,
+    read_store_evals,
+    record_eval,
+)
 from aurora_store.coordination.keys import RunKeys
-from aurora_store.coordination.evals import EVAL_PREFIX, eval_key, read_evals, read_store_evals, record_eval
 from aurora_store.errors import VersionConflict
 from aurora_store.storage import Store
 from workers.engine.torch_engine import EngineConfig, TorchEngine
@@ -51,10 +58,8 @@ class EvalResult:
 
     def save(self, store: Store) -> None:
         """``eval/v<version>.json``, create-only; one already there (a resumed Trainer measuring again) is kept."""
-        try:
+        with contextlib.suppress(VersionConflict):
             store.put(eval_key(self.version), self.to_json().encode("utf-8"), mode="create")
-        except VersionConflict:
-            pass
 
 
 class Evaluator:

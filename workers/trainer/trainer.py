@@ -65,7 +65,6 @@ from workers.model import fusion_plan_for, hf_weights, is_tied, logprobs, tiny_q
 from workers.pretrained import ModelDir, load_pretrained, read_model_dir
 from workers.task import Problem, RewardRunner, Task, make_task
 from workers.tokenizer import CharTokenizer, HFTokenizer
-from workers.trainer.evaluation import Evaluator
 from workers.trainer.checkpoint import (
     Checkpoint,
     load_latest_checkpoint,
@@ -76,6 +75,7 @@ from workers.trainer.checkpoint import (
 )
 from workers.trainer.config import TrainerConfig
 from workers.trainer.crash import crash_point
+from workers.trainer.evaluation import Evaluator
 from workers.trainer.fsdp import (
     SINGLE,
     DistContext,
@@ -232,6 +232,7 @@ class Trainer:
         if warm and self.cfg.warm_start_steps > 0:
             # The built-in model starts from random weights: a short supervised phase gives GRPO
             # some rewarded samples. A user's checkpoint is version 0 as it is.
+            assert isinstance(self.tokenizer, CharTokenizer)
             rep = warm_start(self.model, self.tokenizer, warm, steps=self.cfg.warm_start_steps, seed=self.cfg.seed)
             log.info("warm start: %d steps in %.1fs, loss %.3f -> %.3f", rep.steps, rep.seconds, rep.first_loss, rep.last_loss)
         self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if self.cfg.kl_coef > 0 else None
