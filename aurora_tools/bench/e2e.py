@@ -6,6 +6,12 @@ and activated by every Actor) and without it (the ideal baseline: versions
 trained but never shipped, every batch generated on v0). The difference in
 mean step time is what shipping weights costs end to end.
 
+With ``--parity`` it runs the paper's parity check instead: the same model,
+task and seed trained asynchronously (K=1, deltas) and synchronously (K=0:
+each batch generated on the version just published), the held-out accuracy
+recorded by version in each (``parity_accuracy_async``,
+``parity_accuracy_sync``, at ``parity_versions``).
+
 Reported per step: the Trainer's wait for rollouts (generation it could not
 hide), training, extract + publish, and the Actors' stage and activation
 times (off the critical path: they overlap generation).
@@ -141,6 +147,21 @@ def synthetic_run(root: str, shape: Any, versions: int = 3, lr: float = 2e-7, se
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument(
+        "--parity", action="store_true",
+        help="the paper's parity check instead: held-out accuracy by version of an asynchronous delta run (K=1) "
+        "against a synchronous run (K=0, each batch on the version just published), same model, task, seed and steps",
+    )
+    g = p.add_argument_group("model and task (--parity; default: the demo's built-in model and arithmetic)")
+    g.add_argument("--model", metavar="DIR", default=None, help="a local Hugging Face causal-LM directory")
+    g.add_argument("--task", default="arithmetic", help="arithmetic, gsm8k, math or package.module:factory")
+    g.add_argument("--data", metavar="FILE", default=None, help="training problems (JSON lines, Parquet; local or s3://)")
+    g.add_argument("--eval-data", metavar="FILE", default=None, help="held-out problems (default: a held-out slice of --data)")
+    g.add_argument("--eval-every", type=int, default=2, metavar="N", help="evaluate every N versions (default 2)")
+    g.add_argument("--eval-size", type=int, default=64, metavar="N", help="held-out problems per evaluation (default 64)")
+    g.add_argument("--group", type=int, default=8, help="completions per prompt")
+    g.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="longest completion (default: the Trainer's)")
+    g.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the means")
     p.add_argument("--json", action="store_true")
     p.add_argument("--engine", default="torch", choices=("torch", "vllm"), help="the Actors' engine; vllm adds delta vs reload activation times")
@@ -150,11 +171,64 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def parity(args: argparse.Namespace) -> dict[str, Any]:
+    """Accuracy by version of an asynchronous (K=1) and a synchronous (K=0) delta run of the same model, task and seed."""
+    from aurora_store.coordination.evals import read_evals
+    from aurora_store.coordination.redisconn import connect
+    from aurora_store.testing.servers import RedisServer
+    from workers.common import RunKeys
+
+    extra: dict[str, Any] = {"task": args.task, "eval_every": args.eval_every, "eval_size": args.eval_size}
+    for k in ("model", "data", "eval_data", "max_new_tokens"):
+        if getattr(args, k) is not None:
+            extra[k] = getattr(args, k)
+    out: dict[str, Any] = {"parity": True, "steps": args.steps, "task": args.task, "model": args.model or "built-in", "seed": args.seed}
+    curves: dict[str, dict[int, float]] = {}
+    with RedisServer() as rs:
+        for mode, lag in (("async", 1), ("sync", 0)):
+            run = f"parity-{mode}"
+            cfg = DemoConfig(
+                steps=args.steps, batch=args.batch, group=args.group, actors_relay=0, actors_origin=2, relay=False, kill_at=-1, join_at=-1,
+                redis=rs.url, run=run, workdir=tempfile.mkdtemp(prefix=f"aurora-parity-{mode}-"), display=False, seed=args.seed,
+                engine=args.engine, trainer_extra={**extra, "max_lag": lag, "min_actors": 2},
+            )
+            if not args.json:
+                print(f"running {mode} ({'K=1: batch b on version b-1' if lag else 'K=0: batch b on version b'}), {args.steps} steps ...", flush=True)
+            t0 = time.perf_counter()
+            res = run_system_demo(cfg, say=lambda *a, **k: None)
+            curves[mode] = {v: e["accuracy"] for v, e in read_evals(connect(rs.url), RunKeys(run)).items()}
+            out[f"wall_s_{mode}"] = time.perf_counter() - t0
+            out[f"reward_{mode}"] = [lg.reward for lg in res.logs]
+            out[f"gen_version_{mode}"] = [lg.gen_version for lg in res.logs]
+            out[f"bit_identical_{mode}"] = res.bit_identical
+    versions = sorted(set(curves["async"]) & set(curves["sync"]))
+    out["parity_versions"] = versions
+    out["parity_accuracy_async"] = [curves["async"][v] for v in versions]
+    out["parity_accuracy_sync"] = [curves["sync"][v] for v in versions]
+    gaps = [a - b for a, b in zip(out["parity_accuracy_async"], out["parity_accuracy_sync"], strict=True)]
+    out["parity_gap_mean"] = statistics.fmean(gaps) if gaps else None
+    out["parity_gap_last"] = gaps[-1] if gaps else None
+    return out
+
+
+def _print_parity(out: dict[str, Any]) -> None:
+    print(f"\nheld-out accuracy by version ({out['model']}, task {out['task']}, seed {out['seed']})")
+    print(f"{'version':>8} {'async K=1':>10} {'sync K=0':>10} {'gap':>8}")
+    for v, a, b in zip(out["parity_versions"], out["parity_accuracy_async"], out["parity_accuracy_sync"], strict=True):
+        print(f"{v:>8} {a:>10.3f} {b:>10.3f} {a - b:>+8.3f}")
+    if out["parity_gap_mean"] is not None:
+        print(f"mean gap {out['parity_gap_mean']:+.3f}, last {out['parity_gap_last']:+.3f}; wall {out['wall_s_async']:.0f}s async, {out['wall_s_sync']:.0f}s sync")
+
+
 def main(args: argparse.Namespace) -> int:
     from aurora_store.testing.servers import RedisServer
     from workers.common import limit_torch_threads
 
     limit_torch_threads()
+    if getattr(args, "parity", False):
+        res = parity(args)
+        print(json.dumps(res)) if args.json else _print_parity(res)
+        return 0
     if args.engine == "vllm":
         from workers.engine.vllm_engine import import_vllm
 

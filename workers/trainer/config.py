@@ -104,7 +104,9 @@ class TrainerConfig:
     and its state are only announced; Actors of the synthetic workload advance for free)."""
     max_lag: int = 1
     """Lag bound K: batch b is generated on version max(0, b - K). 1 is one-step asynchrony;
-    2 and 4 are the full-broadcast baselines that hide transfer behind K batches."""
+    2 and 4 are the full-broadcast baselines that hide transfer behind K batches; 0 is
+    synchronous (on-policy) training, each batch generated on the version just published:
+    the parity baseline of ``aurora bench e2e --parity``."""
     resume: bool = False
     """Continue the run in the store from its newest checkpoint (a fresh run if it holds
     no version yet): ``aurora trainer --resume``, safe to pass on every start."""
@@ -145,8 +147,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1 or self.group < 2:
             raise ConfigError("steps >= 1, batch >= 1 and group >= 2 are required (GRPO needs a group)")
-        if self.transfer not in TRANSFERS or self.max_lag < 1:
-            raise ConfigError(f"transfer must be delta, full or none and max_lag >= 1 (got {self.transfer!r}, {self.max_lag})")
+        if self.transfer not in TRANSFERS or self.max_lag < 0:
+            raise ConfigError(f"transfer must be delta, full or none and max_lag >= 0 (got {self.transfer!r}, {self.max_lag})")
         if self.poll_s <= 0 or self.progress_s <= 0 or self.heartbeat_timeout_s <= 0:
             raise ConfigError(
                 f"poll_s, progress_s and heartbeat_timeout_s must be > 0 "
