@@ -30,7 +30,7 @@ from workers.model import fused_weights, fusion_plan_for, hf_weights
 from workers.pretrained import load_pretrained, read_model_dir
 from workers.tokenizer import CharTokenizer, HFTokenizer
 
-FAMILIES = ("qwen3", "llama")
+FAMILIES = ("qwen3", "llama", "qwen2", "mistral")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -47,9 +47,10 @@ def test_the_tokenizer_renders_prompts_with_the_chat_template(model_dir: Path) -
     want = ref.apply_chat_template(msg, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert tok.render_prompt(msg[0]["content"]) == list(want)
     assert tok.chat_template is not None
-    # The generation config's stop ids (several for both families), eos first.
+    # The generation config's stop ids (Qwen and Llama name several), eos first.
     gen = json.loads((model_dir / "generation_config.json").read_text())
-    assert list(tok.stop_ids) == gen["eos_token_id"] and len(tok.stop_ids) >= 2
+    assert list(tok.stop_ids) == gen["eos_token_id"]
+    assert len(tok.stop_ids) >= (1 if model_dir.name.startswith("mistral") else 2)
     assert tok.decode(tok.encode("12+7 = 19")) == "12+7 = 19"
 
 
@@ -120,3 +121,19 @@ def test_unsupported_or_incomplete_directories_are_refused_by_name(tmp_path: Pat
     (notok / "tokenizer.json").unlink()
     with pytest.raises(ConfigError, match="no tokenizer files"):
         read_model_dir(notok)
+
+
+def test_aurora_tiny_model_writes_a_loadable_directory_and_data(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "m"
+    r = subprocess.run(
+        [sys.executable, "-m", "aurora_tools.cli", "tiny-model", "--family", "llama", "--out", str(out), "--data-dir", str(tmp_path / "data")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = read_model_dir(out)
+    assert md.family == "llama" and (tmp_path / "data" / "gsm8k.jsonl").exists() and (tmp_path / "data" / "math.jsonl").exists()
+    again = subprocess.run([sys.executable, "-m", "aurora_tools.cli", "tiny-model", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "exists" in again.stderr and "Traceback" not in again.stderr

@@ -154,6 +154,20 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     stp.add_argument("--json", action="store_true", help="one JSON object (one per refresh with --watch)")
     stp.set_defaults(func=run_cmds.cmd_status)
 
+    tm = sub.add_parser(
+        "tiny-model",
+        help="write a tiny Hugging Face model directory (Qwen3, Qwen2, Llama or Mistral, BPE tokenizer, chat template) and GSM8K/MATH-format data to try --model with",
+    )
+    tm.add_argument("--out", required=True, metavar="DIR", help="the model directory to write (must not exist)")
+    tm.add_argument("--family", default="qwen3", choices=("qwen3", "qwen2", "llama", "mistral"))
+    tm.add_argument("--seed", type=int, default=0)
+    tm.add_argument("--data-dir", metavar="DIR", default=None, help="also write gsm8k.jsonl and math.jsonl here (200 rows each)")
+    tm.add_argument(
+        "--supervise-steps", type=int, default=0, metavar="N",
+        help="fine-tune on those rows for N steps first, so sampling earns some reward (needs --data-dir; 120 is enough)",
+    )
+    tm.set_defaults(func=run_cmds.cmd_tiny_model)
+
     dm = sub.add_parser("demo", help="the whole system on one machine: Redis, S3 server, Trainer, Relay, Actors (--codec: codec only)")
     later.fill(("demo",), dm, run_cmds.add_demo_arguments)
     dm.set_defaults(func=run_cmds.cmd_demo)

@@ -186,6 +186,30 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    """``aurora tiny-model``: a model directory (and data) like a user's, made here, for trying ``--model``."""
+    from aurora_tools.tinymodel import make_model_dir, supervise, write_gsm8k_jsonl, write_math_jsonl
+
+    if os.path.exists(args.out):
+        raise SystemExit(f"aurora tiny-model: {args.out} exists; pick a new directory")
+    if args.supervise_steps and not args.data_dir:
+        raise SystemExit("aurora tiny-model: --supervise-steps needs --data-dir (the rows it fine-tunes on)")
+    path = make_model_dir(args.out, args.family, seed=args.seed)
+    print(f"{path}: a tiny {args.family} (random bf16 weights, safetensors) with a BPE tokenizer and a chat template")
+    if args.data_dir:
+        os.makedirs(args.data_dir, exist_ok=True)
+        g = write_gsm8k_jsonl(os.path.join(args.data_dir, "gsm8k.jsonl"), 200, seed=args.seed)
+        m = write_math_jsonl(os.path.join(args.data_dir, "math.jsonl"), 200, seed=args.seed)
+        print(f"{g}, {m}: 200 GSM8K-format and 200 MATH-format rows")
+        if args.supervise_steps:
+            from workers.task import make_task
+
+            pairs = [(p.prompt_text, p.solution) for name, data in (("gsm8k", g), ("math", m)) for p in make_task(name, data).train_problems(0, 150, 0) if p.solution]
+            loss = supervise(path, pairs, steps=args.supervise_steps, seed=args.seed)
+            print(f"fine-tuned {args.supervise_steps} steps on {len(pairs)} worked answers (last loss {loss:.3f})")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from aurora_tools.demo.system import main
 

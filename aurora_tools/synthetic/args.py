@@ -13,7 +13,7 @@ def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("synthetic workload (aurora bench wan)")
     g.add_argument("--workload", choices=("grpo", "synthetic"), default="grpo", help="grpo: the real GRPO run; synthetic: simulated compute on a large model")
     g.add_argument("--transfer", choices=("delta", "full", "none"), default="delta", help="how versions are shipped (default delta)")
-    g.add_argument("--max-lag", type=int, default=1, metavar="K", help="batch b is generated on version b-K (default 1)")
+    g.add_argument("--max-lag", type=int, default=1, metavar="K", help="batch b is generated on version b-K, 0: synchronous training (both workloads; default 1)")
     g.add_argument("--split", choices=("proportional", "uniform"), default="proportional", help="how a batch is split over Actors")
     g.add_argument("--params", type=float, default=1e8, help="synthetic model size (default 1e8)")
     g.add_argument("--density", type=float, default=DEFAULT_DENSITY)

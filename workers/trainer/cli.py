@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     train.add_argument("--lr", type=float, default=d.lr, metavar="LR", help="AdamW learning rate (default %(default)s)")
     train.add_argument("--kl-coef", type=float, default=d.kl_coef, metavar="C", help="weight of the KL to the reference model, 0: none kept (default %(default)s)")
     train.add_argument("--seed", type=int, default=d.seed, metavar="N", help="seeds the model, the problems and every batch's sampling (default %(default)s)")
+    train.add_argument("--min-actors", type=int, default=None, metavar="N",
+                       help="hold the first batch until N Actors are alive (default 0: start at once)")
     train.add_argument("--device", default=None, metavar="DEV", help=f"cpu, cuda or cuda:N, single-process Trainer (default $AURORA_TRAINER_DEVICE, else {d.device})")
 
     pub = p.add_argument_group("publishing")
@@ -114,6 +116,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         eval_data=getattr(args, "eval_data", None), eval_every=getattr(args, "eval_every", None),
         eval_size=getattr(args, "eval_size", None), reward_timeout_s=getattr(args, "reward_timeout_s", None),
         device=getattr(args, "device", None), max_new_tokens=getattr(args, "max_new_tokens", None),
+        min_actors=getattr(args, "min_actors", None), max_lag=getattr(args, "max_lag", None),
     )
 
 
