@@ -393,7 +393,8 @@ class Trainer:
     def _identity(self) -> dict[str, Any]:
         """The knobs a resumed run must share with the one it continues."""
         c = self.cfg
-        return {"seed": c.seed, "batch": c.batch, "group": c.group, "head_dim": c.head_dim, "max_lag": c.max_lag, "difficulty": c.difficulty, "transfer": c.transfer, "task": c.task}
+        return {"seed": c.seed, "batch": c.batch, "group": c.group, "head_dim": c.head_dim, "max_lag": c.max_lag, "difficulty": c.difficulty, "transfer": c.transfer, "task": c.task,
+                "model": self.model_dir.family if self.model_dir is not None else "built-in"}
 
     def resume(self) -> int:
         """Continue the run in the store from its newest checkpoint; returns the step to run next.
@@ -414,8 +415,11 @@ class Trainer:
             raise ConfigError(f"{self.store.url} holds versions but no usable Trainer checkpoint: it cannot be resumed")
         if self.ctx.sharded:
             raise ConfigError("--resume with several processes (--nproc, torchrun) is not supported yet: resume with one process")
-        if ck.meta.get("config") != self._identity():
-            raise ConfigError(f"--resume: the run was made with {ck.meta.get('config')}, this Trainer has {self._identity()}; use the same settings")
+        made = dict(ck.meta.get("config") or {})
+        made.setdefault("task", "arithmetic")  # checkpoints of releases before tasks were pluggable
+        made.setdefault("model", "built-in")
+        if made != self._identity():
+            raise ConfigError(f"--resume: the run was made with {made}, this Trainer has {self._identity()}; use the same settings")
         self._check_redis()
         head = index.latest
         manifest_epoch = max((self._manifest_epoch(v) for v in (head,) if v is not None), default=0)
