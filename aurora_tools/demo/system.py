@@ -70,6 +70,16 @@ class DemoConfig:
     """The password of ``redis`` (a URL without one), handed to the children by name, never by value."""
     engines: tuple[str, ...] = ()
     """Per-Actor engines, in start order (eu Actors, then us); Actors past its end use ``engine``."""
+    model: str | None = None
+    """A local Hugging Face model directory for the Trainer (None: the built-in tiny Qwen3)."""
+    task: str = "arithmetic"
+    """The Trainer's task (:attr:`workers.trainer.TrainerConfig.task`)."""
+    data: str | None = None
+    """Training problems of ``task`` (a JSON-lines or Parquet file)."""
+    eval_data: str | None = None
+    """Held-out problems (None: the Trainer's default held-out set)."""
+    eval_every: int | None = None
+    """Score the held-out set every N versions (None: the Trainer's default; 0: never)."""
     trainer_extra: Mapping[str, Any] = field(default_factory=dict)
     """More :class:`~workers.trainer.TrainerConfig` fields (``max_lag``, ``eval_size``, ``lr`` ...)."""
 
@@ -89,6 +99,23 @@ class DemoResult:
     accepted_wrong_version: int
     activations: dict[tuple[str, int], dict[str, float]] = field(default_factory=dict)
     wall_s: float = 0.0
+    model_family: str = ""
+    """``model_type`` of the policy's config (``qwen3`` for the built-in model)."""
+    tokenizer_vocab_size: int = 0
+    eval_accuracy: dict[int, float] = field(default_factory=dict)
+    """Held-out accuracy by the version it was measured on."""
+
+    @property
+    def density_mean(self) -> float:
+        """Changed elements over all elements, mean over the deltas (0 with nothing shipped)."""
+        d = [density(lg) for lg in self.logs if lg.elements and lg.delta_bytes]
+        return sum(d) / len(d) if d else 0.0
+
+    @property
+    def delta_over_full(self) -> float:
+        """Mean delta bytes over the full bf16 weights' bytes (the v0 snapshot)."""
+        full = self.logs[0].full_bytes if self.logs else 0
+        return sum(lg.delta_bytes for lg in self.logs) / len(self.logs) / full if full else 0.0
 
     def to_json(self) -> dict[str, Any]:
         first = [lg.reward for lg in self.logs[:5]]
@@ -106,16 +133,26 @@ class DemoResult:
             "actors_joined": self.actors_joined,
             "delta_bytes_mean": sum(lg.delta_bytes for lg in self.logs) / max(1, len(self.logs)),
             "full_bytes": self.logs[0].full_bytes if self.logs else 0,
+            "density_mean": self.density_mean,
+            "delta_over_full": self.delta_over_full,
+            "model_family": self.model_family,
+            "tokenizer_vocab_size": self.tokenizer_vocab_size,
+            "eval_accuracy_by_version": dict(sorted(self.eval_accuracy.items())),
             "wall_s": self.wall_s,
             "per_step": [
                 {
                     "step": lg.step, "version": lg.version, "gen_version": lg.gen_version, "reward": lg.reward,
-                    "delta_bytes": lg.delta_bytes, "publish_s": lg.extract_publish_s, "train_s": lg.train_s,
+                    "delta_bytes": lg.delta_bytes, "changed": lg.changed, "density": density(lg), "publish_s": lg.extract_publish_s, "train_s": lg.train_s,
                     "wait_s": lg.wait_s, "step_s": lg.step_s, "tokens_per_s": lg.tokens_per_s, "by_actor": lg.by_actor,
                 }
                 for lg in self.logs
             ],
         }
+
+
+def density(lg: StepLog) -> float:
+    """Changed elements of a step's delta over the elements of the weights (0 when unknown)."""
+    return lg.changed / lg.elements if lg.elements else 0.0
 
 
 class _Procs:
@@ -214,7 +251,12 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
                 events.append(f"step {lg.step}: us-late joined")
                 say(f"  ++ us-late joins after step {lg.step}: bootstraps from the newest snapshot + deltas, then gets work")
 
-        tcfg = TrainerConfig(steps=cfg.steps, batch=cfg.batch, group=cfg.group, snapshot_every=cfg.snapshot_every, seed=cfg.seed, weight_transfer=cfg.weight_transfer)
+        tcfg = TrainerConfig(
+            steps=cfg.steps, batch=cfg.batch, group=cfg.group, snapshot_every=cfg.snapshot_every, seed=cfg.seed, weight_transfer=cfg.weight_transfer,
+            model=cfg.model, task=cfg.task, data=cfg.data, eval_data=cfg.eval_data,
+        )
+        if cfg.eval_every is not None:
+            tcfg = dataclasses.replace(tcfg, eval_every=cfg.eval_every)
         if cfg.engine == "vllm" or "vllm" in cfg.engines:
             tcfg = dataclasses.replace(tcfg, head_dim=32)  # vLLM's CPU attention needs heads of 32 or more
         if cfg.trainer_extra:
@@ -281,6 +323,10 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
             accepted_wrong_version=trainer.accepted_wrong_version,
             activations=acts,
             wall_s=time.perf_counter() - t_start,
+            model_family=str(getattr(trainer.model.config, "model_type", "")),
+            tokenizer_vocab_size=int(trainer.tokenizer.vocab_size),
+            # The Trainer's held-out scores by version (an older Trainer has none).
+            eval_accuracy={int(v): float(a) for v, a in dict(getattr(trainer, "eval_accuracy", {})).items()},
         )
     finally:
         for s in reversed(servers):
@@ -333,14 +379,15 @@ def _copy_run(src: Store, dst: Store) -> None:
 
 def summary_table(res: DemoResult) -> str:
     lines = [
-        f"{'step':>4} {'ver':>4} {'gen':>4} {'reward':>6} {'delta kB':>9} {'% full':>6} {'publish':>8} {'stage':>7} {'activate':>9} {'tok/s':>7}  actors (prompts)",
+        f"{'step':>4} {'ver':>4} {'gen':>4} {'reward':>6} {'delta kB':>9} {'full kB':>8} {'% full':>6} {'density':>8} {'publish':>8} {'stage':>7} {'activate':>9} {'tok/s':>7}  actors (prompts)",
     ]
     for lg in res.logs:
         acts = [a for (who, v), a in res.activations.items() if v == lg.version]
         stage_s = f"{max(a['stage_s'] for a in acts):6.3f}s" if acts else "      -"
         act_s = f"{max(a['activate_s'] for a in acts):8.4f}s" if acts else "        -"
         lines.append(
-            f"{lg.step:>4} {lg.version:>4} {lg.gen_version:>4} {lg.reward:6.3f} {lg.delta_bytes / 1e3:9.1f} {100 * lg.delta_bytes / max(1, lg.full_bytes):6.1f} "
+            f"{lg.step:>4} {lg.version:>4} {lg.gen_version:>4} {lg.reward:6.3f} {lg.delta_bytes / 1e3:9.1f} {lg.full_bytes / 1e3:8.1f} "
+            f"{100 * lg.delta_bytes / max(1, lg.full_bytes):6.1f} {100 * density(lg):7.2f}% "
             f"{lg.extract_publish_s:7.2f}s {stage_s} {act_s} {lg.tokens_per_s:7.0f}  "
             + ", ".join(f"{a}:{n}" for a, n in sorted(lg.by_actor.items()))
         )
@@ -351,6 +398,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DemoConfig()
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the model, the problems and every batch's sampling")
+    p.add_argument("--model", default=None, metavar="DIR", help="a local Hugging Face model directory for the Trainer (default: the built-in tiny Qwen3)")
+    p.add_argument("--task", default=d.task, metavar="NAME", help="arithmetic, gsm8k, math or package.module:factory")
+    p.add_argument("--data", default=None, metavar="FILE", help="training problems of --task (JSON lines or Parquet)")
+    p.add_argument("--eval-data", default=None, metavar="FILE", help="held-out problems (default: the Trainer's held-out set)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N", help="score the held-out set every N versions (0: never)")
     p.add_argument("--store", default=None, metavar="URL", help="use this run root instead of a local S3 server")
     p.add_argument("--redis", default=None, metavar="URL", help="use this Redis instead of a local one (default: $AURORA_REDIS_URL, else a local one)")
     p.add_argument("--redis-password-file", default=None, metavar="FILE", help="first line: the password of --redis (default: $AURORA_REDIS_PASSWORD_FILE)")
@@ -381,7 +434,8 @@ def main(args: argparse.Namespace) -> int:
         redis=args.redis or os.environ.get("AURORA_REDIS_URL") or None,
         redis_password_file=args.redis_password_file or os.environ.get("AURORA_REDIS_PASSWORD_FILE") or None,
         workdir=os.path.abspath(args.dir), display=not args.json, relay=not args.no_relay,
-        kill_at=args.kill_at, join_at=args.join_at, engine=args.engine,
+        kill_at=args.kill_at, join_at=args.join_at, engine=args.engine, seed=args.seed,
+        model=args.model, task=args.task, data=args.data, eval_data=args.eval_data, eval_every=args.eval_every,
     )
     def say(*a: Any, **k: Any) -> None:
         if args.json:
@@ -406,6 +460,9 @@ def main(args: argparse.Namespace) -> int:
     j = res.to_json()
     print()
     print(f"reward {j['reward_first']:.3f} (first 5 steps) -> {j['reward_last']:.3f} (last 5 steps); mean delta {j['delta_bytes_mean'] / 1e3:.1f} kB vs {j['full_bytes'] / 1e3:.1f} kB full")
+    print(f"mean density {100 * res.density_mean:.2f}% of {res.logs[-1].elements if res.logs else 0} elements changed per version; deltas are {100 * res.delta_over_full:.1f}% of the full bf16 weights")
+    if res.eval_accuracy:
+        print("held-out accuracy by version: " + ", ".join(f"v{v} {a:.3f}" for v, a in sorted(res.eval_accuracy.items())))
     print(f"actors killed {res.actors_killed}, joined {res.actors_joined}; prompts lost {res.prompts_lost}, accepted twice {res.accepted_twice}, on a wrong version {res.accepted_wrong_version}")
     if res.bit_identical:
         print(f"every Actor's weights matched the Trainer's bit for bit at every version it activated ({res.activations_compared} activations compared)")

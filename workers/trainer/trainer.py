@@ -129,6 +129,8 @@ class StepLog:
     excluded: list[str]
     by_actor: dict[str, int]
     rejected_payloads: int = 0
+    elements: int = 0
+    """Elements of the published weights (tied ones once): ``changed / elements`` is the delta's density."""
 
 
 class Trainer:
@@ -647,6 +649,7 @@ class Trainer:
             step=b, version=v, gen_version=gen_version, reward=sum(rewards) / max(1, len(rewards)), wait_s=t_wait, train_s=t_train,
             extract_publish_s=t_pub, step_s=step_s, delta_bytes=delta_bytes, full_bytes=self.full_bytes, changed=changed,
             tokens=tokens, tokens_per_s=tokens / max(1e-9, step_s), eligible=eligible, excluded=excluded, by_actor=by_actor, rejected_payloads=bad,
+            elements=sum(spec.numel for spec in self.plan.specs().values()),
         )
         self.logs.append(entry)
         log.info(
