@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aurora_store import __version__
+from aurora_store.version import __version__
 from aurora_store.codec.entries import EncodeOptions
 from aurora_store.codec.extract import ParamDelta, spec_of
 from aurora_store.config import SEGMENT_MIB_ENV, from_env, streams_field

@@ -1,0 +1,329 @@
+"""``Publisher``: Aurora's weight path for any trainer (a plain PyTorch loop, TRL, verl ...).
+
+Each :meth:`Publisher.publish` makes the next version of a run: the first
+on a fresh run root is version 0 (a snapshot); every later one is a sparse
+delta against the version published before it (the changed bf16 elements
+only), and a snapshot too every ``snapshot_every`` versions or on request.
+With Redis, every segment and version is announced and the chain's state
+recorded as the Trainer does (docs/WORKERS.md), so Relays and Actors follow
+a Publisher's run like any other. Opened on a run root that already holds
+versions, it continues the chain: the newest committed version is
+materialized from the store, checked against its state, and the next
+publish is a delta against it.
+
+Every detail has a default: segment sizes, streams, encodings, signing
+(``sign_key``), the commit mode (create-only manifests, or ``commit_via=
+"redis"`` for S3 servers that ignore conditional writes), riding out
+outages of Redis and the store (``outage_budget_s``). A publish that fails
+may be called again with the same weights: it writes the same bytes (or
+finds them committed) and returns what it published.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aurora_store.api.weights import Tensors, full, is_distributed_rank, named_tensors, tied_head
+from aurora_store.apply.sink import weights_digest
+from aurora_store.codec.entries import EncodeOptions
+from aurora_store.codec.extract import extract, fuse_weights, plan_of, unfuse_weights
+from aurora_store.codec.fusion import TIED_HEAD, FusionPlan
+from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus
+from aurora_store.coordination.commit import prepare_commit
+from aurora_store.coordination.keys import RunKeys
+from aurora_store.coordination.redisconn import connect
+from aurora_store.coordination.versioned import record_versioned
+from aurora_store.errors import ConfigError
+from aurora_store.format.manifest import Manifest, new_attempt_id
+from aurora_store.format.signing import Signer, signer_from_option
+from aurora_store.lineage.binding import ModelFile
+from aurora_store.lineage.fetch import materialize, read_manifest
+from aurora_store.lineage.plan import scan_versions
+from aurora_store.lineage.publish import (
+    PublishConfig,
+    SegmentEvent,
+    _utc_now,
+    publish_delta,
+    publish_snapshot,
+)
+from aurora_store.outage import Dependency, outage_budget_s, riding
+from aurora_store.storage import Store, open_store
+
+__all__ = ["Published", "Publisher", "announce_segments", "run_name_of"]
+
+log = logging.getLogger("aurora.publisher")
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """What one :meth:`Publisher.publish` wrote."""
+
+    version: int
+    state: str
+    """The version's ``state`` digest (FORMAT.md §4): names its exact weights."""
+    kind: str
+    """``snapshot`` (version 0, or a full version on request) or ``delta``."""
+    bytes: int
+    """Bytes written to the store (a delta and its snapshot, when both)."""
+    changed: int
+    """Elements that changed (deltas; every element for version 0)."""
+    density: float
+    """``changed`` over all elements."""
+    seconds: float
+    weights_digest: str
+    snapshot: bool = False
+    """A snapshot was written at this version (besides the delta)."""
+
+
+def announce_segments(bus: Bus) -> Callable[[SegmentEvent], None]:
+    """An ``on_segment`` callback announcing each durable segment on the run's stream (a Relay copies it at once)."""
+
+    def announce(ev: SegmentEvent) -> None:
+        bus.announce(SEGMENT, ev.version, index=ev.index, key=ev.key, bytes=ev.bytes, sha256=ev.sha256)
+
+    return announce
+
+
+def run_name_of(store_url: str) -> str:
+    """A run name from a run root URL: its last path component (``s3://b/runs/r1`` -> ``r1``)."""
+    name = store_url.rstrip("/").rsplit("/", 1)[-1]
+    return name.split("://", 1)[-1] or "run"
+
+
+class Publisher:
+    """Publishes successive versions of one run; see the module's docstring.
+
+    Parameters: ``store`` (run root URL), ``redis`` (URL; None: no
+    announcements, readers poll the store), ``run`` (Redis namespace and
+    manifests' ``run``; default: the root's last path component),
+    ``storage_options`` (fsspec, e.g. an endpoint), ``snapshot_every``
+    (a snapshot too every N versions; 0: only version 0), ``sign_key``
+    (FORMAT.md §4.1), ``model_files`` (the description version 0 lists,
+    from ``workers.common.write_model_description``; None: none),
+    ``commit_via`` (``store`` or ``redis``), ``outage_budget_s``.
+
+    Under torch.distributed every rank calls :meth:`publish` with its shard
+    of the model; the gather is collective, only rank 0 opens the store and
+    Redis and writes, the others return None.
+    """
+
+    def __init__(
+        self,
+        store: str | Store,
+        *,
+        redis: str | Any | None = None,
+        run: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        snapshot_every: int = 0,
+        sign_key: str | None = None,
+        signer: Signer | None = None,
+        model_files: list[ModelFile] | None = None,
+        commit_via: str = "store",
+        outage_budget: float | None = None,
+        streams: int | None = None,
+        options: EncodeOptions | None = None,
+        bus: Bus | None = None,
+        commit: Callable[[str, int, bytes], None] | None = None,
+        prepared: bool = False,
+    ) -> None:
+        if snapshot_every < 0:
+            raise ConfigError(f"snapshot_every must be >= 0, got {snapshot_every}")
+        self.stop = threading.Event()
+        self.snapshot_every = snapshot_every
+        self.model_files = model_files
+        self._leader = not is_distributed_rank()[0] or is_distributed_rank()[1] == 0
+        url = store if isinstance(store, str) else store.url
+        self.run = run or run_name_of(url)
+        self.version: int | None = None
+        """The newest version this Publisher published or continued from."""
+        self.state: str | None = None
+        self._base: dict[str, torch.Tensor] | None = None
+        self._plan: FusionPlan | None = None
+        self._plan_tied: bool | None = None
+        self._given: dict[str, torch.Tensor] = {}
+        self._pending: tuple[int, str, str, str] | None = None
+        """(version, attempt, created_at, weights digest) of a publish that failed: a retry writes the same bytes."""
+        over: dict[str, Any] = {k: v for k, v in (("streams", streams), ("options", options)) if v is not None}
+        self._pub_cfg = PublishConfig.from_env(**over)
+        """Defaults, then ``AURORA_STREAMS`` / ``AURORA_SEGMENT_MIB``, then the arguments."""
+        if not self._leader:
+            return
+        budget = outage_budget_s(outage_budget)
+        self.store_dep = Dependency("the store", log, budget)
+        raw_store = store if not isinstance(store, str) else open_store(store, dict(storage_options or {}))
+        self._raw_store = raw_store
+        self.store = riding(raw_store, self.store_dep, self.stop)
+        self.signer = signer if signer is not None else signer_from_option(sign_key)
+        self._raw_redis: Any = None
+        self.bus: Bus | None = bus
+        if redis is not None:
+            self.redis_dep = Dependency("Redis", log, budget)
+            self._raw_redis = connect(redis) if isinstance(redis, str) else redis
+            if self.bus is None:
+                self.bus = riding(Bus(self._raw_redis, self.run), self.redis_dep, self.stop)
+        self.keys = RunKeys(self.run)
+        self._commit = commit
+        if not prepared:
+            self._commit = prepare_commit(raw_store, self._raw_redis, self.run, commit_via)
+
+    # -- context manager ------------------------------------------------------------
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop riding outages and drop the held version (the store and Redis need no closing)."""
+        self.stop.set()
+        self._base = None
+
+    # -- publishing -------------------------------------------------------------------
+    def publish(self, weights: Tensors, *, snapshot: bool = False, step: int | None = None, producer: Mapping[str, Any] | None = None) -> Published | None:
+        """The next version: ``weights`` rounded to bf16, as a delta against the previous one (or version 0).
+
+        ``snapshot``: also write a full snapshot at this version (late joiners
+        start there). ``step`` / ``producer`` go into the manifest's
+        ``producer`` (FORMAT.md §4). Returns None on ranks other than 0.
+        """
+        t0 = time.perf_counter()
+        new = self._gather(weights)
+        if new is None:
+            return None
+        if self._plan is None:
+            self._plan_tied = tied_head(weights, new)
+            self._plan, self._given = plan_of(new, tied=self._plan_tied), new
+            self._continue_chain()
+            self._given = {}
+        plan = self._plan
+        if set(new) != set(self._base or new):
+            raise ConfigError(f"the weights name {sorted(set(new) ^ set(self._base or new))[:3]} unlike the version before: the model of a run is fixed")
+        digest = weights_digest(new, plan)
+        prod = {**({"step": step} if step is not None else {}), **(producer or {})}
+        if self._base is None:
+            return self._publish_v0(new, plan, digest, prod, t0)
+        return self._publish_next(new, plan, digest, prod, snapshot, t0)
+
+    def _gather(self, weights: Tensors) -> dict[str, torch.Tensor] | None:
+        """bf16 copies of every parameter on rank 0 (one gathered at a time); None elsewhere."""
+        out: dict[str, torch.Tensor] = {}
+        seen: dict[Any, torch.Tensor] = {}
+        for name, t in named_tensors(weights):
+            # Tied names share one tensor: gathered once, the same copy under both names.
+            key = id(t) if callable(getattr(t, "full_tensor", None)) else (t.device, t.data_ptr(), tuple(t.shape))
+            if key in seen:
+                if self._leader:
+                    out[name] = seen[key]
+                continue
+            whole = full(t.detach())
+            if self._leader:
+                copy = whole.to(torch.bfloat16)
+                copy = copy.clone() if copy.data_ptr() == whole.data_ptr() else copy
+                seen[key] = out[name] = copy.contiguous()
+            else:
+                seen[key] = torch.empty(0)
+            del whole
+        return out if self._leader else None
+
+    def _continue_chain(self) -> None:
+        """On a run root that holds versions: the newest committed one becomes the base."""
+        index = scan_versions(self.store)
+        head = index.latest
+        if head is None:
+            return
+        assert self._plan is not None
+        fused, state = materialize(self._raw_store, head, self._pub_cfg.streams, commits=self._commit_records())
+        names = {p.name for p in self._plan}
+        if TIED_HEAD in names and TIED_HEAD not in fused and self._plan_tied is False:
+            # The run ties the head to the embedding; these weights name both (a copied state dict).
+            self._plan = plan_of(self._given, tied=True)
+            names = {p.name for p in self._plan}
+        if set(fused) != names:
+            raise ConfigError(f"{self.store.url}: version {head} names {sorted(set(fused) ^ names)[:3]} unlike these weights: the model of a run is fixed (another model's run?)")
+        self._base = {n: t.to(torch.bfloat16) for n, t in unfuse_weights(fused, self._plan).items()}
+        self.version, self.state = head, state
+        log.info("%s: continuing the chain after v%d (state %s…)", self.store.url, head, state[:19])
+
+    def _commit_records(self) -> Any:
+        if self._raw_redis is None:
+            return None
+        from aurora_store.coordination.commit import commit_records_for
+
+        return commit_records_for(self._raw_redis, self.run)
+
+    def _attempt(self, v: int, digest: str) -> tuple[str, str]:
+        """The attempt id and time of version ``v``: a retry of the same weights reuses those of the failed try."""
+        if self._pending is not None and self._pending[0] == v and self._pending[3] == digest:
+            return self._pending[1], self._pending[2]
+        self._pending = (v, new_attempt_id(), _utc_now(), digest)
+        return self._pending[1], self._pending[2]
+
+    def _publish_v0(self, new: dict[str, torch.Tensor], plan: FusionPlan, digest: str, prod: dict[str, Any], t0: float) -> Published:
+        attempt, created = self._attempt(0, digest)
+        m = publish_snapshot(
+            self.store, self.run, 0, fuse_weights(new, plan), None, self._pub_cfg, producer=prod or None, model=self.model_files,
+            signer=self.signer, commit=self._commit, attempt=attempt, created_at=created,
+        )
+        n = sum(p.spec.numel for p in plan)
+        return self._done(0, m, new, "snapshot", m.total_bytes, n, n, digest, t0, snapshot=True)
+
+    def _publish_next(self, new: dict[str, torch.Tensor], plan: FusionPlan, digest: str, prod: dict[str, Any], snapshot: bool, t0: float) -> Published:
+        assert self._base is not None and self.version is not None and self.state is not None
+        v = self.version + 1
+        attempt, created = self._attempt(v, digest)
+        on_segment = announce_segments(self.bus) if self.bus is not None else None
+        m = publish_delta(
+            self.store, self.run, v, extract(plan, self._base, new), self.state, self._pub_cfg, on_segment=on_segment,
+            producer=prod or None, attempt=attempt, created_at=created, signer=self.signer, weights_digest=digest, commit=self._commit,
+        )
+        nbytes = m.total_bytes
+        snap = snapshot or bool(self.snapshot_every and v % self.snapshot_every == 0)
+        if snap:
+            sm = publish_snapshot(
+                self.store, self.run, v, fuse_weights(new, plan), m.state, self._pub_cfg, producer=prod or None, model=self.model_files,
+                signer=self.signer, commit=self._commit, attempt=attempt, created_at=created,
+            )
+            nbytes += sm.total_bytes
+        total = sum(p.spec.numel for p in plan)
+        return self._done(v, m, new, "delta", nbytes, m.nnz, total, digest, t0, snapshot=snap)
+
+    def _done(
+        self, v: int, m: Manifest, new: dict[str, torch.Tensor], kind: str, nbytes: int, changed: int, total: int, digest: str, t0: float,
+        snapshot: bool = False,
+    ) -> Published:
+        self._pending = None
+        self._base, self.version, self.state = new, v, m.state
+        self._announce(v, m.state, kind, nbytes, digest)
+        return Published(v, m.state, kind, nbytes, changed, changed / max(1, total), time.perf_counter() - t0, digest, snapshot)
+
+    def _announce(self, v: int, state: str, kind: str, nbytes: int, digest: str) -> None:
+        """Redis: the digest and state readers check, the head, the version and its commit (docs/WORKERS.md)."""
+        if self._raw_redis is None or self.bus is None:
+            return
+        r, keys = self._raw_redis, self.keys
+
+        def record() -> None:
+            record_versioned(r, keys, keys.trainer_digests, str(v), digest, v)
+            record_versioned(r, keys, keys.trainer_states, str(v), state, v)
+            r.hset(keys.trainer, mapping={"head": v, "head_state": state, "published_ms": int(time.time() * 1000), "status": "running", "commit": v})
+
+        self.redis_dep.call(record, "record the version", self.stop)
+        self.bus.announce(VERSION, v, kind=kind, state=state, bytes=nbytes)
+        self.bus.announce(COMMIT, v)
+
+    # -- introspection ------------------------------------------------------------------
+    @property
+    def plan(self) -> FusionPlan | None:
+        """The fusion plan of the run's weights (known after the first publish)."""
+        return self._plan
+
+    def manifest(self, kind: str, version: int) -> Manifest:
+        """A committed manifest of this run (for inspection)."""
+        return read_manifest(self._raw_store, kind, version)
