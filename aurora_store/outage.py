@@ -34,6 +34,7 @@ from typing import TypeVar
 
 import tenacity
 
+from aurora_store import metrics
 from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.errors import (
     AuroraError,
@@ -129,6 +130,7 @@ class Dependency:
         self._lock = threading.Lock()
         self._since: float | None = None
         self._outages = 0
+        metrics.active().outage(name, False)  # the series exists (0) before any outage
 
     # -- state ------------------------------------------------------------------
     @property
@@ -159,6 +161,7 @@ class Dependency:
                 self.log.warning(
                     "%s unreachable%s: %s; waiting for it (up to %.0fs)", self.name, f" ({what})" if what else "", _describe(e), self.budget_s
                 )
+                metrics.active().outage(self.name, True, started=True)
             away = now - self._since
         if away > self.budget_s:
             raise OutageTooLong(self.name, away, self.budget_s, _describe(e)) from e
@@ -172,6 +175,7 @@ class Dependency:
                 return
             away = self.clock.monotonic() - self._since
             self._since = None
+            metrics.active().outage(self.name, False)  # under the lock: never after a new outage's 1
         self.log.warning("%s reachable again after %.1fs", self.name, away)
 
     # -- calling through it -------------------------------------------------------

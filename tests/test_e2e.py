@@ -10,14 +10,16 @@ working from origin, and SIGTERM leaving with no lease hanging.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from aurora_store.coordination.ledger import Ledger
 from aurora_store.coordination.redisconn import connect
 from aurora_store.testing.servers import RedisServer
-from aurora_tools.demo.system import DemoConfig, run_system_demo
-
-pytestmark = [pytest.mark.slow, pytest.mark.server]
+from aurora_tools.demo.system import DemoConfig, DemoResult, run_system_demo, summary_table
+from workers.tokenizer import CharTokenizer
+from workers.trainer.trainer import StepLog
 
 
 def _log_tail(workdir, name: str, lines: int = 40) -> str:  # type: ignore[no-untyped-def]
@@ -26,6 +28,8 @@ def _log_tail(workdir, name: str, lines: int = 40) -> str:  # type: ignore[no-un
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else f"(no {path})"
 
 
+@pytest.mark.slow
+@pytest.mark.server
 def test_system_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with RedisServer() as rs:
         cfg = DemoConfig(
@@ -70,3 +74,38 @@ def test_system_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert sum(ledger.lease_counts().values()) == 0
         # Deltas are a fraction of the full weights.
         assert all(lg.delta_bytes < lg.full_bytes for lg in res.logs)
+        # The JSON of `aurora demo --json`: the new keys, with the run's own values.
+        j = res.to_json()
+        for key in ("steps", "bit_identical", "reward_first", "reward_last", "prompts_lost", "accepted_twice", "accepted_wrong_version", "actors_killed", "actors_joined"):
+            assert key in j, key
+        assert 0 < j["density_mean"] <= 1 and 0 < j["delta_over_full"] < 1, (j["density_mean"], j["delta_over_full"])
+        assert all(lg.elements == res.logs[0].elements > 0 and 0 <= lg.changed <= lg.elements for lg in res.logs)
+        assert j["density_mean"] == pytest.approx(sum(lg.changed / lg.elements for lg in res.logs) / len(res.logs))
+        assert j["model_family"] == "qwen3" and j["tokenizer_vocab_size"] == CharTokenizer().vocab_size
+        acc = j["eval_accuracy_by_version"]
+        assert 0 in acc and all(0.0 <= a <= 1.0 for a in acc.values()), acc
+        assert json.loads(json.dumps(j))["density_mean"] == j["density_mean"]
+
+
+def _log(step: int, delta_bytes: int, changed: int, elements: int, full_bytes: int = 1000) -> StepLog:
+    return StepLog(
+        step=step, version=step + 1, gen_version=max(0, step - 1), reward=0.5, wait_s=0.0, train_s=0.0, extract_publish_s=0.0, step_s=1.0,
+        delta_bytes=delta_bytes, full_bytes=full_bytes, changed=changed, tokens=0, tokens_per_s=0.0, eligible=[], excluded=[], by_actor={},
+        elements=elements,
+    )
+
+
+def test_demo_json_density_and_delta_over_full() -> None:
+    """``density_mean`` is the mean of changed/elements over the deltas; ``delta_over_full`` the mean delta over the full bytes."""
+    res = DemoResult(
+        logs=[_log(0, 100, 10, 500), _log(1, 300, 30, 500)], bit_identical=True, activations_compared=2, mismatches=[],
+        actors_killed=0, actors_joined=0, prompts_lost=0, accepted_twice=0, accepted_wrong_version=0,
+        model_family="qwen3", tokenizer_vocab_size=30, eval_accuracy={5: 0.5, 0: 0.25},
+    )
+    j = res.to_json()
+    assert j["density_mean"] == pytest.approx(0.04) and j["delta_over_full"] == pytest.approx(0.2)
+    assert [s["density"] for s in j["per_step"]] == [pytest.approx(0.02), pytest.approx(0.06)]
+    assert list(j["eval_accuracy_by_version"]) == [0, 5]
+    assert "density" in summary_table(res) and "6.00%" in summary_table(res)
+    # Nothing shipped (the ideal baseline): no density, not a division by zero.
+    assert DemoResult([_log(0, 0, 0, 0)], False, 0, [], 0, 0, 0, 0, 0).to_json()["density_mean"] == 0.0

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, TypeVar
 
+from aurora_store import metrics
 from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.config import Backoff
 from aurora_store.coordination.bus import COMMIT, SEGMENT, Bus, BusGap
@@ -343,6 +344,7 @@ class Actor:
                 self.quarantine.failed("delta" if full.version > full.snapshot else "snapshot", full.version, e)
                 continue
             self.quarantine.forget_below(full.version)
+            metrics.active().bootstrapped(self.cfg.actor_id, self.cfg.region, full.version, full.nbytes)
             return full.version, full.state
         return None
 
@@ -454,6 +456,7 @@ class Actor:
         pipe.hmget(self.keys.trainer, "head", "commit")
         url, (head, commit) = pipe.execute()
         self.redis_dep.ok()
+        metrics.active().head_seen(self.cfg.actor_id, self.cfg.region, _int_or_none(head))
         return (url.decode() if url else None), _int_or_none(head), _int_or_none(commit)
 
     def _source(self, relay_url: str | None) -> tuple[Store, str | None]:
@@ -599,6 +602,7 @@ class Actor:
             for d in (self._missing_since, self._relay_progress):
                 for old in [k for k in d if k <= v]:
                     del d[old]
+            metrics.active().staged(self.cfg.actor_id, self.cfg.region, v, "delta", m.total_bytes, "mirror" if from_mirror else "origin", time.perf_counter() - t0)
             self._on_staged(v, m.total_bytes, time.perf_counter() - t0, from_mirror)
             v += 1
             store = mirror  # the next version: the region's copy first, again
@@ -675,6 +679,7 @@ class Actor:
             self.staged.extend(kept)
             self.staged_version, self.staged_state = full.version, full.state
         self.quarantine.forget_below(full.version + 1)
+        metrics.active().staged(self.cfg.actor_id, self.cfg.region, full.version, "snapshot", full.nbytes, "origin" if store is self.origin else "mirror", time.perf_counter() - t0)
         self._on_staged(full.version, full.nbytes, time.perf_counter() - t0, store is not self.origin)
         return True
 
@@ -812,6 +817,7 @@ class Actor:
                 act_s = time.perf_counter() - t0
                 me, v, digest = self.cfg.actor_id, self.active, self.engine.digest()
             self.stats.activations.append((v, stage_s, act_s))
+            metrics.active().activated(me, self.cfg.region, v, act_s)
             self._redis(partial(record_digest, self.redis, self.keys, me, v, digest), "record a digest")
             self._redis(partial(record_activation, self.redis, self.keys, me, v, stage_s, act_s), "record an activation")
             self._redis(self._heartbeat, "heartbeat")
@@ -888,6 +894,7 @@ class Actor:
             if sv != self.active or not self._step_state_held(s):
                 continue
             status, leases = ledger.claim(self.cfg.actor_id, s, self.cfg.claim)
+            metrics.active().claimed(self.cfg.actor_id, self.cfg.region, len(leases))
             if status == "not_alive":
                 self._redis(self._heartbeat, "heartbeat")
                 return False
@@ -917,11 +924,13 @@ class Actor:
         # Settling is idempotent per (Actor, lease token): a retry after a lost answer
         # reads ``duplicate`` for what the first attempt already settled.
         for st in self._redis(lambda: self.ledger.settle_many(self.cfg.actor_id, items), "settle"):
+            metrics.active().settled(self.cfg.actor_id, self.cfg.region, st.reason)
             if st.accepted or st.reason == "duplicate":
                 self.stats.settled += 1
             else:
                 self.stats.rejected[st.reason] = self.stats.rejected.get(st.reason, 0) + 1
         self.stats.tokens += gen.new_tokens
+        metrics.active().generated(self.cfg.actor_id, self.cfg.region, len(leases), gen.new_tokens, gen_s)
 
     def run(self) -> ActorStats:
         """Bootstrap, then work until ``stop``; raises what ended it otherwise (an outage past

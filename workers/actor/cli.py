@@ -10,9 +10,11 @@ from typing import Any
 
 from aurora_store.errors import ConfigError
 from aurora_store.format.signing import trust_from_option
+from aurora_store.metrics import serve_from_args
 from aurora_store.options import (
     add_config_arg,
     add_debug_logger_arg,
+    add_metrics_args,
     add_outage_budget_arg,
     add_redis_args,
     add_store_args,
@@ -77,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     conf = p.add_argument_group("config and logging")
     add_config_arg(conf)
     add_debug_logger_arg(conf)
+    add_metrics_args(conf)
 
 
 def config_from_args(args: argparse.Namespace, engine: str | None = None) -> ActorConfig:
@@ -122,6 +125,7 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
     setup_logging(f"actor[{args.actor_id or ''}]", debug_loggers=getattr(args, "debug_logger", None))
     limit_torch_threads()
     cfg = config_from_args(args)
+    serve_from_args(args, "actor")
     return run_until_stopped(Actor(Endpoints(args.store, args.redis, args.run, storage_options), cfg), args.join_at_version)
 
 

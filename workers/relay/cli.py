@@ -10,9 +10,11 @@ from collections.abc import Sequence
 
 from aurora_store.errors import AuroraError
 from aurora_store.format.signing import trust_from_option
+from aurora_store.metrics import serve_from_args
 from aurora_store.options import (
     add_config_arg,
     add_debug_logger_arg,
+    add_metrics_args,
     add_outage_budget_arg,
     add_redis_args,
     add_store_args,
@@ -61,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arg(conf)
     conf.add_argument("-v", "--verbose", action="store_true", help="Aurora's own loggers at DEBUG (vendors' stay at INFO: see --debug-logger)")
     add_debug_logger_arg(conf)
+    add_metrics_args(conf)
 
 
 def config_from_args(args: argparse.Namespace) -> RelayConfig:
@@ -92,6 +95,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     setup_logging(f"relay[{args.region}]", getattr(args, "verbose", False), getattr(args, "debug_logger", None))
     config = config_from_args(args)
+    serve_from_args(args, "relay")
     stop = threading.Event()
     install_stop_handlers(stop)
     stats = run_relay(config, stop)

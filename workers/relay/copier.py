@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from aurora_store import metrics
 from aurora_store.clock import Clock
 from aurora_store.coordination.bus import Event
 from aurora_store.errors import AuroraError, ObjectNotFound, OutageTooLong
@@ -154,6 +155,7 @@ class Copier:
             with self._lock:
                 self._traffic.bytes_fetched += len(data)
                 self._traffic.bytes_copied += len(data)
+            metrics.active().copied(self.region, "model", len(data))
         with self._lock:
             self._have[key] = ""
 
@@ -251,6 +253,7 @@ class Copier:
         with self._lock:
             self._traffic.bytes_copied += len(data)
             self._traffic.segments_copied += 1
+        metrics.active().copied(self.region, vid[0], len(data))
         return COPIED
 
     def shutdown(self) -> None:

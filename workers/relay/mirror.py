@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 
+from aurora_store import metrics
 from aurora_store.clock import Clock
 from aurora_store.coordination.bus import VERSION, Event
 from aurora_store.errors import (
@@ -231,6 +232,8 @@ class VersionMirror:
             self._traffic.versions_mirrored += 1
             self._complete.add(vid)
             fetched = self._traffic.by_version.get(vid, 0)
+        metrics.active().copied(self.region, kind, len(data))
+        metrics.active().mirrored(self.region, kind, version, self.clock.monotonic() - t0)
         log.info(
             "relay %s: %s %d mirrored: %d bytes in %.3f s (%d object(s))",
             self.region, kind, version, fetched, self.clock.monotonic() - t0, len(refs),

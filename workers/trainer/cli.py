@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 from aurora_store.options import (
     add_config_arg,
     add_debug_logger_arg,
+    add_metrics_args,
     add_outage_budget_arg,
     add_redis_args,
     add_sign_key_args,
     add_store_args,
 )
 from workers.common import Endpoints
-from workers.trainer.config import TrainerConfig
+from workers.trainer.config import OPTIMIZERS, TrainerConfig
 
 if TYPE_CHECKING:
     from workers.trainer.fsdp import DistContext
@@ -52,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     train.add_argument("--steps", type=int, default=d.steps, metavar="N", help="optimizer steps: versions published after v0 (default %(default)s)")
     train.add_argument("--batch", type=int, default=d.batch, metavar="N", help="prompts per step (default %(default)s)")
     train.add_argument("--group", type=int, default=d.group, metavar="N", help="completions per prompt, the GRPO group (default %(default)s)")
-    train.add_argument("--lr", type=float, default=d.lr, metavar="LR", help="AdamW learning rate (default %(default)s)")
+    train.add_argument("--optimizer", default=None, choices=OPTIMIZERS, help=f"sgd (with momentum) or adamw (default {d.optimizer})")
+    train.add_argument("--lr", type=float, default=d.lr, metavar="LR", help="learning rate of --optimizer (default %(default)s)")
     train.add_argument("--kl-coef", type=float, default=d.kl_coef, metavar="C", help="weight of the KL to the reference model, 0: none kept (default %(default)s)")
     train.add_argument("--seed", type=int, default=d.seed, metavar="N", help="seeds the model, the problems and every batch's sampling (default %(default)s)")
     train.add_argument("--min-actors", type=int, default=None, metavar="N",
@@ -99,12 +101,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     conf = p.add_argument_group("config and logging")
     add_config_arg(conf)
     add_debug_logger_arg(conf)
+    add_metrics_args(conf)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     """The flags (and ``--config`` file) over ``AURORA_TRAINER_*`` over the defaults."""
     return TrainerConfig.from_env(
-        steps=args.steps, batch=args.batch, group=args.group, lr=args.lr, kl_coef=args.kl_coef,
+        steps=args.steps, batch=args.batch, group=args.group, lr=args.lr, kl_coef=args.kl_coef, optimizer=getattr(args, "optimizer", None),
         snapshot_every=args.snapshot_every, streams=args.streams, seed=args.seed,
         resume=getattr(args, "resume", False) or None, checkpoint_every=getattr(args, "checkpoint_every", None),
         keep_checkpoints=getattr(args, "keep_checkpoints", None), keep_snapshots=getattr(args, "keep_snapshots", None),
@@ -166,6 +169,7 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
 
 
 def _run(args: argparse.Namespace, storage_options: Mapping[str, Any], ctx: DistContext) -> int:
+    from aurora_store.metrics import serve_from_args
     from workers.common import install_stop_handlers, limit_torch_threads, setup_logging
     from workers.trainer.trainer import Trainer, follow
 
@@ -175,6 +179,7 @@ def _run(args: argparse.Namespace, storage_options: Mapping[str, Any], ctx: Dist
         n = follow(config_from_args(args), ctx)
         log.info("rank %d: %d updates, done", ctx.rank, n)
         return 0
+    serve_from_args(args, "trainer")  # rank 0 only: it alone records what the run does
     tr = Trainer(Endpoints(args.store, args.redis, args.run, storage_options), config_from_args(args), ctx=ctx)
     install_stop_handlers(tr.stop)
     try:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aurora_store.codec.entries import EncodeOptions
 from aurora_store.config import SEGMENT_MIB_ENV, from_env, streams_field
@@ -14,7 +15,10 @@ from aurora_store.options import SIGN_KEY_ENV
 from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV
 from aurora_store.storage.probe import COMMIT_VIA
 
-__all__ = ["ENV_PREFIX", "TRANSFERS", "TrainerConfig"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ENV_PREFIX", "OPTIMIZERS", "TRANSFERS", "TrainerConfig"]
 
 ENV_PREFIX = "AURORA_TRAINER_"
 """Prefix of the Trainer's environment variables (``AURORA_TRAINER_STEPS`` …);
@@ -22,6 +26,9 @@ ENV_PREFIX = "AURORA_TRAINER_"
 
 TRANSFERS = ("delta", "full", "none")
 """How a version may be shipped (:attr:`TrainerConfig.transfer`)."""
+
+OPTIMIZERS = ("sgd", "adamw")
+"""The Trainer's optimizers (:attr:`TrainerConfig.optimizer`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,10 +41,19 @@ class TrainerConfig:
     """Prompts per batch."""
     group: int = 8
     """Completions per prompt (GRPO group)."""
-    max_new_tokens: int = 14
-    """Longest completion an Actor may return; longer ones are rejected as malformed."""
-    lr: float = 1e-3
-    """AdamW learning rate."""
+    max_new_tokens: int = 16
+    """Longest completion an Actor may return; longer ones are rejected as malformed. 16 fits the
+    arithmetic task's worked answer to a two-digit sum (" 9+8=17\\n#### 17" and ``eos``)."""
+    optimizer: str = "sgd"
+    """``sgd`` (with :attr:`momentum`) or ``adamw``. SGD's step scales with the gradient, so the
+    many elements with small gradients stay on their bf16 value and a delta stays sparse; AdamW
+    moves every element by about ``lr`` per step, which on the tiny model crosses a bf16
+    rounding boundary almost everywhere unless ``lr`` is too small to learn (docs/BENCHMARKS.md,
+    "The demo's regime")."""
+    lr: float = 2e-2
+    """Learning rate of :attr:`optimizer`."""
+    momentum: float = 0.7
+    """SGD momentum (ignored by AdamW)."""
     clip: float = 0.2
     """PPO-style ratio clip."""
     epochs: int = 4
@@ -46,7 +62,7 @@ class TrainerConfig:
     """Weight of the KL to the warm-started reference (0: no reference kept)."""
     snapshot_every: int = 10
     """Write a full snapshot every N versions (late joiners start there)."""
-    warm_start_steps: int = 85
+    warm_start_steps: int = 70
     """Supervised steps before RL: enough for some rewarded samples (about 10% here), not more."""
     difficulty: int = 1
     """Difficulty of the generated problems (:func:`workers.task.make_problems`)."""
@@ -159,6 +175,11 @@ class TrainerConfig:
                 f"eval_every and min_actors must be >= 0, eval_size >= 1 and reward_timeout_s > 0 "
                 f"(got {self.eval_every}, {self.min_actors}, {self.eval_size}, {self.reward_timeout_s})"
             )
+        if self.optimizer not in OPTIMIZERS or not self.lr > 0 or not 0 <= self.momentum < 1:
+            raise ConfigError(
+                f"optimizer must be one of {', '.join(OPTIMIZERS)}, lr > 0 and momentum in [0, 1) "
+                f"(got {self.optimizer!r}, {self.lr}, {self.momentum})"
+            )
         if self.commit_via not in COMMIT_VIA:
             raise ConfigError(f"commit_via must be one of {', '.join(COMMIT_VIA)}, got {self.commit_via!r}")
         self._check_recovery_knobs()
@@ -173,6 +194,14 @@ class TrainerConfig:
             raise ConfigError(f"min_batch_fraction must be in (0, 1] and batch_deadline_s > 0 (got {self.min_batch_fraction}, {self.batch_deadline_s})")
         if self.outage_budget_s <= 0:
             raise ConfigError(f"outage_budget_s must be > 0, got {self.outage_budget_s}")
+
+    def make_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The ``torch.optim`` optimizer this config names, over ``params`` (no weight decay)."""
+        import torch
+
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
 
     def publish_config(self, **overrides: Any) -> PublishConfig:
         """How this run's versions are cut and sent."""

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from aurora_store import metrics
 from aurora_store.apply.sink import weights_digest
 from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.codec.extract import fuse_weights, unfuse_weights
@@ -97,6 +98,7 @@ from workers.trainer.scheduling import (
     step_lease_ms,
     updated_tau,
 )
+from workers.trainer.step_metrics import save_step_metrics
 
 __all__ = ["StepLog", "Trainer", "follow"]
 
@@ -250,6 +252,7 @@ class Trainer:
         self.states[0] = m.state
         self.full_bytes = m.total_bytes
         self._after_publish(0, m.state, "snapshot", m.total_bytes)
+        metrics.active().published(0, "snapshot", m.total_bytes)
         log.info("v0 snapshot published (%d bytes) in %.1fs total setup", m.total_bytes, time.perf_counter() - t0)
         self._evaluate(0)
         self._wait_for_actors()
@@ -308,6 +311,7 @@ class Trainer:
             )
         res = self.evaluator.run(v, self.published)
         self.eval_accuracy[v] = res.accuracy
+        metrics.active().evaluated(v, res.accuracy)
         log.info("eval v%d: accuracy %.3f on %d held-out problems (%.1fs)", v, res.accuracy, res.problems, res.seconds)
         self.redis_dep.call(lambda: res.record(self._raw_redis, self.keys), "record an evaluation", self.stop)
         try:
@@ -328,7 +332,7 @@ class Trainer:
             torch.nn.Module.to(self.model, self.ctx.device)
             broadcast_module(self.model)
             shard_model(self.model, self.ctx)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
+        self.opt = self.cfg.make_optimizer(self.model.parameters())
         self._followers_joined = self.ctx.sharded
         # The plan describes what is shipped: the bf16 weights (the fp32 master is the Trainer's own).
         self.plan = fusion_plan_for({n: t.to(torch.bfloat16) for n, t in hf_weights(self.behavior).items()}, tied=tied)
@@ -652,12 +656,14 @@ class Trainer:
             elements=sum(spec.numel for spec in self.plan.specs().values()),
         )
         self.logs.append(entry)
+        metrics.active().trainer_step(entry)
         log.info(
             "step %d -> v%d: reward %.3f, %d tokens (%.0f tok/s), wait %.2fs train %.2fs extract+publish %.2fs, delta %d B (%.1f%% of full), eligible %s excluded %s",
             b, v, entry.reward, tokens, entry.tokens_per_s, t_wait, t_train, t_pub, delta_bytes, 100 * delta_bytes / max(1, self.full_bytes), eligible, excluded,
         )
         self._log_step_json(b, v, gen_version, twice0, wrong0)
         self._evaluate(v)
+        save_step_metrics(self._raw_store, self.store_dep, self.stop, entry, self.eval_accuracy.get(v))
         if self.on_step:
             self.on_step(entry)
         self._checkpoint(v)
@@ -702,11 +708,13 @@ class Trainer:
         self.versions_bf16.pop(v - 2, None)
         self.states[v] = out.state
         self._after_publish(v, out.state, out.kind, out.nbytes, digest)
+        metrics.active().published(v, out.kind, out.nbytes)
         if self.cfg.transfer == "delta" and self.cfg.snapshot_every and v % self.cfg.snapshot_every == 0:
-            publish_snapshot(
+            snap = publish_snapshot(
                 self.store, self.ep.run, v, self._snapshot_tensors(self.published), out.state, self._pub_cfg(),
                 producer=self._producer(b), model=self.model_files, signer=self.signer, commit=self._commit,
             )
+            metrics.active().published(v, "snapshot", snap.total_bytes)
             self._retain()
         return out.nbytes, out.changed
 
@@ -807,7 +815,7 @@ def follow(cfg: TrainerConfig, ctx: DistContext) -> int:
     model.train()
     broadcast_module(model)
     shard_model(model, ctx)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = cfg.make_optimizer(model.parameters())
     params = list(model.named_parameters(remove_duplicate=False))
     gather_bf16(params, ctx)  # v0
     updates = 0
