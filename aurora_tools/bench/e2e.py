@@ -226,8 +226,11 @@ def main(args: argparse.Namespace) -> int:
 
     limit_torch_threads()
     if getattr(args, "parity", False):
-        res = parity(args)
-        print(json.dumps(res)) if args.json else _print_parity(res)
+        par = parity(args)
+        if args.json:
+            print(json.dumps(par))
+        else:
+            _print_parity(par)
         return 0
     if args.engine == "vllm":
         from workers.engine.vllm_engine import import_vllm
