@@ -80,6 +80,8 @@ class Published:
     weights_digest: str
     snapshot: bool = False
     """A snapshot was written at this version (besides the delta)."""
+    snapshot_bytes: int = 0
+    """Of ``bytes``, those of that snapshot."""
 
 
 def announce_segments(bus: Bus) -> Callable[[SegmentEvent], None]:
@@ -132,6 +134,9 @@ class Publisher:
         bus: Bus | None = None,
         commit: Callable[[str, int, bytes], None] | None = None,
         prepared: bool = False,
+        plan: FusionPlan | None = None,
+        on_segment: Callable[[SegmentEvent], None] | None = None,
+        config: PublishConfig | None = None,
     ) -> None:
         if snapshot_every < 0:
             raise ConfigError(f"snapshot_every must be >= 0, got {snapshot_every}")
@@ -145,13 +150,16 @@ class Publisher:
         """The newest version this Publisher published or continued from."""
         self.state: str | None = None
         self._base: dict[str, torch.Tensor] | None = None
-        self._plan: FusionPlan | None = None
+        self._plan: FusionPlan | None = plan
+        self._chain_read = False
+        """Whether the store's newest version was looked for (once, before the first publish)."""
+        self._on_segment = on_segment
         self._plan_tied: bool | None = None
         self._given: dict[str, torch.Tensor] = {}
         self._pending: tuple[int, str, str, str] | None = None
         """(version, attempt, created_at, weights digest) of a publish that failed: a retry writes the same bytes."""
         over: dict[str, Any] = {k: v for k, v in (("streams", streams), ("options", options)) if v is not None}
-        self._pub_cfg = PublishConfig.from_env(**over)
+        self._pub_cfg = config if config is not None else PublishConfig.from_env(**over)
         """Defaults, then ``AURORA_STREAMS`` / ``AURORA_SEGMENT_MIB``, then the arguments."""
         if not self._leader:
             return
@@ -186,22 +194,28 @@ class Publisher:
         self._base = None
 
     # -- publishing -------------------------------------------------------------------
-    def publish(self, weights: Tensors, *, snapshot: bool = False, step: int | None = None, producer: Mapping[str, Any] | None = None) -> Published | None:
+    def publish(
+        self, weights: Tensors, *, snapshot: bool = False, step: int | None = None, producer: Mapping[str, Any] | None = None, owned: bool = False,
+    ) -> Published | None:
         """The next version: ``weights`` rounded to bf16, as a delta against the previous one (or version 0).
 
         ``snapshot``: also write a full snapshot at this version (late joiners
         start there). ``step`` / ``producer`` go into the manifest's
-        ``producer`` (FORMAT.md §4). Returns None on ranks other than 0.
+        ``producer`` (FORMAT.md §4). ``owned``: the weights are bf16 tensors
+        the caller hands over and never writes again (the Publisher keeps them
+        as the next delta's base instead of a copy). Returns None on ranks other than 0.
         """
         t0 = time.perf_counter()
-        new = self._gather(weights)
+        new = self._gather(weights, owned)
         if new is None:
             return None
         if self._plan is None:
             self._plan_tied = tied_head(weights, new)
-            self._plan, self._given = plan_of(new, tied=self._plan_tied), new
+            self._plan = plan_of(new, tied=self._plan_tied)
+        if not self._chain_read:
+            self._given = new
             self._continue_chain()
-            self._given = {}
+            self._given, self._chain_read = {}, True
         plan = self._plan
         if set(new) != set(self._base or new):
             raise ConfigError(f"the weights name {sorted(set(new) ^ set(self._base or new))[:3]} unlike the version before: the model of a run is fixed")
@@ -211,7 +225,7 @@ class Publisher:
             return self._publish_v0(new, plan, digest, prod, t0)
         return self._publish_next(new, plan, digest, prod, snapshot, t0)
 
-    def _gather(self, weights: Tensors) -> dict[str, torch.Tensor] | None:
+    def _gather(self, weights: Tensors, owned: bool = False) -> dict[str, torch.Tensor] | None:
         """bf16 copies of every parameter on rank 0 (one gathered at a time); None elsewhere."""
         out: dict[str, torch.Tensor] = {}
         seen: dict[Any, torch.Tensor] = {}
@@ -225,12 +239,26 @@ class Publisher:
             whole = full(t.detach())
             if self._leader:
                 copy = whole.to(torch.bfloat16)
-                copy = copy.clone() if copy.data_ptr() == whole.data_ptr() else copy
+                if copy.data_ptr() == whole.data_ptr() and not owned:
+                    copy = copy.clone()
                 seen[key] = out[name] = copy.contiguous()
             else:
                 seen[key] = torch.empty(0)
             del whole
         return out if self._leader else None
+
+    def continue_from(self, version: int, state: str, weights: Tensors, owned: bool = False) -> None:
+        """Continue the chain after ``version`` (its ``state``), whose weights the caller holds (a resumed trainer).
+
+        Nothing is read from the store; the next :meth:`publish` is a delta
+        against ``weights`` (rounded to bf16).
+        """
+        base = self._gather(weights, owned)
+        if base is None:
+            return
+        if self._plan is None:
+            self._plan = plan_of(base, tied=tied_head(weights, base))
+        self._base, self.version, self.state, self._chain_read = base, int(version), state, True
 
     def _continue_chain(self) -> None:
         """On a run root that holds versions: the newest committed one becomes the base."""
@@ -272,36 +300,44 @@ class Publisher:
             signer=self.signer, commit=self._commit, attempt=attempt, created_at=created,
         )
         n = sum(p.spec.numel for p in plan)
-        return self._done(0, m, new, "snapshot", m.total_bytes, n, n, digest, t0, snapshot=True)
+        return self._done(0, m, new, "snapshot", m.total_bytes, n, n, digest, t0, snapshot=True, snapshot_bytes=m.total_bytes)
 
     def _publish_next(self, new: dict[str, torch.Tensor], plan: FusionPlan, digest: str, prod: dict[str, Any], snapshot: bool, t0: float) -> Published:
         assert self._base is not None and self.version is not None and self.state is not None
         v = self.version + 1
         attempt, created = self._attempt(v, digest)
-        on_segment = announce_segments(self.bus) if self.bus is not None else None
+        announce = announce_segments(self.bus) if self.bus is not None else None
+        hook = self._on_segment
+
+        def on_segment(ev: SegmentEvent) -> None:
+            if announce is not None:
+                announce(ev)
+            if hook is not None:
+                hook(ev)
+
         m = publish_delta(
             self.store, self.run, v, extract(plan, self._base, new), self.state, self._pub_cfg, on_segment=on_segment,
             producer=prod or None, attempt=attempt, created_at=created, signer=self.signer, weights_digest=digest, commit=self._commit,
         )
-        nbytes = m.total_bytes
         snap = snapshot or bool(self.snapshot_every and v % self.snapshot_every == 0)
+        snap_bytes = 0
         if snap:
             sm = publish_snapshot(
                 self.store, self.run, v, fuse_weights(new, plan), m.state, self._pub_cfg, producer=prod or None, model=self.model_files,
                 signer=self.signer, commit=self._commit, attempt=attempt, created_at=created,
             )
-            nbytes += sm.total_bytes
+            snap_bytes = sm.total_bytes
         total = sum(p.spec.numel for p in plan)
-        return self._done(v, m, new, "delta", nbytes, m.nnz, total, digest, t0, snapshot=snap)
+        return self._done(v, m, new, "delta", m.total_bytes + snap_bytes, m.nnz, total, digest, t0, snapshot=snap, snapshot_bytes=snap_bytes)
 
     def _done(
         self, v: int, m: Manifest, new: dict[str, torch.Tensor], kind: str, nbytes: int, changed: int, total: int, digest: str, t0: float,
-        snapshot: bool = False,
+        snapshot: bool = False, snapshot_bytes: int = 0,
     ) -> Published:
         self._pending = None
         self._base, self.version, self.state = new, v, m.state
         self._announce(v, m.state, kind, nbytes, digest)
-        return Published(v, m.state, kind, nbytes, changed, changed / max(1, total), time.perf_counter() - t0, digest, snapshot)
+        return Published(v, m.state, kind, nbytes, changed, changed / max(1, total), time.perf_counter() - t0, digest, snapshot, snapshot_bytes)
 
     def _announce(self, v: int, state: str, kind: str, nbytes: int, digest: str) -> None:
         """Redis: the digest and state readers check, the head, the version and its commit (docs/WORKERS.md)."""

@@ -77,6 +77,8 @@ class SyntheticTrainer(Trainer):
         self.states[0] = self.spec.base_state
         self.full_bytes = sum(x.numel() * x.element_size() for x in w.values())
         self._after_publish(0, self.spec.base_state, "base", 0)
+        self.publisher = self._new_publisher()
+        self.publisher.continue_from(0, self.spec.base_state, w, owned=True)  # every Actor builds the same base
         log.info("synthetic base ready: %.3g params, %d bytes, in %.1fs", self.spec.params, self.full_bytes, time.perf_counter() - t0)
         for b in range(self.cfg.max_lag + 1):
             self._create_batch(b, 0)

@@ -1,11 +1,10 @@
-"""Shipping a version: extract the delta, encode and publish it cut-through, announce it.
+"""Shipping a version the baselines' way: a full snapshot per version, or nothing at all.
 
-Each segment is announced the moment it is durable in the store (a Relay
-copies it before the version's manifest exists); the version is announced
-once its manifest is written. ``transfer`` chooses what moves: the sparse
-delta (Aurora), a full snapshot per version (the broadcast baselines), or
-nothing at all (the ideal baseline: the version exists only as an
-announcement).
+Deltas (Aurora's way) go through the public API's
+:class:`aurora_store.Publisher`, which extracts, encodes, uploads and
+announces each segment the moment it is durable; this module keeps the
+broadcast baselines of ``aurora bench wan`` (``transfer="full"``) and the
+ideal one (``"none"``: the version exists only as an announcement).
 """
 
 from __future__ import annotations
@@ -17,36 +16,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aurora_store.codec.extract import extract
 from aurora_store.codec.fusion import FusionPlan
-from aurora_store.coordination.bus import SEGMENT, Bus
+from aurora_store.coordination.bus import Bus
 from aurora_store.lineage.publish import (
     PublishConfig,
-    SegmentEvent,
-    publish_delta,
     publish_snapshot,
 )
 from aurora_store.storage import Store
-from workers.trainer.crash import crash_point
 
 if TYPE_CHECKING:
     from aurora_store.format.signing import Signer
 
-__all__ = ["Published", "announce_segments", "publish_version", "unshipped_state"]
+__all__ = ["Published", "publish_version", "unshipped_state"]
 
 
 def unshipped_state(v: int) -> str:
     """``state`` of a version announced but never shipped (``transfer="none"``)."""
     return "sha256:" + hashlib.sha256(f"unshipped:{v}".encode()).hexdigest()
-
-
-def announce_segments(bus: Bus) -> Callable[[SegmentEvent], None]:
-    """An ``on_segment`` callback that announces each durable segment on the run's stream."""
-
-    def announce(ev: SegmentEvent) -> None:
-        bus.announce(SEGMENT, ev.version, index=ev.index, key=ev.key, bytes=ev.bytes, sha256=ev.sha256)
-
-    return announce
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,17 +77,7 @@ def publish_version(
     """
     producer = {"step": step, **(producer or {})}
     if transfer == "delta":
-        announce = announce_segments(bus)
-
-        def on_segment(ev: SegmentEvent) -> None:
-            announce(ev)
-            crash_point("segment", v)
-
-        m = publish_delta(
-            store, run, v, extract(plan, old, new), base_state, config, on_segment=on_segment, producer=producer, weights_digest=weights_digest,
-            signer=signer, commit=commit,
-        )
-        return Published(m.state, "delta", m.total_bytes, m.nnz)
+        raise ValueError("deltas are published through aurora_store.Publisher (the Trainer's self.publisher)")
     if transfer == "full":
         m = publish_snapshot(store, run, v, snapshot_tensors(new), None, config, producer=producer, signer=signer, commit=commit)
         return Published(m.state, "snapshot", m.total_bytes)

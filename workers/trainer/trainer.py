@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from aurora_store import metrics
+from aurora_store.api import Publisher
 from aurora_store.apply.sink import weights_digest
 from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.codec.extract import fuse_weights, unfuse_weights
@@ -51,7 +52,7 @@ from aurora_store.lineage.binding import ModelFile
 from aurora_store.lineage.fetch import materialize, read_manifest
 from aurora_store.lineage.gc import retain
 from aurora_store.lineage.plan import scan_versions
-from aurora_store.lineage.publish import PublishConfig, publish_snapshot
+from aurora_store.lineage.publish import PublishConfig
 from aurora_store.outage import Dependency, is_transient, riding
 from aurora_store.storage import Store, open_store
 from workers.common import (
@@ -88,7 +89,7 @@ from workers.trainer.fsdp import (
     shard_model,
 )
 from workers.trainer.grpo import behavior_logprobs, grpo_batch, read_rollouts
-from workers.trainer.publishing import publish_version
+from workers.trainer.publishing import Published, publish_version
 from workers.trainer.scheduling import (
     Collected,
     actor_views,
@@ -245,15 +246,14 @@ class Trainer:
         self.versions_bf16: dict[int, dict[str, torch.Tensor]] = {0: self.published}
         self.model_files = self._write_model_description()
         self._forget_states()
-        m = publish_snapshot(
-            self.store, self.ep.run, 0, fuse_weights(self.published, self.plan), None, self._pub_cfg(), producer=self._producer(0), model=self.model_files,
-            signer=self.signer, commit=self._commit,
-        )
-        self.states[0] = m.state
-        self.full_bytes = m.total_bytes
-        self._after_publish(0, m.state, "snapshot", m.total_bytes)
-        metrics.active().published(0, "snapshot", m.total_bytes)
-        log.info("v0 snapshot published (%d bytes) in %.1fs total setup", m.total_bytes, time.perf_counter() - t0)
+        self.publisher = self._new_publisher()
+        p = self.publisher.publish(self.published, producer=self._producer(0), owned=True)
+        assert p is not None and p.version == 0
+        self.states[0] = p.state
+        self.full_bytes = p.bytes
+        self._after_publish(0, p.state, "snapshot", p.bytes, p.weights_digest)
+        metrics.active().published(0, "snapshot", p.bytes)
+        log.info("v0 snapshot published (%d bytes) in %.1fs total setup", p.bytes, time.perf_counter() - t0)
         self._evaluate(0)
         self._wait_for_actors()
         for b in range(self.cfg.max_lag + 1):
@@ -464,6 +464,8 @@ class Trainer:
         if head == ck.step and weights_digest(self._bf16_weights(), self.plan) != weights_digest(self.published, self.plan):
             raise ChainError(f"the checkpoint before step {ck.step} does not match version {head} in the store")
         self.resumed_from = ck.step
+        self.publisher = self._new_publisher()
+        self.publisher.continue_from(head, self.states[head], self.published, owned=True)
         self._after_publish(head, self.states[head], "delta" if head in index.deltas else "snapshot", 0)
         # Steps: reuse what the ledger still holds, create what it lost, drop what is done.
         for b in self.ledger.open_steps():
@@ -683,6 +685,19 @@ class Trainer:
             "accepted_wrong_version": self._counts.accepted_wrong_version - wrong0,
         }, separators=(",", ":")))
 
+    def _new_publisher(self) -> Publisher:
+        """The public API's Publisher over this Trainer's store, stream, signer and commit mode.
+
+        It extracts, encodes, uploads and announces each segment; the Trainer
+        records digests, states and the head itself (fenced by its epoch) and
+        announces versions once their next batch exists.
+        """
+        snap = self.cfg.snapshot_every if self.cfg.transfer == "delta" else 0
+        return Publisher(
+            self.store, run=self.ep.run, bus=self.bus, signer=self.signer, model_files=self.model_files, commit=self._commit, prepared=True,
+            plan=self.plan, snapshot_every=snap, config=self._pub_cfg(), on_segment=lambda ev: crash_point("segment", ev.version),
+        )
+
     def _publish_version(self, v: int, b: int, new: dict[str, torch.Tensor]) -> tuple[int, int]:
         """Ship version ``v`` as ``cfg.transfer`` says; returns (bytes written, changed elements).
 
@@ -691,15 +706,22 @@ class Trainer:
         Trainer got there first) fences this one out too.
         """
         self._check_epoch()
-        # Every delta carries the digest of the weights it makes (FORMAT.md §4.1): at a
-        # snapshot's version it binds the snapshot, published next, to the chain.
         digest = weights_digest(new, self.plan)
+        snap_bytes = 0
         try:
-            out = publish_version(
-                self.store, self.ep.run, v, b, self.cfg.transfer, self.plan, self.published, new, self.states[v - 1],
-                self._pub_cfg(), self.bus, self._snapshot_tensors, producer=self._producer(b), weights_digest=digest,
-                signer=self.signer, commit=self._commit,
-            )
+            if self.cfg.transfer == "delta":
+                # The delta carries the digest of the weights it makes (FORMAT.md §4.1), which
+                # binds a snapshot at the same version (every snapshot_every) to the chain.
+                p = self.publisher.publish(new, producer=self._producer(b), owned=True)
+                assert p is not None and p.version == v, (p, v)
+                out = Published(p.state, "delta", p.bytes - p.snapshot_bytes, p.changed)
+                snap_bytes = p.snapshot_bytes if p.snapshot else -1
+            else:  # the broadcast baselines of `aurora bench wan`
+                out = publish_version(
+                    self.store, self.ep.run, v, b, self.cfg.transfer, self.plan, self.published, new, self.states[v - 1],
+                    self._pub_cfg(), self.bus, self._snapshot_tensors, producer=self._producer(b), weights_digest=digest,
+                    signer=self.signer, commit=self._commit,
+                )
         except VersionConflict as e:
             raise FencedOut(f"version {v} was published by another Trainer; this one (epoch {self.epoch}) stops: {e}") from e
         crash_point("manifest", v)
@@ -709,12 +731,8 @@ class Trainer:
         self.states[v] = out.state
         self._after_publish(v, out.state, out.kind, out.nbytes, digest)
         metrics.active().published(v, out.kind, out.nbytes)
-        if self.cfg.transfer == "delta" and self.cfg.snapshot_every and v % self.cfg.snapshot_every == 0:
-            snap = publish_snapshot(
-                self.store, self.ep.run, v, self._snapshot_tensors(self.published), out.state, self._pub_cfg(),
-                producer=self._producer(b), model=self.model_files, signer=self.signer, commit=self._commit,
-            )
-            metrics.active().published(v, "snapshot", snap.total_bytes)
+        if snap_bytes >= 0 and self.cfg.transfer == "delta":
+            metrics.active().published(v, "snapshot", snap_bytes)
             self._retain()
         return out.nbytes, out.changed
 
