@@ -58,7 +58,7 @@ __all__ = [
     "announce",
 ]
 
-WORKERS = ("trainer", "actor", "relay")
+WORKERS = ("trainer", "actor", "relay", "follow")
 """The subcommands that take ``--config`` (and the names of the file's tables)."""
 
 CONFIG_PREFIX = "config/"

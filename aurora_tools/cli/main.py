@@ -134,6 +134,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     later.fill(("relay",), rl, run_cmds.add_relay_arguments)
     rl.set_defaults(func=run_cmds.cmd_relay)
 
+    fo = sub.add_parser("follow", help="keep a local directory holding the run's newest version as a Hugging Face checkpoint (any inference server)")
+    later.fill(("follow",), fo, run_cmds.add_follow_arguments)
+    fo.set_defaults(func=run_cmds.cmd_follow)
+
     tbp = sub.add_parser("testbed", help="local Redis and S3-protocol server on loopback for trying a run").add_subparsers(
         dest="action", required=True
     )
@@ -199,8 +203,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
-    # ``aurora trainer|actor|relay --config FILE.toml``: the file's values are the defaults flags override.
-    fills = {"trainer": run_cmds.add_trainer_arguments, "actor": run_cmds.add_actor_arguments, "relay": run_cmds.add_relay_arguments}
+    # ``aurora trainer|actor|relay|follow --config FILE.toml``: the file's values are the defaults flags override.
+    fills = {
+        "trainer": run_cmds.add_trainer_arguments, "actor": run_cmds.add_actor_arguments, "relay": run_cmds.add_relay_arguments,
+        "follow": run_cmds.add_follow_arguments,
+    }
     args = config_file.parse_worker_args(build_parser(args_list), args_list, fills)
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -24,9 +24,11 @@ __all__ = [
     "add_actor_arguments",
     "add_relay_arguments",
     "add_demo_arguments",
+    "add_follow_arguments",
     "cmd_trainer",
     "cmd_actor",
     "cmd_relay",
+    "cmd_follow",
     "cmd_status",
     "cmd_testbed",
     "cmd_demo",
@@ -119,6 +121,26 @@ def cmd_relay(args: argparse.Namespace) -> int:
     _announce("relay", args, add_relay_arguments, storage_options(args.storage_option), config_from_args)
 
     return run_from_args(args)
+
+
+# -- follow --
+def add_follow_arguments(p: argparse.ArgumentParser) -> None:
+    from workers.follow import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_follow(args: argparse.Namespace) -> int:
+    """Print the effective options (never recorded in the run root: a follower may hold read-only credentials), then follow."""
+    from aurora_tools.cli.config_file import effective_options, render
+    from workers.follow import main
+
+    options = storage_options(args.storage_option)
+    parser = argparse.ArgumentParser(add_help=False)
+    add_follow_arguments(parser)
+    cfg = getattr(args, "config_file", None)
+    say(render("follow", effective_options(parser, args), getattr(cfg, "path", None)))
+    return main(args, options)
 
 
 # -- status --
