@@ -126,6 +126,12 @@ class Follower:
         marked = self.store_dep.call(lambda: read_commit_marker(raw), "read the commit marker", self.stop)
         if marked is not None and self._raw_redis is None:
             raise ConfigError(f"{raw.url} commits through Redis (FORMAT.md §1): its versions cannot be checked without redis=")
+        # The commit mode is the run's for its whole life: found once, so a Redis outage later
+        # does not stop the store from being read (records are read only in Redis-commit mode).
+        self._commits: Any = None
+        if self._raw_redis is not None and self.run:
+            run_ = self.run
+            self._commits = self.redis_dep.call(lambda: commit_records_for(self._raw_redis, run_), "read the commit mode", self.stop)
         self.version: int | None = None
         """The version the target holds (None before the first update)."""
         self.state: str | None = None
@@ -141,8 +147,7 @@ class Follower:
 
     # -- what exists ---------------------------------------------------------------------
     def _reader(self) -> ManifestReader:
-        commits = commit_records_for(self._raw_redis, self.run) if self._raw_redis is not None and self.run else None
-        return ManifestReader(self._raw_origin, self.trust, commits)
+        return ManifestReader(self._raw_origin, self.trust, self._commits)
 
     def _run_from_manifests(self) -> str | None:
         index = self.store_dep.call(lambda: scan_versions(self._raw_origin), "list versions", self.stop)
@@ -270,9 +275,8 @@ class Follower:
 
     def _whole(self, target: Any, v: int, reader: ManifestReader) -> tuple[str, str, int, int]:
         """The newest bound snapshot at or below ``v`` and the deltas after it, assembled aside, then written."""
-        commits = commit_records_for(self._raw_redis, self.run) if self._raw_redis is not None and self.run else None
         fused, state = self.store_dep.call(
-            lambda: materialize(self._raw_origin, v, self.streams, trust=self.trust, commits=commits), f"materialize v{v}", self.stop
+            lambda: materialize(self._raw_origin, v, self.streams, trust=self.trust, commits=self._commits), f"materialize v{v}", self.stop
         )
         cp = plan_chain(bound_index(scan_versions(self._raw_origin), reader), v)
         nbytes = sum(reader.cost(k, x) or 0 for k, x in [("snapshot", cp.snapshot or 0), *(("delta", d) for d in cp.deltas)])

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aurora_store.version import __version__
 from aurora_store.codec.entries import EncodeOptions
 from aurora_store.codec.extract import ParamDelta, spec_of
 from aurora_store.config import SEGMENT_MIB_ENV, from_env, streams_field
@@ -48,6 +47,7 @@ from aurora_store.format.manifest import (
     version_dir,
 )
 from aurora_store.lineage.binding import MODEL_FIELD, WEIGHTS_DIGEST_FIELD, ModelFile, model_listing
+from aurora_store.version import __version__
 
 __all__ = [
     "PublishConfig",

@@ -210,7 +210,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     """``aurora tiny-model``: a model directory (and data) like a user's, made here, for trying ``--model``."""
-    from aurora_tools.tinymodel import make_model_dir, supervise, write_gsm8k_jsonl, write_math_jsonl
+    from aurora_tools.tinymodel import (
+        make_model_dir,
+        supervise,
+        write_gsm8k_jsonl,
+        write_math_jsonl,
+    )
 
     if os.path.exists(args.out):
         raise SystemExit(f"aurora tiny-model: {args.out} exists; pick a new directory")
