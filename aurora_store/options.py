@@ -242,7 +242,7 @@ def add_config_arg(p: Options) -> None:
     p.add_argument(
         "--config", default=None, metavar="FILE.toml",
         help="read options from this TOML file: keys are long option names (kl-coef = 0.01); "
-        "[trainer], [actor] and [relay] tables hold one worker's keys; flags override the file, "
+        "[trainer], [actor], [relay] and [follow] tables hold one worker's keys; flags override the file, "
         "the file overrides environment variables (docs/WORKERS.md, \"Configuration files\")",
     )
 

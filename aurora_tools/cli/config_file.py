@@ -9,7 +9,7 @@ The file rule (docs/WORKERS.md, "Configuration files"):
 - a top-level key applies to every worker that has the option and is skipped
   by the others (``region`` serves the Actor and the Relay, not the Trainer),
   so one file can serve a whole run; a top-level key no worker has is an error;
-- ``[trainer]``, ``[actor]`` and ``[relay]`` hold one worker's keys and win over
+- ``[trainer]``, ``[actor]``, ``[relay]`` and ``[follow]`` hold one worker's keys and win over
   the top level; a key in this worker's table that is not its option is an
   error; the other workers' tables are not read;
 - precedence: command-line flag > this worker's table > top level > the
