@@ -234,7 +234,7 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
             if cfg.display:
                 say(
                     f"step {lg.step:>3} -> v{lg.version:<3} reward {lg.reward:5.3f}  delta {lg.delta_bytes / 1e3:7.1f} kB "
-                    f"({100 * lg.delta_bytes / max(1, lg.full_bytes):4.1f}% of full)  publish {lg.extract_publish_s:5.2f}s  "
+                    f"({100 * lg.delta_bytes / max(1, lg.full_bytes):4.1f}% of full, {100 * density(lg):4.2f}% changed)  publish {lg.extract_publish_s:5.2f}s  "
                     f"wait {lg.wait_s:5.2f}s  {lg.tokens_per_s:6.0f} tok/s  by {dict(sorted(lg.by_actor.items()))}"
                 )
             if lg.step + 1 == kill_at and cfg.actors_relay > 0:

@@ -56,14 +56,15 @@ class TrainerConfig:
     """SGD momentum (ignored by AdamW)."""
     clip: float = 0.2
     """PPO-style ratio clip."""
-    epochs: int = 4
+    epochs: int = 2
     """Passes over each batch (the ratio moves away from 1 after the first)."""
     kl_coef: float = 0.0
     """Weight of the KL to the warm-started reference (0: no reference kept)."""
     snapshot_every: int = 10
     """Write a full snapshot every N versions (late joiners start there)."""
-    warm_start_steps: int = 70
-    """Supervised steps before RL: enough for some rewarded samples (about 10% here), not more."""
+    warm_start_steps: int = 85
+    """Supervised steps before RL: enough for some rewarded samples (about a third of the
+    sampled answers on the demo's model), not more."""
     difficulty: int = 1
     """Difficulty of the generated problems (:func:`workers.task.make_problems`)."""
     head_dim: int = 16
