@@ -38,6 +38,7 @@ def test_system_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
             # A run this small can finish a few seconds after the Relay dies: a short
             # grace lets its Actor turn to origin well within that.
             mirror_grace_s=0.5,
+            tiny_hidden=64, tiny_intermediate=192,  # the system, not learning: the small model is enough
         )
         res = run_system_demo(cfg, say=lambda *a, **k: None)
 

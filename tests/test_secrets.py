@@ -304,7 +304,7 @@ def test_demo_with_a_password_and_s3_keys_leaks_no_secret(tmp_path: Path, monkey
         cfg = DemoConfig(
             steps=2, batch=4, group=2, actors_relay=1, actors_origin=0, kill_at=-1, join_at=-1, snapshot_every=2,
             store=f"s3://{bucket}/run", redis=url, redis_password_file=str(pw_file), run="secrets",
-            workdir=str(workdir), display=True, mirror_grace_s=0.5,
+            workdir=str(workdir), display=True, mirror_grace_s=0.5, tiny_hidden=64, tiny_intermediate=192,
         )
         res = run_system_demo(cfg, say=lambda *a, **k: printed.append(" ".join(map(str, a))))
         argv.sweep()

@@ -46,7 +46,7 @@ def test_demo_with_a_vllm_actor_is_bit_identical(tmp_path: Path) -> None:
     with RedisServer() as rs:
         cfg = DemoConfig(
             steps=3, batch=8, group=4, actors_relay=0, actors_origin=1, relay=False, kill_at=-1, join_at=-1,
-            redis=rs.url, run="vllm-e2e", workdir=str(tmp_path), display=False, engine="vllm",
+            redis=rs.url, run="vllm-e2e", workdir=str(tmp_path), display=False, engine="vllm", tiny_hidden=64, tiny_intermediate=192,
         )
         res = run_system_demo(cfg, say=lambda *a, **k: None)
     logs = (tmp_path / "logs" / "us-0.log").read_text(errors="replace")

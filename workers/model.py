@@ -62,12 +62,12 @@ __all__ = [
 def tiny_qwen3(
     vocab_size: int,
     seed: int,
-    hidden: int = 256,
+    hidden: int = 64,
     layers: int = 2,
     heads: int = 4,
     kv_heads: int = 2,
     head_dim: int = 16,
-    intermediate: int = 768,
+    intermediate: int = 192,
     max_positions: int = 256,
     tie_word_embeddings: bool = True,
     dtype: torch.dtype = torch.bfloat16,
@@ -80,11 +80,11 @@ def tiny_qwen3(
     Initialisation runs in float32 under a forked RNG (the caller's global
     RNG state is left as it was), then the model is cast to ``dtype``; the
     same arguments give bit-identical weights on every machine and torch
-    thread count we have seen. The defaults make about 1.3 M parameters
-    (the demo's model): wide enough that a gradient-sized step leaves most
-    bf16 elements where they were, so a delta is sparse, while the narrower
-    0.1 M model (``hidden=64, intermediate=192``) changes 5-20% of its
-    elements for the same effect (docs/BENCHMARKS.md, "The demo's regime").
+    thread count we have seen. The defaults make about 0.1 M parameters (fast
+    tests); the demo trains ``hidden=256, intermediate=768`` (1.3 M), wide
+    enough that a gradient-sized step leaves most bf16 elements where they
+    were, so a delta is sparse, while the narrow default changes 5-20% of
+    its elements for the same effect (docs/BENCHMARKS.md, "The demo's regime")
     With ``tie_word_embeddings`` the output head *is* the embedding (one
     storage under two names); see :func:`fusion_plan_for`.
     """

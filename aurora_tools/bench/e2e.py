@@ -162,6 +162,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--group", type=int, default=8, help="completions per prompt")
     g.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="longest completion (default: the Trainer's)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tiny-size", nargs=2, type=int, default=None, metavar=("HIDDEN", "INTERMEDIATE"),
+                   help="widths of the built-in model (default: the demo's 256 768)")
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the means")
     p.add_argument("--json", action="store_true")
     p.add_argument("--engine", default="torch", choices=("torch", "vllm"), help="the Actors' engine; vllm adds delta vs reload activation times")
@@ -191,6 +193,7 @@ def parity(args: argparse.Namespace) -> dict[str, Any]:
                 steps=args.steps, batch=args.batch, group=args.group, actors_relay=0, actors_origin=2, relay=False, kill_at=-1, join_at=-1,
                 redis=rs.url, run=run, workdir=tempfile.mkdtemp(prefix=f"aurora-parity-{mode}-"), display=False, seed=args.seed,
                 engine=args.engine, trainer_extra={**extra, "max_lag": lag, "min_actors": 2},
+                **({"tiny_hidden": args.tiny_size[0], "tiny_intermediate": args.tiny_size[1]} if args.tiny_size else {}),
             )
             if not args.json:
                 print(f"running {mode} ({'K=1: batch b on version b-1' if lag else 'K=0: batch b on version b'}), {args.steps} steps ...", flush=True)

@@ -60,6 +60,10 @@ class DemoConfig:
     workdir: str | None = None
     display: bool = True
     seed: int = 0
+    tiny_hidden: int = 256
+    """Width of the built-in model the demo trains (1.3 M parameters with ``tiny_intermediate`` 768:
+    sparse deltas at a step that learns; docs/BENCHMARKS.md "The demo's regime"). Tests pass 64/192."""
+    tiny_intermediate: int = 768
     weight_transfer: bool = True
     """False: the ideal baseline (versions never shipped; everything generated on v0)."""
     engine: str = "torch"
@@ -254,6 +258,7 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
         tcfg = TrainerConfig(
             steps=cfg.steps, batch=cfg.batch, group=cfg.group, snapshot_every=cfg.snapshot_every, seed=cfg.seed, weight_transfer=cfg.weight_transfer,
             model=cfg.model, task=cfg.task, data=cfg.data, eval_data=cfg.eval_data,
+            tiny_hidden=cfg.tiny_hidden, tiny_intermediate=cfg.tiny_intermediate,
         )
         if cfg.eval_every is not None:
             tcfg = dataclasses.replace(tcfg, eval_every=cfg.eval_every)

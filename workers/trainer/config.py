@@ -67,6 +67,10 @@ class TrainerConfig:
     sampled answers on the demo's model), not more."""
     difficulty: int = 1
     """Difficulty of the generated problems (:func:`workers.task.make_problems`)."""
+    tiny_hidden: int = 64
+    """Width of the built-in tiny model (no ``--model``); ``aurora demo`` trains 256 (1.3 M parameters)."""
+    tiny_intermediate: int = 192
+    """MLP width of the built-in tiny model; ``aurora demo`` trains 768."""
     head_dim: int = 16
     """Attention head size of the tiny policy model; vLLM's CPU attention needs >= 32 (``aurora demo --engine vllm``)."""
     seed: int = 0

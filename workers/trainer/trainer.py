@@ -287,7 +287,10 @@ class Trainer:
                      sum(p.numel() for p in self.model.parameters()) / 1e6, self.tokenizer.vocab_size,
                      ", chat template" if self.tokenizer.chat_template else "")
         else:
-            self.model = tiny_qwen3(self.tokenizer.vocab_size, seed=self.cfg.seed, dtype=torch.float32, head_dim=self.cfg.head_dim)
+            self.model = tiny_qwen3(
+                self.tokenizer.vocab_size, seed=self.cfg.seed, dtype=torch.float32, head_dim=self.cfg.head_dim,
+                hidden=self.cfg.tiny_hidden, intermediate=self.cfg.tiny_intermediate,
+            )
         if not self.ctx.sharded:
             torch.nn.Module.to(self.model, self.ctx.device)
 
@@ -400,7 +403,7 @@ class Trainer:
         """The knobs a resumed run must share with the one it continues."""
         c = self.cfg
         return {"seed": c.seed, "batch": c.batch, "group": c.group, "head_dim": c.head_dim, "max_lag": c.max_lag, "difficulty": c.difficulty, "transfer": c.transfer, "task": c.task,
-                "model": self.model_dir.family if self.model_dir is not None else "built-in"}
+                "model": self.model_dir.family if self.model_dir is not None else "built-in", "tiny": [c.tiny_hidden, c.tiny_intermediate]}
 
     def resume(self) -> int:
         """Continue the run in the store from its newest checkpoint; returns the step to run next.
@@ -424,6 +427,7 @@ class Trainer:
         made = dict(ck.meta.get("config") or {})
         made.setdefault("task", "arithmetic")  # checkpoints of releases before tasks were pluggable
         made.setdefault("model", "built-in")
+        made.setdefault("tiny", [64, 192])
         if made != self._identity():
             raise ConfigError(f"--resume: the run was made with {made}, this Trainer has {self._identity()}; use the same settings")
         self._check_redis()
@@ -828,7 +832,9 @@ def follow(cfg: TrainerConfig, ctx: DistContext) -> int:
     if cfg.model:
         model = load_pretrained(read_model_dir(cfg.model).path, torch.float32)
     else:
-        model = tiny_qwen3(CharTokenizer().vocab_size, seed=cfg.seed, dtype=torch.float32, head_dim=cfg.head_dim)
+        model = tiny_qwen3(
+            CharTokenizer().vocab_size, seed=cfg.seed, dtype=torch.float32, head_dim=cfg.head_dim, hidden=cfg.tiny_hidden, intermediate=cfg.tiny_intermediate,
+        )
     torch.nn.Module.to(model, ctx.device)
     model.train()
     broadcast_module(model)
