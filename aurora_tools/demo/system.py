@@ -39,7 +39,8 @@ __all__ = ["DemoConfig", "DemoResult", "run_system_demo", "add_arguments", "main
 
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
-    steps: int = 20
+    steps: int = 40
+    """Optimizer steps; 40 take about 110 s here (the reward needs them to rise above its noise: docs/BENCHMARKS.md)."""
     batch: int = 32
     group: int = 8
     actors_relay: int = 2
