@@ -30,7 +30,13 @@ from typing import Any
 
 import torch
 
-from aurora_store.api.weights import Tensors, full, is_distributed_rank, named_tensors, tied_head
+from aurora_store.api.weights import (
+    Tensors,
+    gather_bf16,
+    is_distributed_rank,
+    named_tensors,
+    tied_head,
+)
 from aurora_store.apply.sink import weights_digest
 from aurora_store.codec.entries import EncodeOptions
 from aurora_store.codec.extract import extract, fuse_weights, plan_of, unfuse_weights
@@ -227,24 +233,7 @@ class Publisher:
 
     def _gather(self, weights: Tensors, owned: bool = False) -> dict[str, torch.Tensor] | None:
         """bf16 copies of every parameter on rank 0 (one gathered at a time); None elsewhere."""
-        out: dict[str, torch.Tensor] = {}
-        seen: dict[Any, torch.Tensor] = {}
-        for name, t in named_tensors(weights):
-            # Tied names share one tensor: gathered once, the same copy under both names.
-            key = id(t) if callable(getattr(t, "full_tensor", None)) else (t.device, t.data_ptr(), tuple(t.shape))
-            if key in seen:
-                if self._leader:
-                    out[name] = seen[key]
-                continue
-            whole = full(t.detach())
-            if self._leader:
-                copy = whole.to(torch.bfloat16)
-                if copy.data_ptr() == whole.data_ptr() and not owned:
-                    copy = copy.clone()
-                seen[key] = out[name] = copy.contiguous()
-            else:
-                seen[key] = torch.empty(0)
-            del whole
+        out = gather_bf16(named_tensors(weights), self._leader, owned=owned)
         return out if self._leader else None
 
     def continue_from(self, version: int, state: str, weights: Tensors, owned: bool = False) -> None:

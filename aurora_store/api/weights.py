@@ -9,7 +9,7 @@ model is never held twice on one device.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from aurora_store.codec.fusion import EMBED, TIED_HEAD
 from aurora_store.errors import ConfigError
 
-__all__ = ["Tensors", "is_distributed_rank", "leader", "named_tensors", "tied_head"]
+__all__ = ["Tensors", "gather_bf16", "is_distributed_rank", "leader", "named_tensors", "tied_head"]
 
 Tensors = torch.nn.Module | Mapping[str, torch.Tensor]
 """A model, or a mapping name -> tensor (Hugging Face or fused names)."""
@@ -44,6 +44,37 @@ def _is_dtensor(t: Any) -> bool:
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a DTensor gathered (collective: every rank must call this in the same order)."""
     return t.full_tensor() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def gather_bf16(
+    named: Iterable[tuple[str, torch.Tensor]], leader: bool, device: torch.device | None = None, owned: bool = False,
+) -> dict[str, torch.Tensor]:
+    """bf16 copies of every named tensor on the leader (``{}`` elsewhere), gathered one at a time.
+
+    Every rank must pass the same names in the same order: a sharded tensor's
+    gather is a collective. Tied names (one tensor twice) are gathered once
+    and share the copy, as in the model. ``device``: where the copies go
+    (default: where each tensor is). ``owned``: a tensor already bf16 where it
+    is may be used as it is instead of copied (the caller never writes it again).
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[Any, torch.Tensor] = {}
+    for name, t in named:
+        key = id(t) if _is_dtensor(t) else (t.device, t.data_ptr(), tuple(t.shape))
+        if key in seen:
+            if leader:
+                out[name] = seen[key]
+            continue
+        whole = full(t.detach())
+        if leader:
+            copy = whole.to(device=device if device is not None else whole.device, dtype=torch.bfloat16)
+            if copy.data_ptr() == whole.data_ptr() and not owned:
+                copy = copy.clone()
+            seen[key] = out[name] = copy.contiguous()
+        else:
+            seen[key] = torch.empty(0)
+        del whole
+    return out
 
 
 def tied_head(weights: Tensors, named: Mapping[str, torch.Tensor]) -> bool:

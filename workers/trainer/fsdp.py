@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from aurora_store.api.weights import gather_bf16 as gather_bf16_api
+
 __all__ = [
     "DistContext",
     "GrpoBatch",
@@ -149,36 +151,15 @@ def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     return model
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full_tensor = getattr(t, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else t
-
-
 def gather_bf16(named: Iterator[tuple[str, torch.Tensor]] | Sequence[tuple[str, torch.Tensor]], ctx: DistContext) -> dict[str, torch.Tensor]:
     """Full bf16 copies of the named parameters on rank 0 (``{}`` elsewhere), on rank 0's device.
 
     The copies stay where the weights live (a GPU's memory on CUDA), so the
     delta is extracted there and only the changed elements come to the host.
-
     Every rank must call this with the same names in the same order: each
-    parameter is one collective. Tied names (the same tensor twice) are
-    gathered once and share the result, as in the model.
+    parameter is one collective (the public API's gather, :func:`aurora_store.api.weights.gather_bf16`).
     """
-    out: dict[str, torch.Tensor] = {}
-    seen: dict[int, torch.Tensor] = {}
-    for name, t in named:
-        key = id(t)
-        if key in seen:
-            if ctx.leader:
-                out[name] = seen[key]
-            continue
-        full = _full(t.detach())
-        if ctx.leader:
-            seen[key] = out[name] = full.to(device=ctx.device, dtype=torch.bfloat16).contiguous()
-        else:
-            seen[key] = torch.empty(0)
-        del full
-    return out
+    return gather_bf16_api(named, ctx.leader, ctx.device)
 
 
 def local_rows(n: int, ctx: DistContext) -> list[int]:
