@@ -109,6 +109,8 @@ class DemoResult:
     tokenizer_vocab_size: int = 0
     eval_accuracy: dict[int, float] = field(default_factory=dict)
     """Held-out accuracy by the version it was measured on."""
+    stopped_hard: list[str] = field(default_factory=list)
+    """Children that did not leave within the stop timeout after SIGTERM and were killed."""
 
     @property
     def density_mean(self) -> float:
@@ -167,6 +169,7 @@ class _Procs:
         self.env = env
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.stopped_hard: list[str] = []
 
     def start(self, name: str, args: list[str]) -> None:
         out = open(os.path.join(self.logdir, f"{name}.log"), "wb")  # noqa: SIM115 - owned by the child
@@ -176,15 +179,21 @@ class _Procs:
         self.procs[name].send_signal(signal.SIGKILL)
         self.procs[name].wait()
 
-    def stop_all(self, timeout: float = 20.0) -> None:
+    def stop_all(self, timeout: float = 60.0) -> None:
+        """SIGTERM to every child still running; SIGKILL to those not gone within ``timeout``.
+
+        The timeout is generous: a loaded machine can take a while to finish the
+        batch in hand, and a child killed here never leaves the ledger.
+        """
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for p in self.procs.values():
+        for name, p in self.procs.items():
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                self.stopped_hard.append(name)
                 p.kill()
                 p.wait()
 
@@ -333,6 +342,7 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
             tokenizer_vocab_size=int(trainer.tokenizer.vocab_size),
             # The Trainer's held-out scores by version (an older Trainer has none).
             eval_accuracy={int(v): float(a) for v, a in dict(getattr(trainer, "eval_accuracy", {})).items()},
+            stopped_hard=list(procs.stopped_hard),
         )
     finally:
         for s in reversed(servers):

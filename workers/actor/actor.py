@@ -956,11 +956,15 @@ class Actor:
                 raise
         finally:
             self.stop.set()
+            # Leave first: the work loop is done, so nothing claims or settles any
+            # more, and a stager still finishing a fetch must not hold the leases
+            # (nor the status) hostage until it ends or the process is killed.
+            # The heartbeat script refuses a record that is no longer alive.
+            self._leave()
             for t in threads:
                 t.join(timeout=30)
             if hasattr(self, "engine") and hasattr(self.engine, "close"):  # an engine with processes of its own (vLLM)
                 self.engine.close()
-            self._leave()
         if self._fatal is not None:
             raise self._fatal
         return self.stats
