@@ -52,7 +52,7 @@ def test_json_report_on_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(r["lossless_by_encoding"].values())
 
     bpc = r["bytes_per_changed"]
-    assert set(bpc) == {"leb128", "u32", "u64", "xor_zstd", "auto", "zstd_u32"}
+    assert set(bpc) == {"leb128", "u32", "u64", "xor_zstd", "auto", "auto_v2", "zstd_u32"}
     assert all(isinstance(v, float) and v > 0 for v in bpc.values()), bpc
     # Naive sizes are exact: 8 + 2 and 4 + 2 bytes per changed bf16 element.
     assert bpc["u64"] == pytest.approx(10.0)

@@ -361,7 +361,7 @@ def test_adjacent_ranges_do_not_overlap() -> None:
 @pytest.mark.parametrize(
     ("meta", "match"),
     [
-        ({"aurora.format": "2"}, "aurora.format is '2'"),
+        ({"aurora.format": "3"}, "aurora.format is '3'"),
         ({"aurora.kind": "snapshot"}, "aurora.kind is 'snapshot'"),
         ({"aurora.version": "x1"}, "'aurora.version' is not a decimal integer"),
         ({"aurora.base_version": "-1"}, "'aurora.base_version' is not a decimal integer"),

@@ -17,6 +17,7 @@ import numpy as np
 
 from aurora_store import config
 from aurora_store.codec import encodings as enc
+from aurora_store.codec import v2
 from aurora_store.codec.encodings import DTYPES, StreamError
 from aurora_store.errors import ConfigError
 
@@ -24,6 +25,7 @@ __all__ = [
     "EncodeOptions",
     "PAPER",
     "NAIVE",
+    "AUTO_V2",
     "ParamSpec",
     "EncodedEntry",
     "DecodedEntry",
@@ -49,9 +51,9 @@ class EncodeOptions:
 
     def __post_init__(self) -> None:
         for name, allowed, given in (
-            ("index encoding", enc.INDEX_ENCODINGS, self.index_encodings),
+            ("index encoding", enc.INDEX_ENCODINGS + v2.FORMAT2_INDEX_ENCODINGS, self.index_encodings),
             ("value mode", enc.VALUE_MODES, self.value_modes),
-            ("codec", enc.CODECS, self.codecs),
+            ("codec", enc.CODECS + v2.FORMAT2_CODECS, self.codecs),
         ):
             if not given:
                 raise ConfigError(f"EncodeOptions: at least one {name} is required")
@@ -62,6 +64,16 @@ class EncodeOptions:
                     )
         if not 1 <= self.zstd_level <= 22:
             raise ConfigError(f"EncodeOptions: zstd_level must be 1..22, got {self.zstd_level}")
+
+    @property
+    def format(self) -> int:
+        """The segment format these options write: 2 as soon as a format-2
+        encoding (``rice``) or codec (``planes``) is allowed, else 1."""
+        if any(e in v2.FORMAT2_INDEX_ENCODINGS for e in self.index_encodings) or any(
+            c in v2.FORMAT2_CODECS for c in self.codecs
+        ):
+            return 2
+        return 1
 
     @classmethod
     def from_env(cls, prefix: str = "AURORA_", environ: Mapping[str, str] | None = None) -> EncodeOptions:
@@ -77,6 +89,12 @@ class EncodeOptions:
 PAPER = EncodeOptions(index_encodings=("leb128",), value_modes=("new",), codecs=("none",))
 #: The naive baseline: absolute 32/64-bit indices and raw new values.
 NAIVE = EncodeOptions(index_encodings=("u32", "u64"), value_modes=("new",), codecs=("none",))
+#: Everything format 1 allows and format 2's ``rice`` gaps and ``planes``
+#: values, smallest per entry: segments written with it are format 2.
+AUTO_V2 = EncodeOptions(
+    index_encodings=enc.INDEX_ENCODINGS + v2.FORMAT2_INDEX_ENCODINGS,
+    codecs=enc.CODECS + v2.FORMAT2_CODECS,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +212,10 @@ def encode_entry(
     ``read_new_range`` returns the new bits of a whole range; without it a
     dense entry is only possible in ``xor`` mode or when every element changed.
     """
+    if options.format >= 2:
+        return _encode_entry_v2(
+            param, spec, start, stop, indices, new_bits, old_bits, options, read_new_range
+        )
     info = DTYPES[spec.dtype]
     nnz = int(indices.size)
     span = stop - start
@@ -350,6 +372,164 @@ def encode_entry(
     return best
 
 
+def _encode_entry_v2(
+    param: str,
+    spec: ParamSpec,
+    start: int,
+    stop: int,
+    indices: np.ndarray,
+    new_bits: np.ndarray,
+    old_bits: np.ndarray | None,
+    options: EncodeOptions,
+    read_new_range: Callable[[int, int], np.ndarray] | None,
+) -> EncodedEntry:
+    """:func:`encode_entry` for format-2 options: the same choice, smallest
+    first, with ``rice`` indices and ``planes`` values among the candidates.
+
+    Sizes that are cheap to know exactly (raw streams, ``rice`` from one pass
+    over the gaps, ``planes`` from byte histograms) are compared before
+    anything is written, and only the winner is encoded; zstd is run only
+    where it could win, so encoding stays a small part of extraction.
+    """
+    info = DTYPES[spec.dtype]
+    width = info.width
+    nnz = int(indices.size)
+    span = stop - start
+    codecs = options.codecs
+    level = options.zstd_level
+    allow_raw = "none" in codecs
+    allow_zstd = "zstd" in codecs
+    allow_planes = "planes" in codecs
+    can_xor = "xor" in options.value_modes and old_bits is not None
+    can_new = "new" in options.value_modes
+    le = info.bits.newbyteorder("<")
+    cctx = enc.zstd_compressor(level) if allow_zstd else None
+    # planes may hold zstd planes whatever ``codecs`` says (they are part of the codec).
+    pctx = cctx if cctx is not None else (enc.zstd_compressor(level) if allow_planes else None)
+
+    def zstd(raw: bytes | np.ndarray) -> bytes:
+        return enc.zstd_compress(raw, level, cctx)
+
+    Choice = tuple[str, str, bytes, str]  # mode, codec, payload, dtype code
+
+    def value_choice(streams: list[tuple[str, np.ndarray, str]]) -> tuple[int, Callable[[], Choice]] | None:
+        """(size, maker) of the smallest allowed value stream."""
+        best: tuple[int, Callable[[], Choice]] | None = None
+
+        def offer(size: int, make: Callable[[], Choice]) -> None:
+            nonlocal best
+            if best is None or size < best[0]:
+                best = (size, make)
+
+        for mode, arr, code in streams:
+            a = np.ascontiguousarray(arr.astype(le, copy=False))
+            if allow_raw:
+                offer(a.nbytes, lambda m=mode, a=a, c=code: (m, "none", a.tobytes(), c))
+            if allow_planes:
+                # The entropy bound prunes a stream (``new``, usually) that
+                # cannot win; for the second stream it is judged on a sample.
+                if best is None:
+                    bound, state = 0, v2.plane_state(a, width)
+                else:
+                    bound, state = v2.planes_lower_bound(a, width, sample=True)
+                if best is None or bound < best[0]:
+                    plan = v2.plan_planes(a, width, state)
+                    offer(
+                        plan.nbytes,
+                        lambda m=mode, a=a, plan=plan: (
+                            m, "planes", v2.encode_planes(a, width, level, plan, pctx), "U8"
+                        ),
+                    )
+            elif allow_zstd and a.size:
+                z = zstd(a)
+                offer(len(z), lambda m=mode, z=z: (m, "zstd", z, "U8"))
+        return best
+
+    def streams_of(new: np.ndarray | None, xor: np.ndarray | None) -> list[tuple[str, np.ndarray, str]]:
+        # xor first: on a delta it is nearly always the smaller, and then
+        # prunes ``new`` before its planes are planned.
+        out: list[tuple[str, np.ndarray, str]] = []
+        if can_xor and xor is not None:
+            out.append(("xor", xor, info.bits_code))
+        if can_new and new is not None:
+            out.append(("new", new, info.st_code))
+        return out
+
+    xor_sparse = (new_bits ^ old_bits) if old_bits is not None else None
+    best: EncodedEntry | None = None
+
+    # Sparse: the smallest index stream, and the smallest value stream.
+    sparse = [
+        e for e in options.index_encodings if e != "dense" and not (e == "u32" and stop > 1 << 32)
+    ]
+    idx_best: tuple[int, Callable[[], tuple[str, str, bytes]]] | None = None
+
+    def offer_idx(size: int, make: Callable[[], tuple[str, str, bytes]]) -> None:
+        nonlocal idx_best
+        if idx_best is None or size < idx_best[0]:
+            idx_best = (size, make)
+
+    rice_size = None
+    if "rice" in sparse:
+        # Nearly always the smallest index stream: written at once, its size is exact.
+        rice_stream = v2.encode_rice(indices, start)
+        rice_size = len(rice_stream)
+        offer_idx(rice_size, lambda r=rice_stream: ("rice", "none", r))
+    # LEB128 takes at least a byte a gap, and zstd takes about a tenth off
+    # it on random changes: not worth writing when rice is already close to that.
+    if "leb128" in sparse and (rice_size is None or rice_size > 1.1 * nnz):
+        raw = enc.encode_indices("leb128", indices, start, stop)
+        if allow_raw:
+            offer_idx(len(raw), lambda raw=raw: ("leb128", "none", raw))
+        if allow_zstd and raw and (rice_size is None or 0.9 * len(raw) < rice_size):
+            z = zstd(raw)
+            offer_idx(len(z), lambda z=z: ("leb128", "zstd", z))
+    for e in ("bitmask", "u32", "u64"):
+        if e not in sparse:
+            continue
+        size = enc.indices_size(e, indices, start, stop)
+        if allow_raw:
+            offer_idx(size, lambda e=e: (e, "none", enc.encode_indices(e, indices, start, stop)))
+        if allow_zstd and size and (idx_best is None or size <= 1.5 * idx_best[0]):
+            z = zstd(enc.encode_indices(e, indices, start, stop))
+            offer_idx(len(z), lambda e=e, z=z: (e, "zstd", z))
+    if idx_best is not None:
+        vals = value_choice(streams_of(new_bits, xor_sparse))
+        if vals is not None:
+            ienc, icodec, ibytes = idx_best[1]()
+            vmode, vcodec, vbytes, vdtype = vals[1]()
+            best = EncodedEntry(
+                param, spec, start, stop, nnz, ienc, vmode, icodec, vcodec, ibytes, vbytes, vdtype
+            )
+
+    # Dense: only worth a look when it could plausibly win (or is the only choice).
+    if "dense" in options.index_encodings and (best is None or span * width <= 2 * best.nbytes):
+        new_range: np.ndarray | None = None
+        if nnz == span:
+            new_range = new_bits
+        elif read_new_range is not None:
+            new_range = read_new_range(start, stop)
+        xor_range: np.ndarray | None = None
+        if xor_sparse is not None:
+            xor_range = np.zeros(span, dtype=info.bits)
+            xor_range[indices - start] = xor_sparse
+        vals = value_choice(streams_of(new_range, xor_range))
+        if vals is not None and (best is None or vals[0] < best.nbytes):
+            vmode, vcodec, vbytes, vdtype = vals[1]()
+            dense = EncodedEntry(
+                param, spec, start, stop, nnz, "dense", vmode, "none", vcodec, None, vbytes, vdtype
+            )
+            if best is None or dense.nbytes < best.nbytes:
+                best = dense
+
+    if best is None:
+        raise ConfigError(
+            f"{param} [{start}, {stop}): no allowed encoding can carry this entry "
+            f"(options {options.index_encodings}/{options.value_modes}/{options.codecs})"
+        )
+    return best
+
+
 # --------------------------------------------------------------------------
 # Decoding untrusted entries
 
@@ -387,6 +567,7 @@ def decode_entry(
     tensor: Callable[[str], tuple[str, tuple[int, ...], memoryview]],
     model: Mapping[str, ParamSpec] | None,
     claim: Claim | None = None,
+    fmt: int = 1,
 ) -> DecodedEntry:
     """Validate one entry's metadata and streams; raises :class:`StreamError`.
 
@@ -394,7 +575,9 @@ def decode_entry(
     of the segment, raising :class:`StreamError` if there is none. ``model``
     maps fused names to specs; when given, the entry must match it.
     ``claim`` (see :data:`Claim`) lets a caller bound a whole version: it
-    sees the entry before a byte of it is decompressed.
+    sees the entry before a byte of it is decompressed. ``fmt`` is the
+    segment's format: format 2's ``rice`` encoding and ``planes`` codec are
+    refused in a format-1 segment.
     """
     if not isinstance(meta, Mapping):
         raise StreamError("entry is not a JSON object")
@@ -425,7 +608,9 @@ def decode_entry(
     if not 0 <= nnz <= span:
         raise StreamError(f"nnz {nnz} impossible for a range of {span} elements")
     encoding = _field(meta, "encoding", str)
-    if encoding not in enc.INDEX_ENCODINGS:
+    if encoding in v2.FORMAT2_INDEX_ENCODINGS and fmt < 2:
+        raise StreamError(f"encoding {encoding!r} needs a format-2 segment, this one is format {fmt}")
+    if encoding not in enc.INDEX_ENCODINGS + v2.FORMAT2_INDEX_ENCODINGS:
         raise StreamError(f"unknown encoding {encoding!r}")
     values = meta.get("values", "new")
     if values not in enc.VALUE_MODES:
@@ -433,8 +618,12 @@ def decode_entry(
     idx_codec = meta.get("idx_codec", "none")
     val_codec = meta.get("val_codec", "none")
     for name, c in (("idx_codec", idx_codec), ("val_codec", val_codec)):
-        if c not in enc.CODECS:
+        if name == "val_codec" and c in v2.FORMAT2_CODECS and fmt < 2:
+            raise StreamError(f"val_codec {c!r} needs a format-2 segment, this one is format {fmt}")
+        if c not in enc.CODECS + (v2.FORMAT2_CODECS if name == "val_codec" else ()):
             raise StreamError(f"unknown {name} {c!r}")
+    if encoding == "rice" and idx_codec != "none":
+        raise StreamError(f"idx_codec {idx_codec!r} with encoding 'rice' (only 'none' is allowed)")
     info = DTYPES[dtype]
     if claim is not None:
         claim(param, start, stop, nnz, decoded_cost(spec, encoding, start, stop, nnz))
@@ -448,34 +637,44 @@ def decode_entry(
             raise StreamError(
                 f"index tensor {idx_name!r} must be a 1-D U8 tensor, is {code} {list(shape)}"
             )
-        bound = enc.index_stream_bound(encoding, nnz, start, stop)
-        if idx_codec == "zstd":
-            exact = None if encoding == "leb128" else bound
-            data = memoryview(enc.zstd_decompress(data, exact, bound))
-        elif len(data) > bound:
-            raise StreamError(f"index stream of {len(data)} bytes exceeds its bound {bound}")
-        indices = enc.decode_indices(encoding, data, start, stop, nnz)
+        if encoding == "rice":
+            indices = v2.decode_rice(data, start, stop, nnz)
+        else:
+            bound = enc.index_stream_bound(encoding, nnz, start, stop)
+            if idx_codec == "zstd":
+                exact = None if encoding == "leb128" else bound
+                data = memoryview(enc.zstd_decompress(data, exact, bound))
+            elif len(data) > bound:
+                raise StreamError(f"index stream of {len(data)} bytes exceeds its bound {bound}")
+            indices = enc.decode_indices(encoding, data, start, stop, nnz)
 
     val_name = _field(meta, "val", str)
     code, shape, data = tensor(val_name)
     width = info.width
-    if val_codec == "zstd":
+    if val_codec == "planes":
         if code != "U8" or len(shape) != 1:
             raise StreamError(
-                f"value tensor {val_name!r} with zstd must be a 1-D U8 tensor, is {code} {list(shape)}"
+                f"value tensor {val_name!r} with planes must be a 1-D U8 tensor, is {code} {list(shape)}"
             )
-        data = memoryview(enc.zstd_decompress(data, count * width, count * width))
+        bits = v2.decode_planes(data, count, width).astype(info.bits, copy=False)
     else:
-        want = info.st_code if values == "new" else info.bits_code
-        if code != want:
-            raise StreamError(f"value tensor {val_name!r} has dtype {code}, expected {want}")
-        if tuple(shape) != (count,):
-            raise StreamError(
-                f"value tensor {val_name!r} has shape {list(shape)}, expected [{count}]"
-            )
-    if len(data) != count * width:
-        raise StreamError(f"value stream holds {len(data)} bytes, expected {count * width}")
-    bits = np.frombuffer(data, dtype=info.bits.newbyteorder("<")).astype(info.bits, copy=False)
+        if val_codec == "zstd":
+            if code != "U8" or len(shape) != 1:
+                raise StreamError(
+                    f"value tensor {val_name!r} with zstd must be a 1-D U8 tensor, is {code} {list(shape)}"
+                )
+            data = memoryview(enc.zstd_decompress(data, count * width, count * width))
+        else:
+            want = info.st_code if values == "new" else info.bits_code
+            if code != want:
+                raise StreamError(f"value tensor {val_name!r} has dtype {code}, expected {want}")
+            if tuple(shape) != (count,):
+                raise StreamError(
+                    f"value tensor {val_name!r} has shape {list(shape)}, expected [{count}]"
+                )
+        if len(data) != count * width:
+            raise StreamError(f"value stream holds {len(data)} bytes, expected {count * width}")
+        bits = np.frombuffer(data, dtype=info.bits.newbyteorder("<")).astype(info.bits, copy=False)
     if indices is None and values == "xor":
         changed = int(np.count_nonzero(bits))
         if changed != nnz:

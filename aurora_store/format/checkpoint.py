@@ -86,7 +86,9 @@ def encode_segments(
 
     def flush() -> EncodedSegment:
         nonlocal current, size, header, index
-        seg = EncodedSegment(index, encode_segment(current, version, version - 1), tuple(current))
+        seg = EncodedSegment(
+            index, encode_segment(current, version, version - 1, opts.format), tuple(current)
+        )
         index += 1
         current, size, header = [], 0, 0
         return seg

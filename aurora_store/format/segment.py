@@ -27,6 +27,7 @@ from aurora_store.format.limits import (
 
 __all__ = [
     "FORMAT_VERSION",
+    "READ_FORMATS",
     "MAX_HEADER_BYTES",
     "Segment",
     "encode_segment",
@@ -36,6 +37,9 @@ __all__ = [
 ]
 
 FORMAT_VERSION = "1"
+#: ``aurora.format`` values this reader accepts. Writers write ``"1"`` unless
+#: their options allow a format-2 encoding (docs/FORMAT.md, "Proposed: format 2").
+READ_FORMATS = ("1", "2")
 # MAX_HEADER_BYTES (format/limits.py): a header larger than this is refused
 # from its 8-byte length, before a byte of it is parsed.
 
@@ -79,8 +83,22 @@ def _write_safetensors(
     return b"".join([struct.pack("<Q", len(hj)), hj, *(t[3] for t in tensors)])
 
 
-def encode_segment(entries: Sequence[EncodedEntry], version: int, base_version: int) -> bytes:
-    """Pack entries into one segment object."""
+def encode_segment(
+    entries: Sequence[EncodedEntry], version: int, base_version: int, fmt: int = 1
+) -> bytes:
+    """Pack entries into one segment object, marked ``aurora.format = fmt``.
+
+    A format-1 segment may not carry format 2's ``rice`` indices or
+    ``planes`` values (a format-1 reader could not read them).
+    """
+    if fmt not in (1, 2):
+        raise ValueError(f"segment format {fmt} is not 1 or 2")
+    if fmt == 1:
+        for e in entries:
+            if e.encoding == "rice" or e.val_codec == "planes":
+                raise ValueError(
+                    f"{e.param} [{e.start}, {e.stop}): {e.encoding}/{e.val_codec} needs a format-2 segment"
+                )
     tensors: list[tuple[int, str, str, list[int], bytes]] = []
     metas: list[dict[str, Any]] = []
     for i, e in enumerate(entries):
@@ -94,7 +112,7 @@ def encode_segment(entries: Sequence[EncodedEntry], version: int, base_version: 
     # Widest tensors first keeps every value tensor aligned to its element size.
     tensors.sort(key=lambda t: -t[0])
     metadata = {
-        "aurora.format": FORMAT_VERSION,
+        "aurora.format": str(fmt),
         "aurora.kind": "delta",
         "aurora.version": str(version),
         "aurora.base_version": str(base_version),
@@ -207,6 +225,7 @@ def decode_segment(
     where: str,
     model: Mapping[str, ParamSpec] | None = None,
     guard: VersionGuard | None = None,
+    formats: Sequence[str] = READ_FORMATS,
 ) -> Segment:
     """Parse and validate every entry of a segment. Changes nothing anywhere.
 
@@ -214,16 +233,17 @@ def decode_segment(
     parallel threads): each entry is checked against the others of the
     version (overlaps, entry count, decode budget) before any of its streams
     is decompressed. Without one, a segment is checked on its own: its
-    entries may not overlap each other.
+    entries may not overlap each other. ``formats`` are the ``aurora.format``
+    values accepted (``("1",)`` reads as a format-1 reader does).
     """
     if guard is None:
         guard = VersionGuard(None)
     meta, tensors = parse_safetensors(data, where)
-    if meta.get("aurora.format") != FORMAT_VERSION:
-        raise SegmentError(
-            where,
-            f"aurora.format is {meta.get('aurora.format')!r}, this reader knows {FORMAT_VERSION!r}",
-        )
+    fmt_text = meta.get("aurora.format")
+    if fmt_text not in formats:
+        known = " and ".join(repr(f) for f in formats)
+        raise SegmentError(where, f"aurora.format is {fmt_text!r}, this reader knows {known}")
+    fmt = int(fmt_text)
     if meta.get("aurora.kind") != "delta":
         raise SegmentError(where, f"aurora.kind is {meta.get('aurora.kind')!r}, expected 'delta'")
     version = _int_meta(meta, "aurora.version", where)
@@ -247,7 +267,7 @@ def decode_segment(
             guard.claim(where, i, param, start, stop, nnz, cost)
 
         try:
-            out.append(decode_entry(m, tensor, model, claim))
+            out.append(decode_entry(m, tensor, model, claim, fmt))
         except StreamError as e:
             param = (
                 m.get("param") if isinstance(m, dict) and isinstance(m.get("param"), str) else None

@@ -16,6 +16,10 @@ One module per concern:
   :func:`leb128_size`;
 - :mod:`~aurora_store.codec.kernels.scatter`: :func:`apply_bits`, overwrite or
   XOR values at indices of a flat array;
+- :mod:`~aurora_store.codec.kernels.rice` and
+  :mod:`~aurora_store.codec.kernels.huffman`: format 2's Rice-coded gaps and
+  Huffman-coded byte planes (docs/FORMAT.md, "Proposed: format 2"); their
+  numpy-path twins are the kernel bodies run as plain Python (slow, exact);
 - :mod:`~aurora_store.codec.kernels.warmup`: :func:`warm_up`.
 
 Every kernel has a pure numpy twin, used when numba is not installed or

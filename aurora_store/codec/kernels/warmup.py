@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from aurora_store.codec.kernels import huffman, rice
 from aurora_store.codec.kernels.jit import jit_enabled
 from aurora_store.codec.kernels.leb128 import (
     leb128_decode,
@@ -38,4 +39,16 @@ def warm_up() -> float:
     leb128_decode(stream)
     leb128_size(idx)
     leb128_encode(idx)
+    # Format 2 (rice gaps, Huffman planes), strided outputs included.
+    r = np.frombuffer(rice.rice_encode_gaps(idx, 0), np.uint8)
+    rice.rice_indices(r, 0, 70001, 3)
+    rice.rice_size(idx, 0, 3)
+    plane = np.array([1, 3, 1, 7, 1], np.uint8)
+    huffman.byte_histograms(np.array([1, 3, 0x8001], np.uint16))
+    huffman.byte_histograms(np.array([1, 3], np.uint32))
+    h = np.frombuffer(huffman.huffman_encode(plane), np.uint8)
+    huffman.huffman_encode(np.zeros((5, 2), np.uint8)[:, 0])
+    huffman.huffman_decode_into(h, np.empty(5, np.uint8))
+    huffman.huffman_decode_into(h, np.empty((5, 2), np.uint8)[:, 0])
+    huffman.huffman_decode_into(h, np.empty((5, 4), np.uint8)[:, 1])
     return time.perf_counter() - t0

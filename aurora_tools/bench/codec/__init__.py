@@ -10,8 +10,11 @@ delta:
   (``leb128``: LEB128 gaps + raw new values), the naive baselines (``u32``,
   ``u64``: absolute indices + raw values), ``xor_zstd`` (LEB128 gaps, XOR
   values, zstd), ``auto`` (the default :class:`EncodeOptions`, smallest per
-  entry) and ``zstd_u32`` (zstd level 1 over the naive u32 payload of each
-  parameter: what a general-purpose compressor makes of the naive format);
+  entry), ``auto_v2`` (format 2, docs/FORMAT.md "Proposed: format 2":
+  also Rice-coded gaps and Huffman/zstd byte planes of the values, written
+  into segments marked format 2) and ``zstd_u32`` (zstd level 1 over the
+  naive u32 payload of each parameter: what a general-purpose compressor
+  makes of the naive format);
 - extraction time and scan rate (bytes of base + new weights read per
   second), next to this machine's copy bandwidth over the same bytes, and the
   same for extraction and ``auto`` encoding together;
@@ -19,6 +22,9 @@ delta:
   ``stage_segments`` + ``apply_delta`` into :class:`FusedWeights`);
 - losslessness: every encoded delta is applied to a copy of the base and the
   result compared bit for bit with the new weights;
+- the same sizes on real deltas of the demo's model (:mod:`.real`: a few
+  SGD steps on the Trainer's built-in tiny Qwen3 at hidden 256; keys
+  ``real_delta`` and ``real_delta_band``), with the compiled kernels;
 - which kernels ran (:func:`aurora_store.codec.kernels.path`: numba's compiled
   kernels, ``jit``, or their numpy twins), and extraction and ``auto``
   decode+apply on *both* paths side by side, checked to agree bit for bit.
@@ -46,6 +52,7 @@ checks), :mod:`.benchmark` (the encodings compared, :func:`run`),
 from __future__ import annotations
 
 from aurora_tools.bench.codec.benchmark import (
+    AUTO_V2_LIMIT,
     DEFAULT_LR,
     DEFAULT_REPS,
     DENSITY_BAND,
@@ -56,6 +63,7 @@ from aurora_tools.bench.codec.benchmark import (
 from aurora_tools.bench.codec.report import format_table, main
 
 __all__ = [
+    "AUTO_V2_LIMIT",
     "DEFAULT_LR",
     "DEFAULT_REPS",
     "DENSITY_BAND",

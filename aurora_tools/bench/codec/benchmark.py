@@ -15,7 +15,7 @@ import torch
 
 from aurora_store.apply.sink import FusedWeights
 from aurora_store.codec import kernels
-from aurora_store.codec.entries import PAPER, EncodeOptions
+from aurora_store.codec.entries import AUTO_V2, PAPER, EncodeOptions
 from aurora_store.codec.extract import ParamDelta, fuse_weights, plan_of
 from aurora_store.format.checkpoint import EncodedSegment
 from aurora_tools.bench.codec.measure import (
@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_LR",
     "DEFAULT_REPS",
     "DENSITY_BAND",
+    "AUTO_V2_LIMIT",
     "VARIANTS",
     "ROWS",
     "shape_name",
@@ -62,9 +63,13 @@ VARIANTS: dict[str, EncodeOptions] = {
     "leb128": PAPER,
     "xor_zstd": EncodeOptions(index_encodings=("leb128",), value_modes=("xor",), codecs=("zstd",)),
     "auto": EncodeOptions(),
+    # Format 2 (docs/FORMAT.md, "Proposed: format 2"): also rice gaps and planes values.
+    "auto_v2": AUTO_V2,
 }
 #: Order of the rows in the table and of ``bytes_per_changed``.
-ROWS = ("u64", "u32", "leb128", "xor_zstd", "auto", "zstd_u32")
+ROWS = ("u64", "u32", "leb128", "xor_zstd", "auto", "auto_v2", "zstd_u32")
+#: Size target of format 2's ``auto_v2`` in the density band (B/changed).
+AUTO_V2_LIMIT = 1.40
 _U32_LIMIT = 1 << 32
 
 
@@ -126,8 +131,12 @@ def run(
     seed: int = 0,
     reps: int = DEFAULT_REPS,
     progress: Callable[[str], None] | None = None,
+    real: bool = True,
 ) -> CodecReport:
-    """Build the model, take one step, measure; returns the report (prints nothing)."""
+    """Build the model, take one step, measure; returns the report (prints nothing).
+
+    ``real`` adds the sizes on real deltas of the demo's model
+    (:mod:`.real`; compiled kernels only: on the numpy path it is skipped)."""
     log = progress or (lambda _msg: None)
     t_start = time.perf_counter()
     threads_before = torch.get_num_threads()
@@ -136,7 +145,7 @@ def run(
     # process holds a core, and the per-core figures are what the targets state.
     torch.set_num_threads(1)
     try:
-        return _run(shape, lr, seed, max(1, reps), log, t_start)
+        return _run(shape, lr, seed, max(1, reps), log, t_start, real)
     finally:
         torch.set_num_threads(threads_before)
 
@@ -148,6 +157,7 @@ def _run(
     reps: int,
     log: Callable[[str], None],
     t_start: float,
+    real: bool = True,
 ) -> CodecReport:
     # -- the model and one RL-like step --
     load_start = os.getloadavg()[0]  # other processes on the box skew every rate
@@ -217,10 +227,14 @@ def _run(
     ee_reps = reps
     log(f"extraction + auto encoding, best of {ee_reps}")
     extract_encode_s = math.inf
+    extract_encode_v2_s = math.inf
     for _ in range(ee_reps):
         memcpy_s = min(memcpy_s, timed(memcpy, every, scratch)[0])
         extract_encode_s = min(
             extract_encode_s, timed(extract_encode, plan, base, new, VARIANTS["auto"])[0]
+        )
+        extract_encode_v2_s = min(
+            extract_encode_v2_s, timed(extract_encode, plan, base, new, VARIANTS["auto_v2"])[0]
         )
     del scratch, every
     memcpy_bps = scan_bytes / memcpy_s
@@ -284,6 +298,16 @@ def _run(
         dec_auto_by_path[other_path] = best
     del fused, sink
 
+    # -- real deltas of the demo's model (compiled kernels only: seconds) --
+    real_report: dict[str, Any] | None = None
+    real_band: dict[str, Any] | None = None
+    if real and active == "jit":
+        from aurora_tools.bench.codec.real import BAND_LR, REAL_LR, real_deltas
+
+        log(f"real deltas: a few SGD steps on the demo's model (hidden 256), lr {REAL_LR:g} and {BAND_LR:g}")
+        real_report = real_deltas(VARIANTS, seed=seed, lr=REAL_LR)
+        real_band = real_deltas(VARIANTS, seed=seed, lr=BAND_LR)
+
     # -- the report --
     def per_changed(b: int | None) -> float | None:
         return None if b is None or nnz == 0 else b / nnz
@@ -295,12 +319,18 @@ def _run(
     in_band = DENSITY_BAND[0] <= density <= DENSITY_BAND[1]
     scan_fraction = (scan_bytes / extract_s) / memcpy_bps
     ee_fraction = (scan_bytes / extract_encode_s) / memcpy_bps
+    ee_v2_fraction = (scan_bytes / extract_encode_v2_s) / memcpy_bps
     ratio = bpc["u32"] / bpc["leb128"] if bpc["u32"] is not None and bpc["leb128"] else None
     all_lossless = (
-        bool(lossless) and all(lossless.values()) and "auto" in lossless and paths_agree
+        bool(lossless)
+        and all(lossless.values())
+        and "auto" in lossless
+        and paths_agree
+        and all(r is None or bool(r["lossless"]) for r in (real_report, real_band))
     )
     band = None if in_band else f"density {100 * density:.3f}% is outside the band"
     auto_rate = rate(dec_s.get("auto"))
+    v2_rate = rate(dec_s.get("auto_v2"))
     targets = [
         _Target(
             "paper_bytes",
@@ -330,6 +360,28 @@ def _run(
             "decode_apply_rate",
             "decode + apply (auto) >= 50 M changed/s, one core",
             None if auto_rate is None else auto_rate / 1e6,
+            50.0,
+            True,
+        ),
+        _Target(
+            "auto_v2_bytes",
+            f"auto_v2 (format 2) <= {AUTO_V2_LIMIT} B/changed at 0.75-1.5% density",
+            bpc["auto_v2"],
+            AUTO_V2_LIMIT,
+            False,
+            band,
+        ),
+        _Target(
+            "extract_encode_scan_v2",
+            "extraction + auto_v2 encoding >= 0.5 x memcpy bandwidth",
+            ee_v2_fraction,
+            0.5,
+            True,
+        ),
+        _Target(
+            "decode_apply_rate_v2",
+            "decode + apply (auto_v2) >= 50 M changed/s, one core",
+            None if v2_rate is None else v2_rate / 1e6,
             50.0,
             True,
         ),
@@ -382,12 +434,20 @@ def _run(
         "extract_encode_s": extract_encode_s,
         "extract_encode_gbps": scan_bytes / extract_encode_s / 1e9,
         "extract_encode_fraction_of_memcpy": ee_fraction,
+        "extract_encode_s_v2": extract_encode_v2_s,
+        "extract_encode_gbps_v2": scan_bytes / extract_encode_v2_s / 1e9,
+        "extract_encode_fraction_of_memcpy_v2": ee_v2_fraction,
         "encode_s": enc_s,
         "encode_elems_per_s_by_encoding": {k: rate(v) for k, v in enc_s.items()},
         "encode_elems_per_s": rate(enc_s.get("auto")),
         "decode_apply_s": dec_s,
         "decode_apply_elems_per_s_by_encoding": {k: rate(v) for k, v in dec_s.items()},
         "decode_apply_elems_per_s": rate(dec_s.get("auto")),
+        "encode_elems_per_s_v2": rate(enc_s.get("auto_v2")),
+        "decode_apply_elems_per_s_v2": v2_rate,
+        "segment_format": {k: opts.format for k, opts in VARIANTS.items()},
+        "real_delta": real_report,
+        "real_delta_band": real_band,
         "lossless_by_encoding": lossless,
         "lossless": all_lossless,
         "kernel_path": active,

@@ -19,6 +19,7 @@ _LABELS = {
     "leb128": "leb128 (paper)",
     "xor_zstd": "xor_zstd",
     "auto": "auto (default)",
+    "auto_v2": "auto_v2 (fmt 2)",
     "zstd_u32": "zstd_u32 (ref.)",
 }
 
@@ -77,6 +78,8 @@ def format_table(report: CodecReport) -> str:
         f"  = {d['scan_fraction_of_memcpy']:.2f} x memcpy",
         f"  extraction + auto encoding            {d['extract_encode_s']:7.3f} s "
         f"{d['extract_encode_gbps']:7.2f} GB/s  = {d['extract_encode_fraction_of_memcpy']:.2f} x memcpy",
+        f"  extraction + auto_v2 encoding         {d['extract_encode_s_v2']:7.3f} s "
+        f"{d['extract_encode_gbps_v2']:7.2f} GB/s  = {d['extract_encode_fraction_of_memcpy_v2']:.2f} x memcpy",
         "",
         f"  {'by kernel path':<22}{'jit':>26}{'numpy':>26}",
     ]
@@ -97,8 +100,21 @@ def format_table(report: CodecReport) -> str:
         f"  both paths bit-identical: {'yes' if d['paths_agree'] else 'NO'}"
         + ("" if len(ex) > 1 else " (only one path available)"),
         "",
-        "  targets",
     ]
+    for rd in (d.get("real_delta"), d.get("real_delta_band")):
+        if not rd:
+            continue
+        b = rd["bytes_per_changed"]
+        lines += [
+            f"  real deltas: {rd['model']}, {rd['params'] / 1e6:.2f} M parameters, {rd['deltas']} deltas, "
+            f"density {100 * rd['density']:.2f}% ({rd['optimizer']})",
+            "    B/changed: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in b.items() if v is not None)
+            + f"; lossless: {'yes' if rd['lossless'] else 'NO'}",
+        ]
+    if d.get("real_delta"):
+        lines.append("")
+    lines += ["  targets"]
     for t in d["targets"]:
         v = t["value"]
         if t["key"] == "lossless":
@@ -126,7 +142,8 @@ def main(args: argparse.Namespace) -> int:
     if not lr > 0:
         raise ValueError(f"--lr must be positive, got {lr}")
     seed = int(getattr(args, "seed", 0) or 0)
-    report = run(shape, lr=lr, seed=seed, progress=Progress())
+    real = bool(getattr(args, "real", True))
+    report = run(shape, lr=lr, seed=seed, progress=Progress(), real=real)
     if getattr(args, "json", False):
         print(report.to_json())
     else:
