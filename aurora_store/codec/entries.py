@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -34,6 +34,14 @@ __all__ = [
     "decoded_cost",
     "Claim",
 ]
+
+_T = TypeVar("_T")
+
+
+def _ready(value: _T) -> Callable[[], _T]:
+    """A maker for a value already computed (the offers' other makers compute theirs)."""
+    return lambda: value
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,6 +420,12 @@ def _encode_entry_v2(
 
     Choice = tuple[str, str, bytes, str]  # mode, codec, payload, dtype code
 
+    def planes_maker(mode: str, a: np.ndarray, plan: Any) -> Callable[[], Choice]:
+        def make() -> Choice:
+            return mode, "planes", v2.encode_planes(a, width, level, plan, pctx), "U8"
+
+        return make
+
     def value_choice(streams: list[tuple[str, np.ndarray, str]]) -> tuple[int, Callable[[], Choice]] | None:
         """(size, maker) of the smallest allowed value stream."""
         best: tuple[int, Callable[[], Choice]] | None = None
@@ -424,7 +438,7 @@ def _encode_entry_v2(
         for mode, arr, code in streams:
             a = np.ascontiguousarray(arr.astype(le, copy=False))
             if allow_raw:
-                offer(a.nbytes, lambda m=mode, a=a, c=code: (m, "none", a.tobytes(), c))
+                offer(a.nbytes, _ready((mode, "none", a.tobytes(), code)))
             if allow_planes:
                 # The entropy bound prunes a stream (``new``, usually) that
                 # cannot win; for the second stream it is judged on a sample.
@@ -434,15 +448,10 @@ def _encode_entry_v2(
                     bound, state = v2.planes_lower_bound(a, width, sample=True)
                 if best is None or bound < best[0]:
                     plan = v2.plan_planes(a, width, state)
-                    offer(
-                        plan.nbytes,
-                        lambda m=mode, a=a, plan=plan: (
-                            m, "planes", v2.encode_planes(a, width, level, plan, pctx), "U8"
-                        ),
-                    )
+                    offer(plan.nbytes, planes_maker(mode, a, plan))
             elif allow_zstd and a.size:
                 z = zstd(a)
-                offer(len(z), lambda m=mode, z=z: (m, "zstd", z, "U8"))
+                offer(len(z), _ready((mode, "zstd", z, "U8")))
         return best
 
     def streams_of(new: np.ndarray | None, xor: np.ndarray | None) -> list[tuple[str, np.ndarray, str]]:
@@ -464,6 +473,12 @@ def _encode_entry_v2(
     ]
     idx_best: tuple[int, Callable[[], tuple[str, str, bytes]]] | None = None
 
+    def index_maker(e: str) -> Callable[[], tuple[str, str, bytes]]:
+        def make() -> tuple[str, str, bytes]:
+            return e, "none", enc.encode_indices(e, indices, start, stop)
+
+        return make
+
     def offer_idx(size: int, make: Callable[[], tuple[str, str, bytes]]) -> None:
         nonlocal idx_best
         if idx_best is None or size < idx_best[0]:
@@ -474,25 +489,25 @@ def _encode_entry_v2(
         # Nearly always the smallest index stream: written at once, its size is exact.
         rice_stream = v2.encode_rice(indices, start)
         rice_size = len(rice_stream)
-        offer_idx(rice_size, lambda r=rice_stream: ("rice", "none", r))
+        offer_idx(rice_size, _ready(("rice", "none", rice_stream)))
     # LEB128 takes at least a byte a gap, and zstd takes about a tenth off
     # it on random changes: not worth writing when rice is already close to that.
     if "leb128" in sparse and (rice_size is None or rice_size > 1.1 * nnz):
         raw = enc.encode_indices("leb128", indices, start, stop)
         if allow_raw:
-            offer_idx(len(raw), lambda raw=raw: ("leb128", "none", raw))
+            offer_idx(len(raw), _ready(("leb128", "none", raw)))
         if allow_zstd and raw and (rice_size is None or 0.9 * len(raw) < rice_size):
             z = zstd(raw)
-            offer_idx(len(z), lambda z=z: ("leb128", "zstd", z))
+            offer_idx(len(z), _ready(("leb128", "zstd", z)))
     for e in ("bitmask", "u32", "u64"):
         if e not in sparse:
             continue
         size = enc.indices_size(e, indices, start, stop)
         if allow_raw:
-            offer_idx(size, lambda e=e: (e, "none", enc.encode_indices(e, indices, start, stop)))
+            offer_idx(size, index_maker(e))
         if allow_zstd and size and (idx_best is None or size <= 1.5 * idx_best[0]):
             z = zstd(enc.encode_indices(e, indices, start, stop))
-            offer_idx(len(z), lambda e=e, z=z: (e, "zstd", z))
+            offer_idx(len(z), _ready((e, "zstd", z)))
     if idx_best is not None:
         vals = value_choice(streams_of(new_bits, xor_sparse))
         if vals is not None:

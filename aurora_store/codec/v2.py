@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import zstandard
@@ -175,7 +176,10 @@ def plan_planes(bits: np.ndarray, width: int, state: object = None) -> PlanesPla
     """Per-plane methods and sizes for ``bits``, from byte histograms alone."""
     if bits.size == 0:
         return PlanesPlan((PLANE_RAW,) * width, (0,) * width, (), ())
-    p, hists = state if state is not None else _histograms(bits, width)  # type: ignore[misc]
+    if state is None:
+        p, hists = _histograms(bits, width)
+    else:
+        p, hists = cast("tuple[np.ndarray, list[np.ndarray]]", state)
     methods, sizes, lengths = [], [], []
     for j in range(width):
         m, n, ln = _plane_plan(int(p.shape[0]), hists[j])

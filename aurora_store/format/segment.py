@@ -243,7 +243,7 @@ def decode_segment(
     if fmt_text not in formats:
         known = " and ".join(repr(f) for f in formats)
         raise SegmentError(where, f"aurora.format is {fmt_text!r}, this reader knows {known}")
-    fmt = int(fmt_text)
+    fmt = int(str(fmt_text))
     if meta.get("aurora.kind") != "delta":
         raise SegmentError(where, f"aurora.kind is {meta.get('aurora.kind')!r}, expected 'delta'")
     version = _int_meta(meta, "aurora.version", where)
