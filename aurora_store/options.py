@@ -52,7 +52,7 @@ Options = argparse._ActionsContainer
 
 STORE_HELP = "run root: s3://bucket/prefix/run, file:///path, or a path"
 STORAGE_OPTION_HELP = "fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000"
-REDIS_HELP = "redis://[user@]host:port/db or rediss://… (default: $AURORA_REDIS_URL; a password belongs in --redis-password-file, not here)"
+REDIS_HELP = "redis://[user@]host:port/db, rediss://… or a Redis Cluster: redis+cluster://host:port,host:port,… (default: $AURORA_REDIS_URL; a password belongs in --redis-password-file, not here)"
 RUN_HELP = "run name (keys and streams are namespaced by it)"
 
 

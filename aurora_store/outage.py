@@ -94,6 +94,9 @@ def is_transient(e: BaseException) -> bool:
         rx = None  # type: ignore[assignment]
     if rx is not None and isinstance(e, (rx.ConnectionError, rx.TimeoutError, rx.BusyLoadingError)):
         return not isinstance(e, getattr(rx, "AuthenticationError", ()))
+    # Redis Cluster: no master for a slot yet (CLUSTERDOWN, TRYAGAIN), a failover under way.
+    if rx is not None and isinstance(e, (rx.ClusterDownError, rx.TryAgainError, rx.SlotNotCoveredError)):
+        return True
     return isinstance(e, (ConnectionError, TimeoutError))
 
 

@@ -40,7 +40,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from aurora_store.coordination.keys import glob_escape
-from aurora_store.coordination.redisconn import key_prefix, translate_redis_errors
+from aurora_store.coordination.redisconn import (
+    key_prefix,
+    on_master_of,
+    translate_redis_errors,
+    wait_for_replica,
+)
 from aurora_store.errors import ConfigError, CoordinationError, VersionConflict
 from aurora_store.format.manifest import manifest_key, parse_version_dir
 from aurora_store.storage import Store
@@ -80,7 +85,7 @@ class CommitRecord:
     manifest: bytes
 
 
-def require_persistence(client: Any) -> str:
+def require_persistence(client: Any, run: str | None = None) -> str:
     """How ``client``'s Redis persists its data (``"aof"`` or ``"rdb"``), or :class:`ConfigError`.
 
     Why: in Redis-commit mode a version is committed by its Redis record; a
@@ -92,14 +97,15 @@ def require_persistence(client: Any) -> str:
     """
     if os.environ.get(TRUST_PERSISTENCE_ENV, "").strip() in ("1", "true", "yes"):
         return "trusted"
+    at = on_master_of(client, key_prefix(run)) if run else {}  # on a cluster: the run's master
     with translate_redis_errors("check Redis persistence"):
-        info = client.info("persistence")
+        info = client.info("persistence", **at)
     if str(info.get("aof_enabled", "0")) == "1":
         return "aof"
     save = ""
     try:
         with translate_redis_errors("check Redis persistence"):
-            got = client.config_get("save")
+            got = client.config_get("save", **at)
         raw = got.get("save", got.get(b"save", "")) if isinstance(got, dict) else ""
         save = raw.decode() if isinstance(raw, bytes) else str(raw)
     except CoordinationError as e:
@@ -186,6 +192,8 @@ class RedisCommitLog:
         for _ in range(3):  # a record deleted between SET and GET (an operator): decide again
             with translate_redis_errors("write a commit record"):
                 won = self.client.set(key, digest.encode() + b"\n" + data, nx=True)
+                if won:
+                    wait_for_replica(self.client, key)  # on a cluster: the record survives a failover
             if won:
                 return True
             have = self.record(kind, version)
@@ -196,6 +204,8 @@ class RedisCommitLog:
                     f"{kind} {version} of run {self.run!r} is already committed in Redis with another manifest "
                     f"({have.digest[:19]}…, ours {digest[:19]}…)"
                 )
+            with translate_redis_errors("write a commit record"):
+                wait_for_replica(self.client, key)  # our earlier attempt's record, maybe not replicated yet
             return False
         raise CoordinationError(f"{key}: the commit record keeps disappearing")
 
@@ -320,7 +330,7 @@ def prepare_commit(store: Store, client: Any, run: str | None, commit_via: str) 
         return None
     if client is None or not run:
         raise ConfigError("--commit-via redis needs --redis URL and --run NAME (the commit records live in the run's Redis)")
-    how = require_persistence(client)
+    how = require_persistence(client, run)
     commits = RedisCommitLog(client, run)
     commits.enable(store)
     done = commits.complete(store)

@@ -16,8 +16,9 @@ also ``ConnectionError``.
 
 from __future__ import annotations
 
-from contextlib import ContextDecorator
+from contextlib import ContextDecorator, suppress
 from dataclasses import dataclass
+from functools import cache
 from types import TracebackType
 from typing import Any, Literal
 
@@ -45,6 +46,14 @@ __all__ = [
     "resolve_redis_url",
     "redis_child_env",
     "connect",
+    "CLUSTER_SCHEMES",
+    "is_cluster_url",
+    "cluster_seeds",
+    "is_cluster_client",
+    "server_time_ms",
+    "on_master_of",
+    "wait_for_replica",
+    "REPLICA_WAIT_MS",
     "key_prefix",
     "validate_run_name",
     "translate_redis_errors",
@@ -73,20 +82,39 @@ class RedisConfig:
             raise ConfigError(f"RedisConfig: timeouts must be positive ({self})")
 
 
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+"""URL schemes of a Redis Cluster: ``redis+cluster://[user[:password]@]host:port[,host:port...][/0]``
+(``rediss+cluster://`` for TLS). Every ``host:port`` is a seed node; one that answers is enough."""
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (:data:`CLUSTER_SCHEMES`)."""
+    return url.startswith(CLUSTER_SCHEMES)
+
+
 def connect(url: str | None = None, config: RedisConfig | None = None, block_s: float | None = None) -> Any:
-    """A redis-py client for ``redis://``, ``rediss://`` or ``unix://`` URLs.
+    """A redis-py client for ``redis://``, ``rediss://``, ``unix://`` or (Redis Cluster) ``redis+cluster://`` URLs.
 
     ``url``: None takes ``$AURORA_REDIS_URL``; a URL without a password takes
     the one in ``$AURORA_REDIS_PASSWORD_FILE`` (:func:`resolve_redis_url`).
     ``config``: default :class:`RedisConfig` from the environment.
     ``block_s``: the longest blocking read this client will issue; its read
     timeout is set above it.
+
+    A cluster URL gives a :class:`redis.cluster.RedisCluster` with the same
+    timeouts: it follows ``MOVED`` and a failover itself, and what it cannot
+    ride out (no master for the run's slot yet) is
+    :class:`~aurora_store.errors.RedisUnavailable` like any outage.
     """
     url = resolve_redis_url(url)
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"Redis URL must start with redis://, rediss:// or unix://, got {redact_url(url)!r}")
     cfg = config or from_env(RedisConfig, REDIS_ENV_PREFIX)
     timeout = cfg.command_timeout_s if block_s is None else block_s + cfg.block_margin_s
+    if is_cluster_url(url):
+        return _connect_cluster(url, cfg, timeout)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(
+            f"Redis URL must start with redis://, rediss://, unix:// or redis+cluster://, got {redact_url(url)!r}"
+        )
     try:
         return redis.Redis.from_url(
             url,
@@ -97,6 +125,142 @@ def connect(url: str | None = None, config: RedisConfig | None = None, block_s: 
         )
     except ValueError as e:  # redis-py's URL parser: its message may quote the URL
         raise ConfigError(f"Redis URL {redact_url(url)!r}: {redact_url(str(e))}") from None
+
+
+def is_cluster_client(client: Any) -> bool:
+    """Whether ``client`` (or the client a riding proxy wraps) is redis-py's cluster client."""
+    from redis.cluster import NodesManager
+
+    return isinstance(getattr(client, "nodes_manager", None), NodesManager)
+
+
+def on_master_of(client: Any, key: str) -> dict[str, Any]:
+    """Keyword arguments that send a keyless command (``INFO``, ``CONFIG GET``) to the master
+    serving ``key`` on a cluster (redis-py would pick any node); ``{}`` on plain Redis."""
+    return {"target_nodes": client.get_node_from_key(key)} if is_cluster_client(client) else {}
+
+
+def server_time_ms(client: Any, key: str) -> int:
+    """The server's ``TIME`` in milliseconds; on a cluster, of the master that serves ``key``.
+
+    The ledger's scripts stamp leases with their own node's clock, and plain
+    ``TIME`` on a cluster goes to any node, whose clock may differ.
+    """
+    s, us = client.time(**on_master_of(client, key))
+    return int(s) * 1000 + int(us) // 1000
+
+
+REPLICA_WAIT_MS = 1000
+"""How long :func:`wait_for_replica` waits for a replica to confirm the writes so far."""
+
+
+def wait_for_replica(client: Any, key: str, timeout_ms: int = REPLICA_WAIT_MS) -> int | None:
+    """On a cluster: ``WAIT 1 timeout_ms`` on the master serving ``key``; the replicas that confirmed.
+
+    Replication is asynchronous, so a master killed right after a write may
+    take it along: its replica is promoted without it. After a write that
+    must survive a failover (a commit record), this waits until one replica
+    holds it, or ``timeout_ms`` (0 replicas: the write stands, unconfirmed;
+    a master without a live replica must not stop the run). None on plain
+    Redis, where there is no failover to survive.
+    """
+    if not is_cluster_client(client):
+        return None
+    node = client.get_node_from_key(key)
+    return int(client.execute_command("WAIT", 1, int(timeout_ms), target_nodes=node))
+
+
+def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """``redis+cluster://`` URL -> (a plain ``redis://`` URL of its first seed, every seed's (host, port)).
+
+    The plain URL keeps the user, password and query (TLS options), which
+    redis-py applies to every node. A database other than 0 is refused: a
+    cluster has only database 0.
+    """
+    scheme, _, rest = url.partition("://")
+    plain = "rediss" if scheme.startswith("rediss") else "redis"
+    netloc, slash, tail = rest.partition("/")
+    path, q, query = tail.partition("?")
+    if not slash and "?" in netloc:
+        netloc, q, query = netloc.partition("?")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if path not in ("", "0"):
+        raise ConfigError(f"Redis Cluster URL {redact_url(url)!r}: a cluster has only database 0, not {path!r}")
+    seeds: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        host, colon, port = item.strip().rpartition(":")
+        if not colon:
+            host, port = port, "6379"
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"Redis Cluster URL {redact_url(url)!r}: seed {item!r} is not host:port")
+        seeds.append((host, int(port)))
+    h0, p0 = seeds[0]
+    host0 = f"[{h0}]" if ":" in h0 else h0
+    return f"{plain}://{userinfo}{at}{host0}:{p0}/0{q}{query}", seeds
+
+
+_TOPOLOGY_ERRORS: tuple[type[BaseException], ...] = (rx.ConnectionError, rx.TimeoutError, rx.ClusterDownError, rx.TryAgainError)
+
+
+@cache
+def _cluster_class() -> Any:
+    from redis.cluster import RedisCluster
+
+    class AuroraCluster(RedisCluster):
+        """redis-py's cluster client, whose pipelines re-read the slot map after a failed node.
+
+        redis-py refreshes its map when a single command meets a dead node,
+        but a pipeline whose commands all failed on one (Ledger.settle_many)
+        can keep the old map and go on dialling the dead master after its
+        replica took over. So a pipeline that fails, or answers with such
+        an error, makes the client ask the cluster for its map again.
+        """
+
+        def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> Any:
+            pipe = super().pipeline(transaction, shard_hint)
+            execute = pipe.execute
+
+            def execute_refreshing(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    out = execute(*args, **kwargs)
+                except _TOPOLOGY_ERRORS:
+                    self.refresh_slots()
+                    raise
+                if any(isinstance(x, _TOPOLOGY_ERRORS) for x in out or ()):
+                    self.refresh_slots()
+                return out
+
+            pipe.execute = execute_refreshing
+            return pipe
+
+        def refresh_slots(self) -> None:
+            """Re-read the slot map from any node that answers (nothing if none does now)."""
+            with suppress(Exception):  # none answers now: the next call meets the outage and is retried
+                self.nodes_manager.initialize()
+
+    return AuroraCluster
+
+
+def _connect_cluster(url: str, cfg: RedisConfig, timeout: float) -> Any:
+    from redis.cluster import ClusterNode
+
+    plain, seeds = cluster_seeds(url)
+    try:
+        return _cluster_class().from_url(
+            plain,
+            startup_nodes=[ClusterNode(h, p) for h, p in seeds],
+            socket_connect_timeout=cfg.connect_timeout_s,
+            socket_timeout=timeout,
+            health_check_interval=cfg.health_check_interval_s,
+            decode_responses=False,
+        )
+    except ValueError as e:
+        raise ConfigError(f"Redis Cluster URL {redact_url(url)!r}: {redact_url(str(e))}") from None
+    except rx.RedisError as e:  # no seed answered, or the cluster is not up: an outage
+        err = translate_redis_error("connect to the Redis Cluster", e)
+        assert err is not None  # a RedisError always translates
+        raise err from e
 
 
 # Errors that mean "the server is away for now": refused, dropped, timed out,
@@ -113,9 +277,18 @@ _NOT_AWAY: tuple[type[BaseException], ...] = tuple(
     c for c in (getattr(rx, n, None) for n in ("AuthenticationError", "AuthorizationError", "ExternalAuthProviderError")) if isinstance(c, type)
 )
 
+# redis-py's cluster client raises these outside RedisError: no seed answered,
+# or a slot has no master (yet) in its map. A failover in progress.
+_CLUSTER_AWAY: tuple[type[BaseException], ...] = (rx.SlotNotCoveredError,)
+_CLUSTER_AWAY_SAYS = ("Redis Cluster cannot be connected", "All slots are not covered")
+
 
 def translate_redis_error(op: str, e: BaseException) -> CoordinationError | None:
     """The Aurora error for redis-py error ``e`` raised during ``op``; None if ``e`` is not redis-py's."""
+    if isinstance(e, rx.RedisClusterException):  # redis-py's cluster client; not a RedisError
+        if isinstance(e, _CLUSTER_AWAY) or str(e).startswith(_CLUSTER_AWAY_SAYS):
+            return RedisUnavailable(op, str(e) or type(e).__name__)
+        return CoordinationError(f"redis cluster error during {op}: {type(e).__name__}: {e}")
     if not isinstance(e, rx.RedisError):
         return None
     if isinstance(e, _AWAY) and not isinstance(e, _NOT_AWAY):

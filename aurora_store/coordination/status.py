@@ -17,7 +17,7 @@ from aurora_store.coordination.decode import as_int, as_str
 from aurora_store.coordination.evals import read_evals
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger, LedgerLost
-from aurora_store.coordination.redisconn import translate_redis_errors
+from aurora_store.coordination.redisconn import server_time_ms, translate_redis_errors
 
 __all__ = ["collect_status", "render"]
 
@@ -33,8 +33,7 @@ def collect_status(redis: Any, run: str, now_ms: int | None = None) -> dict[str,
     keys = RunKeys(run)
     ledger = Ledger(redis, run)
     if now_ms is None:
-        s, us = redis.time()
-        now_ms = int(s) * 1000 + int(us) // 1000
+        now_ms = server_time_ms(redis, keys.fence)
 
     # Trainer
     th = {as_str(k, "replace"): v for k, v in redis.hgetall(keys.trainer).items()}

@@ -12,7 +12,7 @@ from aurora_store.config import from_env
 from aurora_store.coordination.decode import as_str
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger.scripts import LedgerScripts
-from aurora_store.coordination.redisconn import translate_redis_errors
+from aurora_store.coordination.redisconn import on_master_of, server_time_ms, translate_redis_errors
 from aurora_store.errors import ConfigError, FencedOut
 
 __all__ = ["LEDGER_ENV_PREFIX", "LedgerConfig", "LedgerCore", "SAFE_MEMORY_POLICIES", "memory_policy_problem"]
@@ -142,8 +142,7 @@ class LedgerCore:
     def server_time_ms(self) -> int:
         if self.clock is not None:
             return int(self.clock())
-        s, us = self.r.time()
-        return int(s) * 1000 + int(us) // 1000
+        return server_time_ms(self.r, self.k_fence)
 
     # -- what both the registry and the steps read ------------------------------
     @translate_redis_errors("Ledger.open_steps")
@@ -210,7 +209,7 @@ class LedgerCore:
         import redis.exceptions as rx
 
         try:
-            info = self.r.info("memory")
+            info = self.r.info("memory", **on_master_of(self.r, self.k_fence))
         except rx.ResponseError:
             return "unknown"
         problem = memory_policy_problem(info)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from aurora_store.coordination.decode import as_str
+from aurora_store.coordination.decode import as_int, as_str
 from aurora_store.coordination.ledger.core import LedgerCore, _ms
 from aurora_store.coordination.ledger.records import ActorRecord, actor_from_hash, lease_holder
 from aurora_store.coordination.redisconn import translate_redis_errors
@@ -108,6 +108,21 @@ class ActorRegistry(LedgerCore):
             pipe.hgetall(self.k_actor(i))
         return ids, list(pipe.execute())
 
+    def _liveness(self) -> tuple[list[str], list[tuple[str | None, int]]]:
+        """Every id of the ``actors`` set with its record's (status, heartbeat_ms), in one round trip.
+
+        Status None: the record is gone. Lighter than :meth:`_records` (two fields, no parsing of
+        the rest), for what only asks who is alive.
+        """
+        ids = sorted(as_str(x) for x in self.r.smembers(self.k_actors))
+        if not ids:
+            return [], []
+        pipe = self.r.pipeline(transaction=False)
+        for i in ids:
+            pipe.hmget(self.k_actor(i), "status", "heartbeat_ms")
+        out = [(None if st is None else as_str(st), as_int(hb, 0) or 0) for st, hb in pipe.execute()]
+        return ids, out
+
     @translate_redis_errors("Ledger.actors")
     def actors(self) -> list[ActorRecord]:
         """Every Actor with a record (alive, or departed within ``departed_ttl_s``), by id. Reads only."""
@@ -156,15 +171,14 @@ class ActorRegistry(LedgerCore):
         expired.
         """
         now = self.server_time_ms()
-        ids, records = self._records()
+        ids, live = self._liveness()
         gone = []
-        for a, h in zip(ids, records, strict=True):
-            if not h:
+        for a, (status, heartbeat_ms) in zip(ids, live, strict=True):
+            if status is None:
                 if int(self._scripts.trim_actor(keys=[self.k_actor(a), self.k_actors], args=[a])):
                     self.release_actor(a)
                 continue
-            rec = actor_from_hash(a, h, 0)
-            if rec.status == "alive" and now - rec.heartbeat_ms > heartbeat_timeout_ms:
+            if status == "alive" and now - heartbeat_ms > heartbeat_timeout_ms:
                 if self._mark(a, _ms(self.config.departed_ttl_s), "alive", status="gone"):
                     gone.append(a)
                 self.release_actor(a)

@@ -40,7 +40,9 @@ __all__ = [
     "MARK_ACTOR",
     "TRIM_ACTOR",
     "CLAIM",
+    "SETTLE_PRELUDE",
     "SETTLE",
+    "SETTLE_MANY",
     "RELEASE",
     "CREATE_STEP",
     "SEAL_STEP",
@@ -155,12 +157,14 @@ return redis.call('SREM', KEYS[2], ARGV[1])
 # KEYS[4] lease hash, KEYS[5] expiry zset, KEYS[6] fence counter, KEYS[7] actor hash,
 # KEYS[8] prompts hash, KEYS[9] done hash
 # ARGV[1] actor id, ARGV[2] max prompts, ARGV[3] now_ms or ""
-# returns {status, now_ms, prompt, token, expiry, payload, ...}; status is 'ok',
-# 'no_step', 'closed', 'not_alive' or 'not_on_version'.
+# returns {status, now_ms} when nothing was leased, else {'ok', now_ms, state, group,
+# version, prompt, token, expiry, payload, ...} (the step's state digest, group size and
+# generation version ride along, so the Actor needs no second round trip); status is
+# 'ok', 'no_step', 'closed', 'not_alive' or 'not_on_version'.
 # A prompt popped from a list that is already settled, currently leased or not of this
 # step is a duplicate (a repeated write after a partial loss): it is dropped, not leased,
 # so it can never cycle lease -> expiry -> pool.
-CLAIM = NOW_PRELUDE + TTL_PRELUDE + """
+CLAIM = NOW_PRELUDE + TTL_PRELUDE + CHUNK_PRELUDE + """
 local now = tonumber(now_ms(ARGV[3]))
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'no_step', now} end
 if redis.call('HGET', KEYS[1], 'closed') then return {'closed', now} end
@@ -169,91 +173,214 @@ local version = redis.call('HGET', KEYS[1], 'version')
 if redis.call('HGET', KEYS[7], 'active') ~= version then return {'not_on_version', now} end
 -- Leases past their expiry go back to the pool first.
 local expired = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', '(' .. now)
-for _, p in ipairs(expired) do
-  redis.call('HDEL', KEYS[4], p)
-  redis.call('ZREM', KEYS[5], p)
-  redis.call('RPUSH', KEYS[3], p)
-end
 if #expired > 0 then
+  chunked('HDEL', KEYS[4], expired, 1, #expired)
+  chunked('ZREM', KEYS[5], expired, 1, #expired)
+  chunked('RPUSH', KEYS[3], expired, 1, #expired)
   redis.call('HINCRBY', KEYS[1], 'expired', #expired)
   inherit_ttl(KEYS[3], KEYS[1])
 end
 local want = tonumber(ARGV[2])
 local lease_ms = tonumber(redis.call('HGET', KEYS[1], 'lease_ms'))
-local out = {'ok', now}
+local out = {'ok', now, '', '', ''}
 local got = 0
 local dropped = 0
+local seen = {}
+local own_left = true
+-- Pop in bulk (own assignments first, then the pool), drop what is not leasable, repeat
+-- while something was dropped and more is wanted.
 while got < want do
-  local p = redis.call('LPOP', KEYS[2])
-  if not p then p = redis.call('LPOP', KEYS[3]) end
-  if not p then break end
-  local payload = redis.call('HGET', KEYS[8], p)
-  if (not payload) or redis.call('HEXISTS', KEYS[9], p) == 1 or redis.call('HEXISTS', KEYS[4], p) == 1 then
-    dropped = dropped + 1
-  else
-    local token = string.format('%d', redis.call('INCR', KEYS[6]))
-    local exp = string.format('%d', now + lease_ms)
-    redis.call('HSET', KEYS[4], p, ARGV[1] .. '|' .. token .. '|' .. exp .. '|' .. string.format('%d', now))
-    redis.call('ZADD', KEYS[5], exp, p)
-    out[#out + 1] = p
-    out[#out + 1] = token
-    out[#out + 1] = exp
-    out[#out + 1] = payload
-    got = got + 1
+  local need = math.min(want - got, 500)
+  local ps = {}
+  if own_left then
+    ps = redis.call('LPOP', KEYS[2], need) or {}
+    if #ps < need then own_left = false end
   end
+  if #ps < need then
+    for _, p in ipairs(redis.call('LPOP', KEYS[3], need - #ps) or {}) do ps[#ps + 1] = p end
+  end
+  if #ps == 0 then break end
+  local payloads = redis.call('HMGET', KEYS[8], unpack(ps))
+  local done = redis.call('HMGET', KEYS[9], unpack(ps))
+  local leased = redis.call('HMGET', KEYS[4], unpack(ps))
+  local keep = {}
+  for k = 1, #ps do
+    local p = ps[k]
+    if (not payloads[k]) or done[k] or leased[k] or seen[p] then
+      dropped = dropped + 1
+    else
+      seen[p] = true
+      keep[#keep + 1] = k
+    end
+  end
+  if #keep > 0 then
+    local token = redis.call('INCRBY', KEYS[6], #keep) - #keep
+    local exp = string.format('%d', now + lease_ms)
+    local since = string.format('%d', now)
+    local hkv, zkv = {}, {}
+    for _, k in ipairs(keep) do
+      local p = ps[k]
+      token = token + 1
+      local t = string.format('%d', token)
+      hkv[#hkv + 1] = p
+      hkv[#hkv + 1] = ARGV[1] .. '|' .. t .. '|' .. exp .. '|' .. since
+      zkv[#zkv + 1] = exp
+      zkv[#zkv + 1] = p
+      out[#out + 1] = p
+      out[#out + 1] = t
+      out[#out + 1] = exp
+      out[#out + 1] = payloads[k]
+    end
+    redis.call('HSET', KEYS[4], unpack(hkv))
+    redis.call('ZADD', KEYS[5], unpack(zkv))
+    got = got + #keep
+  end
+  if #ps < need then break end
 end
 if dropped > 0 then redis.call('HINCRBY', KEYS[1], 'duplicates', dropped) end
-if got > 0 then
-  inherit_ttl(KEYS[4], KEYS[1])
-  inherit_ttl(KEYS[5], KEYS[1])
-end
+if got == 0 then return {'ok', now} end
+inherit_ttl(KEYS[4], KEYS[1])
+inherit_ttl(KEYS[5], KEYS[1])
+local meta = redis.call('HMGET', KEYS[1], 'state', 'group', 'version')
+out[3] = meta[1] or ''
+out[4] = meta[2] or '1'
+out[5] = meta[3] or ''
 return out
+"""
+
+# settle_batch(actor, now, items): the settlement predicate over one step's keys (the
+# KEYS of SETTLE and SETTLE_MANY), applied to each item {prompt, token, version, state,
+# payload} in order, as if each were its own script run at `now`; returns the reasons.
+# A result is accepted iff the step is open, now <= its lease expiry, version and state
+# equal the job's, and the token is the prompt's current lease; a prompt is accepted at
+# most once. An accepted result is written under its prompt id (results,
+# results:payload) with the settle sequence number, so no lost or reordered write can
+# hide another. A refused lease (expired, wrong version or digest) goes back to the pool.
+# The batch's reads and writes are one command per key (HMGET, HDEL, HSET with many
+# fields), not one per result; each item still sees the effects of the ones before it.
+SETTLE_PRELUDE = """
+local function hmget_all(key, fields)
+  local out = {}
+  for i = 1, #fields, 500 do
+    local part = redis.call('HMGET', key, unpack(fields, i, math.min(#fields, i + 499)))
+    for k = 1, #part do out[#out + 1] = part[k] end
+  end
+  return out
+end
+local function settle_batch(actor, now, items)
+  local reasons = {}
+  local shut = nil
+  if redis.call('EXISTS', KEYS[1]) == 0 then shut = 'no_step'
+  elseif redis.call('HGET', KEYS[1], 'closed') then shut = 'closed' end
+  if shut then
+    for i = 1, #items do reasons[i] = shut end
+    return reasons
+  end
+  local meta = redis.call('HMGET', KEYS[1], 'version', 'state')
+  -- What the batch reads, read once; each item sees the ones before it through these tables.
+  local ps = {}
+  for i = 1, #items do ps[i] = items[i][1] end
+  local done, lease = {}, {}
+  local dv, lv = hmget_all(KEYS[4], ps), hmget_all(KEYS[2], ps)
+  for i = 1, #ps do
+    done[ps[i]] = dv[i]
+    lease[ps[i]] = lv[i]
+  end
+  local gone, back, acc = {}, {}, {}
+  local n_expired, n_rejected = 0, 0
+  for i = 1, #items do
+    local it = items[i]
+    local p, token = it[1], it[2]
+    local d = done[p]
+    if d then
+      if d == actor .. '|' .. token then reasons[i] = 'duplicate' else reasons[i] = 'already_settled' end
+    elseif not lease[p] then
+      reasons[i] = 'not_leased'
+    else
+      local a, tok, exp, t0 = string.match(lease[p], '^(.*)|(%d+)|(%d+)|(%d+)$')
+      if a ~= actor or tok ~= token then
+        reasons[i] = 'stale_token'
+      else
+        local why = nil
+        if now > tonumber(exp) then why = 'expired'; n_expired = n_expired + 1
+        elseif it[3] ~= meta[1] then why = 'wrong_version'; n_rejected = n_rejected + 1
+        elseif it[4] ~= meta[2] then why = 'wrong_digest'; n_rejected = n_rejected + 1 end
+        lease[p] = false
+        gone[#gone + 1] = p
+        if why then
+          back[#back + 1] = p
+          reasons[i] = why
+        else
+          done[p] = actor .. '|' .. token
+          acc[#acc + 1] = {i, tok, t0}
+          reasons[i] = 'accepted'
+        end
+      end
+    end
+  end
+  if #gone > 0 then
+    chunked('HDEL', KEYS[2], gone, 1, #gone)
+    chunked('ZREM', KEYS[3], gone, 1, #gone)
+  end
+  if #back > 0 then
+    -- A refused lease goes back to the pool.
+    chunked('RPUSH', KEYS[6], back, 1, #back)
+    if n_expired > 0 then redis.call('HINCRBY', KEYS[1], 'expired', n_expired) end
+    if n_rejected > 0 then redis.call('HINCRBY', KEYS[1], 'rejected', n_rejected) end
+    inherit_ttl(KEYS[6], KEYS[1])
+  end
+  if #acc > 0 then
+    local seq0 = redis.call('HINCRBY', KEYS[1], 'settled', #acc) - #acc
+    local dkv, rkv, pkv = {}, {}, {}
+    for k, x in ipairs(acc) do
+      local it = items[x[1]]
+      local p = it[1]
+      dkv[#dkv + 1] = p
+      dkv[#dkv + 1] = actor .. '|' .. it[2]
+      rkv[#rkv + 1] = p
+      rkv[#rkv + 1] = cjson.encode({p, actor, x[2], it[3], string.format('%d', now), x[3], seq0 + k, it[4]})
+      pkv[#pkv + 1] = p
+      pkv[#pkv + 1] = it[5]
+    end
+    chunked('HSET', KEYS[4], dkv, 1, #dkv)
+    chunked('HSET', KEYS[5], rkv, 1, #rkv)
+    chunked('HSET', KEYS[8], pkv, 1, #pkv)
+    inherit_ttl(KEYS[4], KEYS[1])
+    inherit_ttl(KEYS[5], KEYS[1])
+    inherit_ttl(KEYS[8], KEYS[1])
+    if redis.call('EXISTS', KEYS[7]) == 1 then redis.call('HINCRBY', KEYS[7], 'settled', #acc) end
+  end
+  return reasons
+end
 """
 
 # KEYS[1] step hash, KEYS[2] lease hash, KEYS[3] expiry zset, KEYS[4] done hash,
 # KEYS[5] results hash, KEYS[6] pool list, KEYS[7] actor hash, KEYS[8] result payloads hash
 # ARGV[1] actor, ARGV[2] prompt, ARGV[3] token, ARGV[4] version, ARGV[5] state,
 # ARGV[6] result payload, ARGV[7] now_ms or ""
-# returns {reason, now_ms}: accepted iff the step is open, now <= expiry, version and
-# state equal the job's, the token is the prompt's current lease; a prompt is accepted at
-# most once. This is the settlement predicate (paper §5.4, docs/PROTOCOL.md).
-# An accepted result is written under its prompt id (results, results:payload), with
-# the settle sequence number, so no lost or reordered write can hide another.
-SETTLE = NOW_PRELUDE + TTL_PRELUDE + """
+# returns {reason, now_ms}: the settlement predicate (paper §5.4, docs/PROTOCOL.md) of
+# SETTLE_PRELUDE for one result. A repeat answers 'duplicate'.
+SETTLE = NOW_PRELUDE + TTL_PRELUDE + CHUNK_PRELUDE + SETTLE_PRELUDE + """
 local now = tonumber(now_ms(ARGV[7]))
-local p = ARGV[2]
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'no_step', now} end
-if redis.call('HGET', KEYS[1], 'closed') then return {'closed', now} end
-local done = redis.call('HGET', KEYS[4], p)
-if done then
-  if done == ARGV[1] .. '|' .. ARGV[3] then return {'duplicate', now} end
-  return {'already_settled', now}
+local r = settle_batch(ARGV[1], now, {{ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]}})
+return {r[1], now}
+"""
+
+# KEYS as SETTLE (one step, one Actor)
+# ARGV[1] actor, ARGV[2] now_ms or "", then per result 5 values: prompt, token, version,
+# state, payload
+# returns {now_ms, reason, reason, ...}: one reason per result, in order, each what SETTLE
+# would answer for it run alone at now_ms after the ones before it (a prompt twice in a
+# batch: the second answers 'duplicate'). One script per batch instead of one per result.
+SETTLE_MANY = NOW_PRELUDE + TTL_PRELUDE + CHUNK_PRELUDE + SETTLE_PRELUDE + """
+local now = tonumber(now_ms(ARGV[2]))
+local items = {}
+for i = 3, #ARGV - 4, 5 do
+  items[#items + 1] = {ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]}
 end
-local lease = redis.call('HGET', KEYS[2], p)
-if not lease then return {'not_leased', now} end
-local a, tok, exp, t0 = string.match(lease, '^(.*)|(%d+)|(%d+)|(%d+)$')
-if a ~= ARGV[1] or tok ~= ARGV[3] then return {'stale_token', now} end
-local function release(field)
-  redis.call('HDEL', KEYS[2], p)
-  redis.call('ZREM', KEYS[3], p)
-  redis.call('RPUSH', KEYS[6], p)
-  redis.call('HINCRBY', KEYS[1], field, 1)
-  inherit_ttl(KEYS[6], KEYS[1])
-end
-if now > tonumber(exp) then release('expired'); return {'expired', now} end
-if ARGV[4] ~= redis.call('HGET', KEYS[1], 'version') then release('rejected'); return {'wrong_version', now} end
-if ARGV[5] ~= redis.call('HGET', KEYS[1], 'state') then release('rejected'); return {'wrong_digest', now} end
-redis.call('HDEL', KEYS[2], p)
-redis.call('ZREM', KEYS[3], p)
-local seq = redis.call('HINCRBY', KEYS[1], 'settled', 1)
-redis.call('HSET', KEYS[4], p, ARGV[1] .. '|' .. ARGV[3])
-redis.call('HSET', KEYS[5], p, cjson.encode({p, ARGV[1], tok, ARGV[4], string.format('%d', now), t0, seq, ARGV[5]}))
-redis.call('HSET', KEYS[8], p, ARGV[6])
-inherit_ttl(KEYS[4], KEYS[1])
-inherit_ttl(KEYS[5], KEYS[1])
-inherit_ttl(KEYS[8], KEYS[1])
-if redis.call('EXISTS', KEYS[7]) == 1 then redis.call('HINCRBY', KEYS[7], 'settled', 1) end
-return {'accepted', now}
+local r = settle_batch(ARGV[1], now, items)
+table.insert(r, 1, now)
+return r
 """
 
 # KEYS[1] lease hash, KEYS[2] expiry zset, KEYS[3] pool list, KEYS[4] assigned list,
@@ -283,8 +410,8 @@ return n
 """
 
 # KEYS[1] step hash, KEYS[2] prompts hash, KEYS[3] pool list, KEYS[4] steps zset,
-# KEYS[5] epoch, KEYS[6] fence counter, KEYS[7] assignees set, KEYS[8..] assigned lists
-# (one per entry of the quota list below, same order)
+# KEYS[5] epoch, KEYS[6] fence counter, KEYS[7] assignees set, KEYS[8..7+m] assigned lists
+# (one per entry of the quota list below, same order), KEYS[8+m..7+2m] those Actors' hashes
 # ARGV[1] step id, ARGV[2] version, ARGV[3] state, ARGV[4] group, ARGV[5] lease_ms,
 # ARGV[6] identity (digest of version, state and prompt ids), ARGV[7] epoch or "",
 # ARGV[8] now_ms or "", ARGV[9] TTL of the step's keys in ms ("0": none),
@@ -292,7 +419,9 @@ return n
 # returns {'created'}; {'exists'} if a step with the same identity is there (a repeat:
 # nothing changes); {'conflict', identity} for another step under this id;
 # {'sealed'} for a step sealed but not dropped yet (drop it, then create again);
-# {'fenced', epoch}. A dropped step's tombstone is replaced.
+# {'fenced', epoch}. A dropped step's tombstone is replaced. A quota whose Actor is not
+# alive when the script runs (it left or was reaped after the caller read the registry)
+# goes to the pool: nobody else could claim it.
 CREATE_STEP = NOW_PRELUDE + EPOCH_PRELUDE + CHUNK_PRELUDE + """
 local f = fenced(KEYS[5], ARGV[7])
 if f then return {'fenced', f} end
@@ -324,8 +453,10 @@ if n > 0 then chunked('HSET', KEYS[2], kv, 1, #kv) end
 local pos = 1
 local q = 11 + 2 * n
 local k = 8
+local m = (#ARGV - 10 - 2 * n) / 2
 while q < #ARGV do
   local c = math.min(tonumber(ARGV[q + 1]), n - pos + 1)
+  if c > 0 and redis.call('HGET', KEYS[k + m], 'status') ~= 'alive' then c = 0 end
   if c > 0 then
     chunked('RPUSH', KEYS[k], ids, pos, pos + c - 1)
     redis.call('SADD', KEYS[7], ARGV[q])
@@ -338,7 +469,7 @@ if pos <= n then chunked('RPUSH', KEYS[3], ids, pos, n) end
 redis.call('ZADD', KEYS[4], ARGV[1], ARGV[1])
 local ttl = tonumber(ARGV[9])
 if ttl > 0 then
-  for i = 1, #KEYS do
+  for i = 1, 7 + m do
     if i ~= 5 then redis.call('PEXPIRE', KEYS[i], ttl) end
   end
 end
@@ -472,6 +603,8 @@ class LedgerScripts:
     """:data:`CLAIM`."""
     settle: Any
     """:data:`SETTLE`."""
+    settle_many: Any
+    """:data:`SETTLE_MANY`."""
     release: Any
     """:data:`RELEASE`."""
     create_step: Any
@@ -497,6 +630,7 @@ class LedgerScripts:
             trim_actor=redis.register_script(TRIM_ACTOR),
             claim=redis.register_script(CLAIM),
             settle=redis.register_script(SETTLE),
+            settle_many=redis.register_script(SETTLE_MANY),
             release=redis.register_script(RELEASE),
             create_step=redis.register_script(CREATE_STEP),
             seal_step=redis.register_script(SEAL_STEP),

@@ -29,8 +29,12 @@ from aurora_store.coordination.ledger.records import (
     accepted_from_redis,
     step_status_from_hash,
 )
-from aurora_store.coordination.ledger.scripts import SETTLE
-from aurora_store.coordination.redisconn import translate_redis_errors
+from aurora_store.coordination.ledger.scripts import SETTLE_MANY
+from aurora_store.coordination.redisconn import (
+    is_cluster_client,
+    server_time_ms,
+    translate_redis_errors,
+)
 from aurora_store.errors import ConfigError, LedgerLost, StepExists
 
 if TYPE_CHECKING:
@@ -57,6 +61,7 @@ class StepBook(LedgerCore):
     if TYPE_CHECKING:
         # From the registry, beside which Ledger composes this class.
         def actors(self) -> list[ActorRecord]: ...
+        def _liveness(self) -> tuple[list[str], list[tuple[str | None, int]]]: ...
 
     # -- keys of one step ----------------------------------------------------------
     def _assignees(self, v: int) -> list[str]:
@@ -116,15 +121,18 @@ class StepBook(LedgerCore):
             raise ConfigError(f"step {v}: quotas sum to {sum(quotas.values())}, only {len(ids)} prompts")
         gen_version = v if version is None else version
         # Quotas of Actors that are not registered and alive would strand their
-        # prompts (nobody else can claim an assignment); they go to the pool.
+        # prompts (nobody else can claim an assignment); they go to the pool. The
+        # script checks again, for an Actor that leaves between this read and it.
         wanted = {a: n for a, n in quotas.items() if n > 0}
         if wanted:
-            alive = {a.actor for a in self.actors() if a.status == "alive"}
+            # Statuses alone (not actors(), which also counts every lease of every open step).
+            ids, live = self._liveness()
+            alive = {a for a, (status, _hb) in zip(ids, live, strict=True) if status == "alive"}
             wanted = {a: n for a, n in wanted.items() if a in alive}
         order = sorted(wanted)
         keys = [
             self.k_step(v), self.k_step(v, "prompts"), self.k_step(v, "pool"), self.k_steps, self.k_epoch, self.k_fence,
-            self.k_step(v, "assignees"), *(self.k_assigned(v, a) for a in order),
+            self.k_step(v, "assignees"), *(self.k_assigned(v, a) for a in order), *(self.k_actor(a) for a in order),
         ]
         args: list[Any] = [
             str(v), str(gen_version), state, group, lease_ms, step_identity(gen_version, state, ids), self._fence_arg(epoch),
@@ -213,16 +221,24 @@ class StepBook(LedgerCore):
         return self._poll(v, have).results
 
     def _poll(self, v: int, have: Collection[str]) -> StepPoll:
+        # On a cluster TIME cannot ride in the transaction (it has no key): it is read
+        # from the run's master after it, which only makes ``now`` a little later.
+        cluster = is_cluster_client(self.r)
         pipe = self.r.pipeline(transaction=True)
         pipe.hmget(self.k_step(v), "total", "settled", "created_ms", "closed", "dropped")
         pipe.hkeys(self.k_step(v, "done"))
-        if self.clock is None:
+        if self.clock is None and not cluster:
             pipe.time()
         out = pipe.execute()
         (total, settled, created, closed, dropped), done = out[0], out[1]
         if total is None or dropped is not None:
             raise LedgerLost(f"step {v} of run {self.run!r} is not in the ledger")
-        now = int(self.clock()) if self.clock is not None else int(out[2][0]) * 1000 + int(out[2][1]) // 1000
+        if self.clock is not None:
+            now = int(self.clock())
+        elif cluster:
+            now = server_time_ms(self.r, self.k_step(v))
+        else:
+            now = int(out[2][0]) * 1000 + int(out[2][1]) // 1000
         accepted = frozenset(as_str(p) for p in done)
         new = sorted(p for p in accepted if p not in have)
         results: list[AcceptedResult] = []
@@ -356,13 +372,13 @@ class StepBook(LedgerCore):
             args=[actor, n, self._now()],
         )
         status = as_str(res[0])
-        if status != "ok" or len(res) == 2:
+        if status != "ok" or len(res) <= 2:
             return status, []
-        meta = self.r.hmget(self.k_step(v), "state", "group", "version")
-        state, group, version = as_str(meta[0] or b""), int(meta[1] or 1), int(meta[2] or v)
+        # The script answers the step's state, group and version with the leases (one round trip).
+        state, group, version = as_str(res[2] or b""), int(res[3] or 1), int(res[4] or v)
         leases = [
             Lease(as_str(res[i]), int(res[i + 1]), version, state, group, int(res[i + 2]), bytes(res[i + 3]), step=v)
-            for i in range(2, len(res), 4)
+            for i in range(5, len(res), 4)
         ]
         return status, leases
 
@@ -383,23 +399,53 @@ class StepBook(LedgerCore):
 
     @translate_redis_errors("Ledger.settle_many")
     def settle_many(self, actor: str, items: Iterable[tuple[Lease, int, str, bytes]]) -> list[Settlement]:
-        """Several settlements in one round trip (each still atomic on its own)."""
+        """Several settlements in one round trip: one ``SETTLE_MANY`` script per step in the batch.
+
+        Each result is judged as :meth:`settle` would judge it, in order (a
+        lease twice in one batch: the second answers ``duplicate``); the
+        results of one step are settled by one script, so atomically together.
+        """
         items = list(items)
         if not items:
             return []
-        calls = [self._settle_args(actor, lease, version, state, payload) for lease, version, state, payload in items]
-        # EVALSHA queued directly: a pipeline carrying Script objects makes
-        # redis-py send SCRIPT EXISTS first, a second round trip.
+        by_step: dict[int, list[int]] = {}
+        for i, (lease, _version, _state, _payload) in enumerate(items):
+            by_step.setdefault(lease.step_id, []).append(i)
+        calls: list[tuple[list[int], list[Any]]] = []
+        for v, idx in by_step.items():
+            keys = [
+                self.k_step(v), self.k_step(v, "lease"), self.k_step(v, "exp"), self.k_step(v, "done"),
+                self.k_step(v, "results"), self.k_step(v, "pool"), self.k_actor(actor), self.k_step(v, "results:payload"),
+            ]
+            args: list[Any] = [actor, self._now()]
+            for i in idx:
+                lease, version, state, payload = items[i]
+                args += [lease.prompt, str(lease.token), str(version), state, payload]
+            calls.append((idx, [self._scripts.settle_many.sha, len(keys), *keys, *args]))
+        # One step (the usual case): a plain EVALSHA, without a pipeline's bookkeeping (on a
+        # cluster, a pipeline costs a second round trip). Several: EVALSHA queued directly, since
+        # a pipeline carrying Script objects makes redis-py send SCRIPT EXISTS first; through
+        # execute_command, as redis-py's cluster pipeline refuses pipe.evalsha().
         for _attempt in range(2):
-            pipe = self.r.pipeline(transaction=False)
-            for keys, args in calls:
-                pipe.evalsha(self._scripts.settle.sha, len(keys), *keys, *args)
-            out = pipe.execute(raise_on_error=False)
+            if len(calls) == 1:
+                try:
+                    out = [self.r.evalsha(*calls[0][1])]
+                except NoScriptError as e:
+                    out = [e]
+            else:
+                pipe = self.r.pipeline(transaction=False)
+                for _idx, cmd in calls:
+                    pipe.execute_command("EVALSHA", *cmd)
+                out = pipe.execute(raise_on_error=False)
             if not any(isinstance(r, NoScriptError) for r in out):
                 break
             # Redis lost its script cache (restart): nothing ran, so load and repeat.
-            self.r.script_load(SETTLE)
-        for r in out:
+            self.r.script_load(SETTLE_MANY)
+        settlements: list[Settlement | None] = [None] * len(items)
+        for (idx, _cmd), r in zip(calls, out, strict=True):
             if isinstance(r, Exception):
                 raise r
-        return [Settlement(it[0].prompt, as_str(r[0]), int(r[1])) for it, r in zip(items, out, strict=True)]
+            now = int(r[0])
+            for i, reason in zip(idx, r[1:], strict=True):
+                settlements[i] = Settlement(items[i][0].prompt, as_str(reason), now)
+        return [s for s in settlements if s is not None]
