@@ -82,7 +82,7 @@ def test_behind_by_small_deltas_an_actor_replays_them(trainer: TinyRun, origin: 
     trainer.snapshot(3)
     trainer.step(1, density=0.002)
     a._stage_available()
-    assert [type(e[0]).__name__ for e in a.staged] == ["StagedDelta"] * 4
+    assert [type(e[0]).__name__ for e in a.staged] == ["PreparedDelta"] * 4  # deltas (prepared by the torch engine)
     assert counting.segments_read("snapshot", 3) == []
     # The manifests read to weigh the replay served the replay too.
     assert sum(k == manifest_key("delta", 2) for k in counting.gets) == 1

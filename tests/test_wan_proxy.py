@@ -50,6 +50,11 @@ def _server(handler: object) -> Iterator[Address]:
         yield srv.getsockname()[:2]
     finally:
         stop.set()
+        # shutdown() wakes the blocked accept() so the thread ends here; a close() alone left it
+        # accepting, and its handler once answered another test's connection (test_wan_netns).
+        with contextlib.suppress(OSError):
+            srv.shutdown(socket.SHUT_RDWR)
+        t.join(5)
         srv.close()
 
 

@@ -5,6 +5,7 @@ the read-only tools stay free of torch):
 
 - :mod:`~aurora_store.lineage.plan`: which versions exist, the cheapest chain to one (pure).
 - :mod:`~aurora_store.lineage.fetch`: read a version back, every object verified.
+- :mod:`~aurora_store.lineage.prefetch`: fetch segments from their announcements, held until the manifest.
 - :mod:`~aurora_store.lineage.publish`: write a version: segments first, manifest last.
 - :mod:`~aurora_store.lineage.report`: what a run holds, one row per version.
 - :mod:`~aurora_store.lineage.verify`: re-hash every object, check the chain of states.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -44,6 +45,12 @@ if TYPE_CHECKING:
     from aurora_store.lineage.interfaces import CommitRecords
 
 T = TypeVar("T")
+
+#: Most threads a fetch with held bytes waits and decodes on.
+_HELD_WIDTH = 32
+
+Held = Callable[[str, int, str], "bytes | None"]
+"""``held(key, bytes, sha256)``: bytes of that store key fetched ahead of its manifest, or None."""
 
 log = logging.getLogger("aurora.lineage")
 
@@ -241,21 +248,38 @@ def check_weights_digest(store: Store, m: Manifest, tensors: Mapping[str, torch.
         raise IntegrityError(f"{where}: the shards hold weights with digest {got[:19]}…, the manifest says {want[:19]}…")
 
 
-def fetch_objects(store: Store, m: Manifest, streams: int = DEFAULT_STREAMS, then: Callable[[str, bytes], T] | None = None) -> list[tuple[str, T]]:
+def fetch_objects(
+    store: Store,
+    m: Manifest,
+    streams: int = DEFAULT_STREAMS,
+    then: Callable[[str, bytes], T] | None = None,
+    held: Held | None = None,
+) -> list[tuple[str, T]]:
     """Download every object of a version over ``streams`` connections; verify size and sha256.
 
     ``then(where, data)`` runs in the download thread right after the check
     (decoding a segment there overlaps it with the other downloads and frees
     the raw bytes early); without it the bytes themselves are returned.
+
+    ``held(key, bytes, sha256)``: bytes already downloaded for that store key
+    (a :class:`~aurora_store.lineage.prefetch.Prefetcher`'s ``take``, waiting
+    for one under way), or None. They pass the same check as bytes read here
+    before ``then`` sees them; bytes that fail it are dropped and the object
+    is read from the store.
     """
     vdir = version_dir(m.kind, m.version)
+    gets = threading.BoundedSemaphore(max(1, streams))
 
     def one(i: int) -> tuple[str, Any]:
         ref = m.segments[i]
         key = f"{vdir}/{ref.key}"
         where = store.where(key)
+        early = held(key, ref.bytes, ref.sha256) if held is not None else None
+        if early is not None and len(early) == ref.bytes and hashlib.sha256(early).hexdigest() == ref.sha256:
+            return where, (then(where, early) if then is not None else early)
         try:
-            data = store.get(key)
+            with gets:
+                data = store.get(key)
         except ObjectNotFound:
             raise ObjectNotFound(
                 f"{where}: listed in the manifest of {m.kind} {m.version} but missing"
@@ -270,7 +294,11 @@ def fetch_objects(store: Store, m: Manifest, streams: int = DEFAULT_STREAMS, the
 
     if not m.segments:
         return []
-    with ThreadPoolExecutor(max_workers=max(1, min(streams, len(m.segments)))) as pool:
+    # With held bytes, a thread mostly waits for a prefetch under way, then decodes: up to one
+    # per segment, so each is decoded the moment it lands rather than when a thread frees up;
+    # reads of the store stay at ``streams`` at a time.
+    width = min(len(m.segments), max(streams, _HELD_WIDTH)) if held is not None else min(streams, len(m.segments))
+    with ThreadPoolExecutor(max_workers=max(1, width)) as pool:
         return list(pool.map(one, range(len(m.segments))))
 
 
@@ -282,12 +310,15 @@ def fetch_delta(
     expect_base_state: str | None = None,
     manifest: Manifest | None = None,
     trust: TrustKeys | None = None,
+    held: Held | None = None,
 ) -> tuple[Manifest, StagedDelta]:
     """Fetch, verify, decode and validate delta ``version``. Applies nothing.
 
     ``manifest``: the version's manifest when the caller already read it
     (a :class:`ManifestReader`); read from the store otherwise.
     ``trust``: as for :func:`read_manifest`, checked before any segment is read.
+    ``held``: segments fetched ahead from their announcements
+    (:func:`fetch_objects`); asked only once the manifest is read and trusted.
     """
     from aurora_store.format.checkpoint import assemble_staged
 
@@ -304,7 +335,7 @@ def fetch_delta(
     # One guard for the whole version: overlaps and the decode budget are checked
     # as entries arrive, across the segments being decoded in parallel.
     guard = VersionGuard.for_manifest(m.params, model)
-    segs = fetch_objects(store, m, streams, lambda where, data: decode_segment(data, where, model, guard))
+    segs = fetch_objects(store, m, streams, lambda where, data: decode_segment(data, where, model, guard), held)
     staged = assemble_staged(segs, version)
     declared = {n: int(p.get("nnz", 0)) for n, p in m.params.items()}
     counted: dict[str, int] = {}

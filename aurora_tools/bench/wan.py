@@ -29,6 +29,7 @@ from aurora_tools.bench.wan_sweep import (
     SweepOptions,
     attach_ideal,
     build_sweep,
+    delta_over_wire_floor,
     finite,
     headline,
     targets,
@@ -36,7 +37,7 @@ from aurora_tools.bench.wan_sweep import (
 
 __all__ = ["add_arguments", "run_benchmark", "format_table", "main"]
 
-EXPERIMENTS = ("modes", "bandwidth", "streams", "relay", "hetero", "churn", "scaling", "regions")
+EXPERIMENTS = ("modes", "bandwidth", "streams", "relay", "hetero", "churn", "scaling", "regions", "fetch")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=-1, help="steps before them left out (default K + 1 for lag bound K)")
     p.add_argument("--experiments", default=",".join(EXPERIMENTS), help=f"comma list of {','.join(EXPERIMENTS)}")
     p.add_argument("--net", choices=("auto", "netns", "loopback"), default="auto", help="auto: namespaces where permitted, else loopback proxies")
+    p.add_argument("--s3", choices=("moto", "rclone"), default="moto",
+                   help="S3 server: moto (objects in memory) or rclone (files under the work folder; the Trainer commits through Redis)")
     p.add_argument("--gen-window-s", type=float, default=0.0, help="simulated generation time per step (0: 45 s x params / 8.2e9)")
     p.add_argument("--train-s", type=float, default=-1.0, help="simulated training time per step (< 0: 0.3 x the generation window)")
     p.add_argument("--prompts-per-actor", type=int, default=16)
@@ -90,8 +93,9 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
     load0 = os.getloadavg()[0]
     log(f"aurora bench wan: {len(configs)} runs, {params:.3g} parameters, net {net}")
     results: list[dict[str, Any]] = []
-    with servers(args.workdir) as srv:
-        log(f"S3 (moto) {srv.s3_endpoint}, redis {srv.redis_url}, logs {srv.workdir}/logs")
+    s3_kind = getattr(args, "s3", "moto") or "moto"
+    with servers(args.workdir, s3=s3_kind) as srv:
+        log(f"S3 ({s3_kind}) {srv.s3_endpoint}, redis {srv.redis_url}, commits via {srv.commit_via}, logs {srv.workdir}/logs")
         for i, cfg in enumerate(configs):
             log(f"[{i + 1}/{len(configs)}] {cfg.name} ({', '.join(cfg.experiments)})")
             res = run_config(cfg, wl, srv, net, i, log, timeout_s=args.config_timeout)
@@ -106,6 +110,7 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         "benchmark": "wan",
         "quick": bool(args.quick),
         "net_mode": net,
+        "s3": s3_kind,
         "params": first.get("params"),
         "model_bytes": first.get("model_bytes"),
         "workload": {
@@ -116,6 +121,7 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         "streams": args.streams,
         "configs": results,
         **headline(results),
+        "delta_over_wire_floor": delta_over_wire_floor(results),
         "targets": targets(results),
         "measured_max_gbps": _max_rate(results),
         "cpus": os.cpu_count(),
@@ -183,6 +189,20 @@ def format_table(r: dict[str, Any]) -> str:
     lines.append("")
     lines.append("  headline (modes, 1 Gbit/s, 20 ms RTT, 2 Actors): throughput relative to ideal")
     lines.append("    " + "  ".join(f"{m} {_f(r.get(m.replace('-', '_') + '_vs_ideal'), 2)}" for m in MODES if m != "ideal"))
+    table = r.get("delta_over_wire_floor") or {}
+    if table:
+        lines.append("")
+        lines.append("  delta fetch (first segment announced -> staged) over its wire floor, 1 Actor, clean link")
+        lines.append(
+            f"    {'Gbit/s':>6} {'floor s':>8} {'announced s':>12} {'x floor':>8} {'manifest-first s':>17} {'x floor':>8}   "
+            "Trainer's first -> last segment s (announced, manifest-first)"
+        )
+        for g, row in table.items():
+            lines.append(
+                f"    {g:>6} {_f(row['wire_floor_s']):>8} {_f(row['announced_s']):>12} {_f(row['announced'], 2):>8} "
+                f"{_f(row['manifest_first_s']):>17} {_f(row['manifest_first'], 2):>8}   "
+                f"{_f(row.get('announced_span_s'))}, {_f(row.get('manifest_first_span_s'))}"
+            )
     lines.append("")
     lines.append("  targets")
     for name, t in r["targets"].items():

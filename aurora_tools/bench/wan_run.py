@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from aurora_store.testing.servers import RedisServer, S3Server
+from aurora_store.testing.servers import RcloneS3Server, RedisServer, S3Server
 from aurora_tools.bench.wan_sweep import RunConfig, summarize
 
 __all__ = ["Servers", "Workload", "servers", "run_config"]
@@ -66,11 +66,13 @@ class Workload:
 
 @dataclass(slots=True)
 class Servers:
-    s3: S3Server
+    s3: S3Server | RcloneS3Server
     redis_url: str
     redis_port: int
     workdir: str
     client: Any = None
+    commit_via: str = "store"
+    """``redis`` on a server that ignores conditional writes (rclone): the Trainer commits through Redis."""
 
     @property
     def s3_endpoint(self) -> str:
@@ -85,14 +87,26 @@ class Servers:
 
 
 @contextlib.contextmanager
-def servers(workdir: str | None = None) -> Iterator[Servers]:
-    """moto (child process, objects held in memory) and redis-server on loopback, for a whole sweep."""
+def servers(workdir: str | None = None, s3: str = "moto") -> Iterator[Servers]:
+    """An S3 server and redis-server on loopback, for a whole sweep.
+
+    ``s3="moto"``: moto in a child process, objects held in memory. ``"rclone"``: ``rclone serve
+    s3`` over ``WORKDIR/s3`` (objects in files), which ignores conditional writes: Redis then
+    persists (AOF) and the Trainer commits through it (``--commit-via redis``).
+    """
     wd = workdir or tempfile.mkdtemp(prefix="aurora-wan-")
     os.makedirs(wd, exist_ok=True)
-    # Objects of one version are large: moto's default buffer spills them to disk.
-    s3 = S3Server(process=True, env={"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(1 << 40)})
-    with s3, RedisServer() as rs:
-        yield Servers(s3, rs.url, rs.port, wd, s3.client())
+    server: S3Server | RcloneS3Server
+    if s3 == "rclone":
+        server = RcloneS3Server(root=os.path.join(wd, "s3"))
+    elif s3 == "moto":
+        # Objects of one version are large: moto's default buffer spills them to disk.
+        server = S3Server(process=True, env={"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(1 << 40)})
+    else:
+        raise ValueError(f"--s3 {s3!r}: expected moto or rclone")
+    via = "redis" if s3 == "rclone" else "store"
+    with server, RedisServer(appendonly=via == "redis") as rs:
+        yield Servers(server, rs.url, rs.port, wd, server.client(), commit_via=via)
 
 
 def _drop_bucket(srv: Servers, bucket: str) -> None:
@@ -228,6 +242,7 @@ def run_config(
             # A lease must outlive one claim's generation (before any completion time is measured).
             "--min-lease-s", f"{max(2.0, 3 * per_prompt * 2 * wl.prompts_per_actor * max(cfg.slowdowns)):.1f}",
             *(["--digests"] if wl.digests else []),
+            *(["--commit-via", "redis"] if srv.commit_via == "redis" else []),
         ]
         # Everything starts at once (imports overlap); Actors wait for the run's description.
         procs["trainer"] = subprocess.Popen(_cli(*trainer_args), env={**srv.env(), **redis_child_env(srv.redis_url)}, stdout=out("trainer"), stderr=subprocess.STDOUT)
@@ -235,7 +250,7 @@ def run_config(
             for reg in profiles:
                 procs[f"relay-{reg}"] = tb.popen(
                     reg, _cli("relay", "--store", origin, "--mirror", f"file://{mirror_dir}/{reg}", "--run", run,
-                              "--region", reg, "--streams", str(S)),
+                              "--region", reg, "--streams", str(S), "--fetch", cfg.fetch),
                     env=region_env[reg], stdout=out(f"relay-{reg}" if len(profiles) > 1 else "relay"), stderr=subprocess.STDOUT,
                 )
 
@@ -243,7 +258,7 @@ def run_config(
             a = [
                 "actor", "--workload", "synthetic", "--store", origin, "--run", run, "--region", reg,
                 "--id", name, "--transfer", spec.transfer, "--streams", str(S), "--claim", str(2 * wl.prompts_per_actor),
-                "--slowdown", f"{slow:g}", "--hold-weights", "yes" if hold else "no",
+                "--slowdown", f"{slow:g}", "--hold-weights", "yes" if hold else "no", "--fetch", cfg.fetch,
                 *(["--digests"] if wl.digests and hold else []),
             ]
             if cfg.uses_relay:
@@ -301,7 +316,7 @@ def run_config(
             who, _, ver = _s(k).rpartition("|")
             staged[(who, int(ver))] = json.loads(v)
         late = frozenset(n for n in procs if n.startswith("a") and int(n[1:]) >= cfg.actors)
-        res = summarize(cfg, steps, published, staged, bytes_at, full_bytes, totals, late)
+        res = summarize(cfg, steps, published, staged, bytes_at, full_bytes, totals, late, _announcements(r, rk))
         if wl.digests and hold and spec.transfer != "none":
             tdig = {int(_s(k)): _s(v) for k, v in r.hgetall(rk.trainer_digests).items()}
             adig = {_s(k): _s(v) for k, v in r.hgetall(rk.actor_digests).items()}
@@ -336,6 +351,25 @@ def run_config(
         logs=logdir, error=error,
     )
     return res
+
+
+def _announcements(r: Any, rk: Any) -> dict[int, dict[str, float]]:
+    """Version -> when (ms) its first and last segments and the version itself were announced on the
+    origin stream: the entry ids' milliseconds, Redis's clock (the same host's as the workers')."""
+    out: dict[int, dict[str, float]] = {}
+    for eid, body in r.xrange(rk.events(None)):
+        f = {_s(k): _s(v) for k, v in body.items()}
+        try:
+            v = int(f.get("version", ""))
+        except ValueError:
+            continue
+        t = float(_s(eid).partition("-")[0])
+        if f.get("type") == "segment":
+            out.setdefault(v, {}).setdefault("first_segment_ms", t)
+            out[v]["last_segment_ms"] = t
+        elif f.get("type") == "version":
+            out.setdefault(v, {}).setdefault("version_ms", t)
+    return out
 
 
 def _mem_available() -> float | None:

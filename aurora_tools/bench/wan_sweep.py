@@ -31,6 +31,7 @@ __all__ = [
     "attach_ideal",
     "targets",
     "headline",
+    "delta_over_wire_floor",
 ]
 
 
@@ -102,6 +103,9 @@ class RunConfig:
     extra_regions: tuple[Link, ...] = ()
     """Links of further Actor regions (r2, r3, ...), each with its own Relay when ``relay``;
     Actors are dealt round robin over r1 (on ``link``) and these."""
+    fetch: str = "announced"
+    """The Actors' and Relays' ``--fetch``: ``announced`` (segments from their announcements,
+    before the manifest) or ``manifest-first`` (the path before prefetching)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -112,6 +116,8 @@ class RunConfig:
             raise ValueError(f"{self.mode}: {len(self.speeds)} speeds for {self.actors} Actors")
         if self.actors < len(self.links):
             raise ValueError(f"{self.mode}: {self.actors} Actors cannot fill {len(self.links)} regions")
+        if self.fetch not in FETCH_MODES:
+            raise ValueError(f"{self.mode}: fetch {self.fetch!r}; one of {', '.join(FETCH_MODES)}")
 
     @property
     def links(self) -> tuple[Link, ...]:
@@ -142,7 +148,7 @@ class RunConfig:
         """What makes two configurations the same run (experiments aside)."""
         return (
             self.mode, self.link, self.actors, self.uses_relay, self.conns, self.steps, self.warmup, self.slowdowns, self.split, self.kill_at, self.join_at,
-            self.extra_regions,
+            self.extra_regions, self.fetch,
         )
 
     def ideal_key(self) -> tuple[Any, ...]:
@@ -155,7 +161,8 @@ class RunConfig:
         extra = f" speeds={','.join(f'{s:g}' for s in self.slowdowns)} {self.split}" if self.speeds else ""
         churn = f" kill@{self.kill_at} join@{self.join_at}" if self.kill_at is not None or self.join_at is not None else ""
         more = "".join(f" +r{i + 2}:{x.label}" for i, x in enumerate(self.extra_regions))
-        return f"{self.mode} {self.link.label}{more} x{self.actors}{relay} S={self.conns}{extra}{churn}"
+        fetch = f" fetch={self.fetch}" if self.fetch != "announced" else ""
+        return f"{self.mode} {self.link.label}{more} x{self.actors}{relay} S={self.conns}{extra}{churn}{fetch}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +176,7 @@ class SweepOptions:
     version 0 and wait for no transfer, so the steady state starts at step K + 1)."""
     max_gbps: float | None = None
     """The ``max`` point of the bandwidth sweep: None (unshaped) or a rate."""
-    experiments: tuple[str, ...] = ("modes", "bandwidth", "streams", "relay", "hetero", "churn", "scaling", "regions")
+    experiments: tuple[str, ...] = ("modes", "bandwidth", "streams", "relay", "hetero", "churn", "scaling", "regions", "fetch")
     modes: tuple[str, ...] = tuple(MODES)
     """Modes run (in every experiment)."""
     actors: int = 2
@@ -177,6 +184,10 @@ class SweepOptions:
 
 
 HEADLINE = Link(1.0, 20.0)
+#: Links of the fetch experiment (``delta_over_wire_floor``).
+FETCH_LINKS_GBPS = (0.25, 1.0)
+#: ``--fetch`` of the Actors and Relays (:data:`aurora_store.lineage.prefetch.FETCH_MODES`).
+FETCH_MODES = ("announced", "manifest-first")
 #: The streams experiment's link: the paper's cross-continent RTT with stalls.
 STALLY = Link(1.0, 60.0, stall_prob=0.3, stall_ms=300.0)
 #: The regions experiment's second Actor region: farther and slower than the headline one.
@@ -229,6 +240,12 @@ def build_sweep(o: SweepOptions) -> list[RunConfig]:
                 out.append(run("ideal", HEADLINE, n, False, "scaling"))
             if (n == 2) if o.quick else n <= 4:
                 out.append(run("full", HEADLINE, n, False, "scaling"))
+    if "fetch" in ex:
+        # Delta fetch against its wire floor, segments from their announcements or manifest first,
+        # one Actor on a clean link (no Relay: the Actor's own fetch crosses the link).
+        for g in FETCH_LINKS_GBPS:
+            for fetch in FETCH_MODES:
+                out.append(run("delta", replace(HEADLINE, gbps=g), 1, False, "fetch", fetch=fetch))
     if "regions" in ex:
         # Two Actor regions on different links (r1: the headline link, r2: FAR), two Actors each.
         for relay in (True, False):
@@ -289,6 +306,7 @@ def summarize(
     full_bytes: int,
     run_totals: tuple[Mapping[str, int], Mapping[str, int]] | None = None,
     late: frozenset[str] = frozenset(),
+    announced: Mapping[int, Mapping[str, float]] | None = None,
 ) -> dict[str, Any]:
     """Figures of one run from what the workers logged.
 
@@ -300,6 +318,10 @@ def summarize(
     last version (delta runs): bytes per version are then the whole run's
     over the versions published, which no window boundary can cut in two.
     ``late``: Actors that joined mid-run (their catch-up is not a transfer time).
+    ``announced``: version -> when (ms) its ``first_segment_ms`` and ``last_segment_ms``
+    were announced, and the version (``version_ms``), on the origin stream:
+    ``announce_to_staged_s`` runs from the first segment to the last Actor staged,
+    ``segments_span_s`` is the Trainer's part of it (first to last segment), ``version_to_staged_s`` the rest.
     """
     measured = [s for s in steps if s["step"] >= cfg.warmup]
     step_s = [float(s["step_s"]) for s in measured]
@@ -308,6 +330,9 @@ def summarize(
     versions = [int(s["version"]) for s in measured]
     transfer: list[float] = []
     fetch: list[float] = []
+    from_announce: list[float] = []
+    span: list[float] = []
+    after_version: list[float] = []
     # Every version that reached an Actor: with a lag bound K, versions past the last batch's
     # are never needed, so those of the warm-up are the ones there are.
     # Version 1 pays for first connections and decodes in every process: left out when there are others.
@@ -320,6 +345,13 @@ def summarize(
         if pub is not None and recs_v and pub.get("kind") != "none":
             transfer.append((max(float(rec["t_ms"]) for rec in recs_v) - float(pub["start_ms"])) / 1000.0)
             fetch.append(max(float(rec.get("stage_s", 0.0)) for rec in recs_v))
+            ann = (announced or {}).get(v, {})
+            done_ms = max(float(rec["t_ms"]) for rec in recs_v)
+            if "first_segment_ms" in ann:
+                from_announce.append((done_ms - ann["first_segment_ms"]) / 1000.0)
+                span.append((ann.get("last_segment_ms", ann["first_segment_ms"]) - ann["first_segment_ms"]) / 1000.0)
+            if "version_ms" in ann:
+                after_version.append((done_ms - ann["version_ms"]) / 1000.0)
     sizes = [int(published[v]["bytes"]) for v in versions if v in published]
     recs = [rec for (a, ver), rec in staged.items() if ver in set(versions)]
     mirror_share = sum(1 for rec in recs if rec.get("mirror")) / len(recs) if recs else None
@@ -362,6 +394,11 @@ def summarize(
         "transfer_s": _mean(transfer),
         "transfer_s_max": max(transfer) if transfer else None,
         "fetch_s": _mean(fetch),
+        "fetch": cfg.fetch,
+        "announce_to_staged_s": _mean(from_announce),
+        "announce_to_staged_s_max": max(from_announce) if from_announce else None,
+        "segments_span_s": _mean(span),
+        "version_to_staged_s": _mean(after_version),
         "tokens_per_s": tokens / total_s if total_s > 0 else None,
         "version_bytes": delta_bytes,
         "full_bytes": full_bytes,
@@ -447,6 +484,19 @@ def targets(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
         r for r in results
         if r["mode"] == "delta" and r.get("wire_floor_s") and r.get("fetch_s") and not r["stall_prob"] and r["actors"] == 1 and not r["relay"]
     ]
+    if any(r.get("fetch") == "manifest-first" for r in clean):
+        # The Actor's own fetch time means "manifest, then segments" only on that path.
+        clean = [r for r in clean if r.get("fetch") == "manifest-first"]
+    table = delta_over_wire_floor(results)
+    if table:
+        want = {"0.25": 1.15, "1": 1.5}
+        got = {g: row.get("announced") for g, row in table.items() if g in want}
+        out["delta_fetch_at_wire_speed"] = {
+            "value": got,
+            "manifest_first": {g: row.get("manifest_first") for g, row in table.items() if g in want},
+            "goal": "first segment announced -> version staged, over delta bytes / link rate: <= 1.15 at 0.25 Gbit/s, <= 1.5 at 1 Gbit/s",
+            "met": all((x := got.get(g)) is not None and x <= w for g, w in want.items()) if len(got) == len(want) else None,
+        }
     if clean:
         # The Actor's fetch (listing, manifest, segments over S connections, sha256, decode) against
         # bytes / rate; publish-to-staged (extraction and upload included) is reported beside it.
@@ -460,6 +510,38 @@ def targets(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
             "met": best["fetch_s"] / best["wire_floor_s"] <= 1.3,
         }
     return out
+
+
+def delta_over_wire_floor(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The fetch experiment's table, keyed by link Gbit/s as a string (``"0.25"``, ``"1"``).
+
+    Each row: ``announced`` and ``manifest_first``, delta fetch time (first
+    segment announced -> version staged, mean over the measured versions)
+    over the wire floor (delta bytes x 8 / link rate); ``announced_s``,
+    ``manifest_first_s`` those times; ``announced_span_s``,
+    ``manifest_first_span_s`` the Trainer's part of each (its first to its
+    last segment announced: no fetch can end before the last segment is
+    out); ``wire_floor_s``, ``delta_bytes``. A mode that did not run (or
+    failed) is None.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for r in results:
+        if "fetch" not in r.get("experiments", ()) or r.get("error") or not r.get("link_gbps"):
+            continue
+        row = out.setdefault(
+            f"{r['link_gbps']:g}",
+            {
+                "announced": None, "manifest_first": None, "announced_s": None, "manifest_first_s": None,
+                "announced_span_s": None, "manifest_first_span_s": None, "wire_floor_s": None, "delta_bytes": None,
+            },
+        )
+        mode = str(r.get("fetch", "announced")).replace("-", "_")
+        t, floor = r.get("announce_to_staged_s"), r.get("wire_floor_s")
+        row[f"{mode}_s"] = t
+        row[f"{mode}_span_s"] = r.get("segments_span_s")
+        row[mode] = t / floor if t is not None and floor else None
+        row["wire_floor_s"], row["delta_bytes"] = floor, r.get("version_bytes")
+    return dict(sorted(out.items(), key=lambda kv: float(kv[0])))
 
 
 def finite(x: Any) -> Any:

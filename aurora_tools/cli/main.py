@@ -146,6 +146,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     tbu.add_argument("--s3-port", type=int, default=0, metavar="N", help="S3 server port (default: a free one)")
     tbu.add_argument("--redis-port", type=int, default=0, metavar="N", help="Redis port (default: a free one)")
     tbu.add_argument("--bucket", default="aurora", help="bucket to create (default aurora)")
+    tbu.add_argument("--s3", choices=("auto", "minio", "moto", "rclone"), default="auto",
+                     help="S3 server: auto (minio if on PATH, else moto, in memory), or rclone (files under DIR/rclone; "
+                          "no conditional writes: Redis persists and the Trainer runs with --commit-via redis)")
     tbu.add_argument("--background", action="store_true", help="detach, write DIR/testbed.json and return")
     tbu.set_defaults(func=run_cmds.cmd_testbed)
     tbd = tbp.add_parser("down", help="stop the testbed started with --background (SIGTERM, then SIGKILL)")
@@ -198,6 +201,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     bh = bench.add_parser("hostile", help="every attack of issue 13 against the real CLI: refused, nothing applied, no traceback; valid controls accepted")
     later.fill(("bench", "hostile"), bh, bench_cmds.add_hostile_arguments)
     bh.set_defaults(func=bench_cmds.cmd_bench_hostile)
+    ba = bench.add_parser("activate", help="the Actor's safe point against a bare scatter of the same delta and a full copy of the weights")
+    later.fill(("bench", "activate"), ba, bench_cmds.add_activate_arguments)
+    ba.set_defaults(func=bench_cmds.cmd_bench_activate)
     return ap
 
 

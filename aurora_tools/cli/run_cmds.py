@@ -194,11 +194,11 @@ def cmd_testbed(args: argparse.Namespace) -> int:
         say(f"testbed in {os.path.abspath(args.dir)} stopped: {'; '.join(res['stopped'])}")
         return 0
     if args.background:
-        state = start_background(args.dir, args.s3_port, args.redis_port, args.bucket)
+        state = start_background(args.dir, args.s3_port, args.redis_port, args.bucket, s3=getattr(args, "s3", "auto"))
         print(banner(state, background=True), flush=True)
         say(f"(state {os.path.join(state['dir'], STATE_FILE)}, log {state['log']})")
         return 0
-    return serve(args.dir, args.s3_port, args.redis_port, args.bucket)
+    return serve(args.dir, args.s3_port, args.redis_port, args.bucket, s3=getattr(args, "s3", "auto"))
 
 
 # -- demo --

@@ -276,6 +276,11 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
             tcfg = dataclasses.replace(tcfg, head_dim=32)  # vLLM's CPU attention needs heads of 32 or more
         if cfg.trainer_extra:
             tcfg = dataclasses.replace(tcfg, **dict(cfg.trainer_extra))
+        if tcfg.min_actors == 0 and actors:
+            # Every Actor the demo starts begins at v0: on a loaded machine the first one up
+            # could otherwise run ahead alone, and a step only it was assigned (a version
+            # the late starters bootstrapped past) would wait for its lease-holder forever.
+            tcfg = dataclasses.replace(tcfg, min_actors=len(actors))
         trainer = Trainer(Endpoints(origin_url, redis_url, cfg.run, storage_options), tcfg, on_step=on_step)
         failure: list[BaseException] = []
 

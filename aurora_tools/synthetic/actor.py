@@ -36,6 +36,12 @@ class _CountingStore:
             self.bytes_read += len(data)
         return cast(bytes, data)
 
+    def get_range(self, key: str, start: int, stop: int) -> bytes:
+        data = self._inner.get_range(key, start, stop)
+        with self._lock:
+            self.bytes_read += len(data)
+        return cast(bytes, data)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 

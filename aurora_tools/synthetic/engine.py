@@ -12,6 +12,7 @@ import torch
 
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.fusion import FusionPlan
+from aurora_store.errors import ChainError
 from aurora_store.format.checkpoint import StagedDelta
 from aurora_tools.synthetic.shapes import qwen3_shapes
 from aurora_tools.synthetic.workload import SyntheticSpec, base_weights
@@ -79,11 +80,25 @@ class SyntheticEngine:
         comps = tuple(tuple(one for _ in range(group)) for _ in prompts)
         return Generation(comps, len(prompts) * group * len(ids), time.perf_counter() - t0)
 
+    def prepare(self, staged: StagedDelta) -> Any:
+        """What the torch engine's ``prepare`` does, for held weights (aurora_store.apply.prepared):
+        checks and grouping in the stager, so the safe point only writes. Not held: ``staged`` as it is."""
+        from aurora_store.apply.prepared import layout_of_plan, prepare_delta
+
+        if not self.hold:
+            return staged
+        return prepare_delta(staged, self._plan.specs(), layout_of_plan(self._plan))
+
     def apply(self, staged: Any) -> None:
+        from aurora_store.apply.prepared import PreparedDelta
         from aurora_store.apply.sink import apply_delta, check_fits
 
         with self._lock:
-            if isinstance(staged, StagedDelta):
+            if isinstance(staged, PreparedDelta):
+                if self._version is not None and staged.base_version != self._version:
+                    raise ChainError(f"delta {staged.version} is based on version {staged.base_version}, the engine holds {self._version}")
+                staged.write(self._sink.tensors)  # every target checked before the first write
+            elif isinstance(staged, StagedDelta):
                 check_fits(staged, self._plan.specs())
                 if self.hold:
                     apply_delta(staged, self._sink)

@@ -177,9 +177,12 @@ def trainer_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -
     spec = SyntheticSpec(shape, args.seed, args.density, per_prompt, args.tokens)
     train_s = args.train_s if args.train_s is not None else 0.3 * PAPER_GEN_WINDOW_S * shape.params / PAPER_PARAMS
     cfg = TrainerConfig(
-        steps=args.steps, batch=args.batch, group=args.group, snapshot_every=0, checkpoint_every=0, streams=args.streams, seed=args.seed,
+        # No held-out evaluation: the synthetic model has no task to score (and no behaviour copy).
+        steps=args.steps, batch=args.batch, group=args.group, snapshot_every=0, checkpoint_every=0, eval_every=0, streams=args.streams, seed=args.seed,
         segment_bytes=args.segment_bytes, heartbeat_timeout_s=args.heartbeat_timeout, transfer=args.transfer, max_lag=args.max_lag,
         scheduler=SchedulerConfig(split=args.split, min_lease_ms=int(1000 * args.min_lease_s)),
+        # Redis-commit mode (a store without conditional writes, e.g. rclone serve s3): as the real Trainer.
+        commit_via=getattr(args, "commit_via", None) or "store",
     )
     ep = Endpoints(args.store, args.redis, args.run, storage_options)
     r = connect(args.redis)

@@ -31,6 +31,7 @@ def start_background(
     redis_port: int = 0,
     bucket: str = DEFAULT_BUCKET,
     timeout_s: float = 60.0,
+    s3: str = "auto",
 ) -> dict[str, Any]:
     """Start a detached testbed process; return its state once both servers answer."""
     d = Path(dir).resolve()
@@ -39,7 +40,7 @@ def start_background(
     log_path = d / LOG_FILE
     cmd = [
         sys.executable, "-m", "aurora_tools.testbed", "serve", "--dir", str(d),
-        "--s3-port", str(s3_port), "--redis-port", str(redis_port), "--bucket", bucket,
+        "--s3-port", str(s3_port), "--redis-port", str(redis_port), "--bucket", bucket, "--s3", s3,
     ]
     env = dict(os.environ)
     pkg_root = str(Path(__file__).resolve().parents[2])

@@ -23,11 +23,13 @@ def banner(state: dict[str, Any], background: bool = False) -> str:
     s3 = state["s3"]
     where = "in-process" if s3["kind"] == "moto" else f"pid {s3['pid']}"
     common = f"--store {u['store']} --redis {u['redis']} --run {run}"
+    via = " --commit-via redis" if s3.get("commit_via") == "redis" else ""
     lines = [
         f"Aurora testbed is up (dir {d}, pid {state['pid']})",
         f"  Redis  {u['redis']}   (redis-server pid {state['redis']['pid']})",
         f"  S3     {u['s3']}   ({s3['kind']}, {where}), bucket {state['bucket']}"
-        + ("  [moto keeps objects in memory only]" if s3["kind"] == "moto" else ""),
+        + ("  [moto keeps objects in memory only]" if s3["kind"] == "moto" else "")
+        + ("  [files on disk; no conditional writes: the Trainer commits through Redis]" if via else ""),
         "",
         "Paste into each other terminal:",
         *[f"  export {k}={v}" for k, v in env.items()],
@@ -36,7 +38,7 @@ def banner(state: dict[str, Any], background: bool = False) -> str:
         f"  --redis {u['redis']}",
         "",
         "Then, one per terminal:",
-        f"  aurora trainer {common} --steps 20",
+        f"  aurora trainer {common} --steps 20{via}",
         f"  aurora relay   {common} --region eu --mirror {u['mirror']}",
         f"  aurora actor   {common} --region eu --mirror {u['mirror']}",
         f"  aurora actor   {common} --region us",
@@ -58,6 +60,7 @@ def serve(
     bucket: str = DEFAULT_BUCKET,
     out: TextIO | None = None,
     background: bool = False,
+    s3: str = "auto",
 ) -> int:
     """Run a testbed until SIGINT/SIGTERM/SIGHUP, with ``DIR/testbed.json`` while it is up."""
     out = out or sys.stdout
@@ -71,7 +74,7 @@ def serve(
             previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
     # moto's server logs every request: too loud for a terminal (or a log) during a run.
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    tb = Testbed(d, s3_port=s3_port, redis_port=redis_port, bucket=bucket)
+    tb = Testbed(d, s3_port=s3_port, redis_port=redis_port, bucket=bucket, s3=s3)
     try:
         tb.start()
         state = tb.state()

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from aurora_store.errors import TestbedError
-from aurora_store.testing.servers import S3Server, free_port, port_is_free
+from aurora_store.testing.servers import RcloneS3Server, S3Server, free_port, port_is_free
 from aurora_tools.testbed.processes import http_answers, wait_for
 
-__all__ = ["DEFAULT_DIR", "DEFAULT_BUCKET", "ACCESS_KEY", "SECRET_KEY", "REGION", "Testbed"]
+__all__ = ["DEFAULT_DIR", "DEFAULT_BUCKET", "ACCESS_KEY", "SECRET_KEY", "REGION", "S3_KINDS", "Testbed"]
 
 DEFAULT_DIR = ".aurora-testbed"
 DEFAULT_BUCKET = "aurora"
@@ -26,11 +26,17 @@ REGION = "us-east-1"
 
 _HOST = "127.0.0.1"
 
+#: The S3 servers a testbed can run (``auto``: minio if on PATH, else moto).
+S3_KINDS = ("auto", "minio", "moto", "rclone")
+
 
 class Testbed:
     """Redis and an S3-protocol server on loopback, with one bucket.
 
-    ``s3``: ``"auto"`` (minio if on PATH, else moto), ``"minio"`` or ``"moto"``.
+    ``s3``: ``"auto"`` (minio if on PATH, else moto), ``"minio"``, ``"moto"`` or
+    ``"rclone"`` (``rclone serve s3`` over ``DIR/rclone``: objects on disk, no
+    conditional writes, so its Redis persists (``appendonly yes``) and a run
+    commits through it: ``--commit-via redis``).
     Ports 0 mean "a free one". ``run`` only names the run in :attr:`urls`.
     """
 
@@ -45,8 +51,8 @@ class Testbed:
         s3: str = "auto",
         run: str = "r1",
     ) -> None:
-        if s3 not in ("auto", "minio", "moto"):
-            raise TestbedError(f"s3 server {s3!r}: expected auto, minio or moto")
+        if s3 not in S3_KINDS:
+            raise TestbedError(f"s3 server {s3!r}: expected {', '.join(S3_KINDS)}")
         for name, port in (("--s3-port", s3_port), ("--redis-port", redis_port)):
             if not 0 <= port <= 65535:
                 raise TestbedError(f"{name} {port}: not a TCP port")
@@ -61,6 +67,7 @@ class Testbed:
         self._moto: S3Server | None = None
         self._minio: subprocess.Popen[bytes] | None = None
         self._minio_log: Any = None
+        self._rclone: RcloneS3Server | None = None
 
     # -- life cycle ---------------------------------------------------------
     def start(self) -> Testbed:
@@ -81,6 +88,10 @@ class Testbed:
             with contextlib.suppress(Exception):
                 self._moto.stop()
             self._moto = None
+        if self._rclone is not None:
+            with contextlib.suppress(Exception):
+                self._rclone.stop()
+            self._rclone = None
         if self._minio is not None:
             if self._minio.poll() is None:
                 self._minio.terminate()
@@ -113,6 +124,8 @@ class Testbed:
             return f"redis-server (pid {self._redis.proc.pid}) exited with status {self._redis.proc.returncode}"
         if self._minio is not None and self._minio.poll() is not None:
             return f"minio (pid {self._minio.pid}) exited with status {self._minio.returncode}; see {self.dir / 'minio.log'}"
+        if self._rclone is not None:
+            return self._rclone.problem()
         return self._moto.problem() if self._moto is not None else None
 
     def _start_redis(self) -> None:
@@ -124,7 +137,8 @@ class Testbed:
             raise TestbedError(str(e)) from None
         if self.redis_port and not port_is_free(self.redis_port):
             raise TestbedError(f"--redis-port {self.redis_port}: something already listens on {_HOST}:{self.redis_port}")
-        server = RedisServer(binary)
+        # Redis-commit mode (what a store without conditional writes needs) wants a Redis that persists.
+        server = RedisServer(binary, appendonly=self.commit_via == "redis")
         server.port = self.redis_port
         server.dir = str(self.dir / "redis")
         os.makedirs(server.dir, exist_ok=True)
@@ -140,6 +154,8 @@ class Testbed:
             raise TestbedError(f"--s3-port {self.s3_port}: something already listens on {_HOST}:{self.s3_port}")
         if self.s3_kind == "minio":
             self._start_minio()
+        elif self.s3_kind == "rclone":
+            self._start_rclone()
         else:
             self._start_moto()
 
@@ -147,6 +163,22 @@ class Testbed:
         self._moto = S3Server(port=self.s3_port).start()
         self.s3_endpoint = self._moto.endpoint
         wait_for(lambda: http_answers(self.s3_endpoint + "/"), 15.0, f"moto's server on {self.s3_endpoint}")
+
+    def _start_rclone(self) -> None:
+        data = self.dir / "rclone"
+        data.mkdir(parents=True, exist_ok=True)
+        server = RcloneS3Server(root=data, port=self.s3_port, access_key=ACCESS_KEY, secret_key=SECRET_KEY, region=REGION)
+        try:
+            server.start()
+        except RuntimeError as e:
+            raise TestbedError(f"rclone serve s3: {e}") from None
+        self._rclone = server
+        self.s3_endpoint = server.endpoint
+
+    @property
+    def commit_via(self) -> str:
+        """How a run on this testbed commits: ``"redis"`` on a server that ignores conditional writes."""
+        return "redis" if self.s3_kind == "rclone" else "store"
 
     def _start_minio(self) -> None:
         binary = shutil.which("minio")
@@ -215,6 +247,8 @@ class Testbed:
     @property
     def env(self) -> dict[str, str]:
         """Environment variables that point S3 clients (s3fs, boto3, the workers) here."""
+        if self._rclone is not None:
+            return self._rclone.env_vars  # with botocore's checksums as rclone needs them
         return {
             "AWS_ENDPOINT_URL": self.s3_endpoint,
             "AWS_ACCESS_KEY_ID": ACCESS_KEY,
@@ -224,12 +258,16 @@ class Testbed:
 
     def storage_options(self) -> dict[str, Any]:
         """fsspec/s3fs options that reach this server (for ``open_store``)."""
+        if self._rclone is not None:
+            return self._rclone.storage_options()
         return {"key": ACCESS_KEY, "secret": SECRET_KEY, "client_kwargs": {"endpoint_url": self.s3_endpoint, "region_name": REGION}}
 
     def state(self) -> dict[str, Any]:
         """What ``DIR/testbed.json`` holds (the caller's pid is the testbed's)."""
         redis_pid = self._redis.proc.pid if self._redis is not None and self._redis.proc is not None else None
         s3_pid = self._minio.pid if self._minio is not None else os.getpid()
+        if self._rclone is not None and self._rclone.pid is not None:
+            s3_pid = self._rclone.pid
         return {
             "pid": os.getpid(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -239,7 +277,7 @@ class Testbed:
             "redis": {"pid": redis_pid, "port": self._redis.port if self._redis else None, "url": self.redis_url,
                       "binary": self._redis.binary if self._redis else None},
             "s3": {"kind": self.s3_kind, "pid": s3_pid, "port": int(self.s3_endpoint.rsplit(":", 1)[1]) if self.s3_endpoint else None,
-                   "endpoint": self.s3_endpoint},
+                   "endpoint": self.s3_endpoint, "commit_via": self.commit_via},
             "urls": self.urls,
             "env": self.env,
         }

@@ -62,7 +62,14 @@ from aurora_tools.wan.host import (
     wan_unavailable_reason,
 )
 from aurora_tools.wan.profile import LinkProfile
-from aurora_tools.wan.proxy import Address, Proxy, ProxyLoop, ProxyStats
+from aurora_tools.wan.proxy import (
+    Address,
+    Proxy,
+    ProxyLoop,
+    ProxyStats,
+    ProxyWorkers,
+    default_workers,
+)
 
 __all__ = [
     "WanUnavailable",
@@ -109,7 +116,7 @@ class _Region:
     ns: str | None = None
     veth_root: str | None = None
     veth_ns: str | None = None
-    proxies: dict[Address, Proxy] = field(default_factory=dict)
+    proxies: dict[Address, Proxy | ProxyWorkers] = field(default_factory=dict)
     procs: list[subprocess.Popen[Any]] = field(default_factory=list)
 
     @property
@@ -138,10 +145,14 @@ class WanTestbed:
     """Regions joined to the trainer region (the root namespace) by shaped, impaired links.
 
     ``regions`` maps a region name (``[a-z][a-z0-9_]{0,15}``) to its link profile.
+    ``proxy_workers``: processes per exposed service (None: :func:`~.proxy.default_workers`,
+    ``AURORA_WAN_PROXY_WORKERS`` or half the cores); 1 keeps every proxy on one event loop in this
+    process. A loopback testbed whose region has a rate keeps the single loop (its token
+    bucket cannot be shared across processes).
     """
 
     def __init__(self, regions: Mapping[str, LinkProfile], *, prefix: str | None = None,
-                 mode: Mode = "netns") -> None:
+                 mode: Mode = "netns", proxy_workers: int | None = None) -> None:
         for name in regions:
             if not _REGION.match(name):
                 raise ConfigError(f"WanTestbed region {name!r}: must match {_REGION.pattern}")
@@ -155,6 +166,9 @@ class WanTestbed:
         self.prefix = prefix or _default_prefix()
         self._profiles = dict(regions)
         self._requested_mode: Mode = mode
+        self.proxy_workers = default_workers() if proxy_workers is None else int(proxy_workers)
+        if self.proxy_workers < 1:
+            raise ConfigError(f"WanTestbed proxy_workers={proxy_workers!r}: must be >= 1")
         self.mode: Literal["netns", "loopback"] = "loopback"
         self._regions: dict[str, _Region] = {}
         self._loop: ProxyLoop | None = None
@@ -234,6 +248,10 @@ class WanTestbed:
             for region in self._regions.values():
                 for proc in region.procs:
                     _stop(proc)
+            for region in self._regions.values():
+                for p in region.proxies.values():
+                    if isinstance(p, ProxyWorkers):
+                        p.close()
             if self._loop is not None:
                 self._loop.close()
             for region in self._regions.values():
@@ -299,9 +317,14 @@ class WanTestbed:
         prof = profile or r.profile
         prof = prof.with_(seed=prof.seed + 7919 * len(r.proxies))
         assert self._loop is not None
-        proxy = self._loop.start_proxy(
-            upstream, prof, listen=(r.host_ip, 0), rate_limit=(r.ns is None), name=f"{region}->{upstream}"
-        )
+        name = f"{region}->{upstream}"
+        userspace_rate = r.ns is None and prof.rate_mbit is not None
+        proxy: Proxy | ProxyWorkers
+        if self.proxy_workers > 1 and not userspace_rate:
+            proxy = ProxyWorkers(upstream, prof, listen=(r.host_ip, 0), workers=self.proxy_workers, name=name)
+            proxy.start()
+        else:
+            proxy = self._loop.start_proxy(upstream, prof, listen=(r.host_ip, 0), rate_limit=(r.ns is None), name=name)
         r.proxies[upstream] = proxy
         return proxy.address
 
@@ -315,7 +338,7 @@ class WanTestbed:
         netloc = f"{userinfo}@{host}:{port}" if userinfo else f"{host}:{port}"
         return urlunsplit(parts._replace(netloc=netloc))
 
-    def proxies(self, region: str) -> dict[Address, Proxy]:
+    def proxies(self, region: str) -> dict[Address, Proxy | ProxyWorkers]:
         return dict(self._region(region).proxies)
 
     # -- processes -----------------------------------------------------------

@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 from aurora_store import metrics
 from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.config import Backoff
-from aurora_store.coordination.bus import COMMIT, SEGMENT, Bus, BusGap
+from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus, BusGap, Event
 from aurora_store.coordination.ledger import Lease, Ledger
 from aurora_store.coordination.redisconn import connect
 from aurora_store.errors import (
@@ -69,6 +69,7 @@ from aurora_store.lineage.interfaces import CommitRecords
 from aurora_store.lineage.plan import ChainPlan, VersionIndex, plan_chain, scan_versions
 from aurora_store.outage import Dependency, is_transient, riding
 from aurora_store.storage import Store, open_store
+from workers.actor.announced import AnnouncedFetch
 from workers.actor.config import ActorConfig, ActorStats
 from workers.actor.held import chain_error, check_chain, check_reached, check_staged
 from workers.actor.quarantine import Quarantine, StagedFull, staged_nbytes
@@ -153,6 +154,7 @@ class Actor:
         self._reported: str | None = None
         """The ``quarantined`` field as last written into the actor record."""
         self._fatal: BaseException | None = None
+        self._verified: int | None = None  # the active version whose predicted digest was checked
         """What ended a background thread (an outage past the budget, a permanent error)."""
         self._want = -1
         """The version the main loop last wanted: the stager's catch-up target when behind it."""
@@ -183,6 +185,8 @@ class Actor:
         self.commits: CommitRecords | None = None
         """The run's Redis commit records (FORMAT.md §1) when it commits through Redis; None: the store commits."""
         self._commits_known = False
+        self._announced = AnnouncedFetch(cfg.streams, cfg.max_prefetch_bytes, self.redis, self.keys) if cfg.fetch == "announced" else None
+        """Reads started by announcements (``cfg.fetch``: segments before their manifest); None: manifest first."""
         self._model_unchecked: dict[str, str] | None = None
         """The model files read before any snapshot listed them (key -> sha256): checked at bootstrap."""
         """(step, active version) last refused for its state: logged once."""
@@ -498,7 +502,50 @@ class Actor:
             return m, staged
         if known is None and self.commits is not None:  # checked against its record: never re-read unchecked
             known = _manifest(store, None, "delta", version, self.cfg.trust, self.commits)
-        return fetch_delta(store, version, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state, manifest=known, trust=self.cfg.trust)
+        early = self._announced
+        if early is None:
+            return fetch_delta(store, version, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state, manifest=known, trust=self.cfg.trust)
+        t0 = time.perf_counter()
+        if known is None:
+            known = early.manifest(store, version)  # read when the version was announced, with the same checks
+        t1 = time.perf_counter()
+        taken, waited = early.prefetch.stats.taken, early.prefetch.stats.waited_s
+        try:
+            # Held segments are taken only once the manifest is read and trusted, each checked against it.
+            fetched = fetch_delta(
+                store, version, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state, manifest=known,
+                trust=self.cfg.trust, held=early.held(version),
+            )
+        except VersionNotFound:
+            raise  # not committed yet (here): what is held waits for its manifest
+        except BaseException:
+            early.done(version)  # refused: nothing held for it is of use
+            raise
+        early.done(version)  # and keys its manifest did not list are let go
+        log.debug(
+            "%s: delta %d: %d of %d segments prefetched; %.3fs for the manifest read when announced, then %.3fs to fetch and decode "
+            "(%.3fs waited for downloads under way, summed over threads)",
+            self.cfg.actor_id, version, early.prefetch.stats.taken - taken, len(fetched[0].segments), t1 - t0,
+            time.perf_counter() - t1, early.prefetch.stats.waited_s - waited,
+        )
+        return fetched
+
+    def _announcement(self, ev: Event, region: str | None, url: str | None) -> None:
+        """``--fetch announced``: start the reads an announcement names, from where it says they are (mirror or origin)."""
+        early = self._announced
+        if early is None or isinstance(self.engine, StoreStaging):
+            return
+        store = self._source(url)[0] if region is not None else self.origin
+        if ev.type == SEGMENT:
+            early.segment(store, ev, self.staged_version)
+        elif ev.type == VERSION:
+            early.version(store, ev, self.staged_version, self.cfg.trust, self.commits)
+
+    def _prepared(self, staged: Any) -> Any:
+        """``staged`` made ready for the safe point by an engine that can (``prepare``: checks,
+        grouping, the digest after it; see aurora_store.apply.prepared), else as it is."""
+        prepare = getattr(self.engine, "prepare", None)
+        return prepare(staged) if callable(prepare) and isinstance(staged, StagedDelta) else staged
 
     def _staged_bytes(self) -> int:
         with self.lock:
@@ -560,6 +607,7 @@ class Actor:
             try:
                 m, staged = self._fetch_delta(store, v)
                 self._check_expected(v, m.state, store)
+                staged = self._prepared(staged)
             except VersionNotFound:
                 if store is self.origin:
                     if head is not None and v <= head:
@@ -710,6 +758,29 @@ class Actor:
         if not self.stop.is_set():
             log.warning("no Relay for region %s after %.0fs; staging from origin", self.cfg.region, self.cfg.relay_wait_s)
 
+    def _verify_active(self) -> None:
+        """Check, once per activation, the weights an engine's predicted digest speaks for.
+
+        An engine that predicted the digest of a delta's result before the
+        safe point (:meth:`TorchEngine.prepare`) hashes its real weights here,
+        in the stager, off the critical path. Weights that are not what was
+        predicted are a broken write: no rollout may come from them, so the
+        Actor records their real digest and stops with the error (its leases
+        expire, and the Trainer sees the mismatch).
+        """
+        check = getattr(self.engine, "verify_predicted", None)
+        v = self.active
+        if check is None or v is None or self._verified == v:
+            return
+        ok = check()
+        if ok is None:
+            return  # nothing predicted (or a write raced): nothing to check for this version
+        self._verified = v
+        if not ok:
+            digest = self.engine.digest()
+            self._redis(partial(record_digest, self.redis, self.keys, self.cfg.actor_id, v, digest), "record a digest")
+            raise ModelMismatchError(f"the weights of v{v} after activation are not the ones predicted (digest {digest[:12]}); stopping")
+
     def _stager_loop(self) -> None:
         self._wait_for_relay()
         last = "$"
@@ -718,6 +789,7 @@ class Actor:
         pauses = self._pauses()
         while not self.stop.is_set():
             try:
+                self._verify_active()
                 url, head, commit = polled or self._poll()
                 new_region = self.cfg.region if self._trusted_mirror(url) else None
                 if new_region != region or last == "$":
@@ -733,6 +805,7 @@ class Actor:
                         self.commit_seen = max(self.commit_seen, ev.version)
                     elif ev.type == SEGMENT and region is not None:
                         self._relay_progress[ev.version] = now  # the Relay is copying it
+                    self._announcement(ev, region, url)
                 polled = url, head, commit = self._poll()
                 # Announcements are hints: a silent stream (a Relay that just died,
                 # before its key expires) must not stop us from staging what exists,
@@ -855,7 +928,9 @@ class Actor:
         published. No record (an older Trainer, a Redis that lost its data):
         nothing to compare with, and the chain's own checks stand alone.
         """
-        want = self._redis(lambda: read_expected_state(self.redis, self.keys, version), "read an expected state")
+        read, want = self._announced.expected_state(version) if self._announced is not None else (False, None)
+        if not read:
+            want = self._redis(lambda: read_expected_state(self.redis, self.keys, version), "read an expected state")
         if want is not None and want != state:
             src = f" from {store.url}" if store is not None else ""
             raise ChainError(f"v{version}{src}: state {state[:19]}… is not the state the Trainer recorded ({want[:19]}…)")
@@ -963,6 +1038,8 @@ class Actor:
             self._leave()
             for t in threads:
                 t.join(timeout=30)
+            if self._announced is not None:
+                self._announced.close()
             if hasattr(self, "engine") and hasattr(self.engine, "close"):  # an engine with processes of its own (vLLM)
                 self.engine.close()
         if self._fatal is not None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from aurora_store.errors import ConfigError
 from aurora_store.format.signing import trust_from_option
+from aurora_store.lineage.prefetch import FETCH_MODES
 from aurora_store.metrics import serve_from_args
 from aurora_store.options import (
     add_config_arg,
@@ -72,6 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"parallel connections per fetched version (default: $AURORA_STREAMS, else {d['streams'].default})",
     )
     fetch.add_argument(
+        "--fetch", choices=FETCH_MODES, default=None,
+        help="announced (default, $AURORA_ACTOR_FETCH): fetch each segment from its announcement, before the manifest "
+        "(held until the manifest lists it); manifest-first: read the manifest, then its segments",
+    )
+    fetch.add_argument(
         "--max-staged-mib", type=float, default=None, metavar="MIB",
         help=f"most staged data held beside the active weights (default $AURORA_ACTOR_MAX_STAGED_MIB, else {ActorConfig().max_staged_bytes >> 20})",
     )
@@ -97,7 +103,7 @@ def config_from_args(args: argparse.Namespace, engine: str | None = None) -> Act
         streams=args.streams, outage_budget_s=outage_budget_s(getattr(args, "outage_budget_s", None)),
         max_staged_bytes=None if staged_mib is None else max(1, int(staged_mib * (1 << 20))),
         trust=trust_from_option(trust_key_paths(getattr(args, "trust_key", None))),
-        device=device,
+        device=device, fetch=getattr(args, "fetch", None),
     )
 
 

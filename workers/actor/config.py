@@ -10,6 +10,7 @@ from typing import Any
 from aurora_store.config import Backoff, from_env, streams_field
 from aurora_store.errors import ConfigError
 from aurora_store.format.signing import TrustKeys
+from aurora_store.lineage.prefetch import DEFAULT_MAX_HELD_BYTES, FETCH_MODES
 from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV
 
 __all__ = ["ENV_PREFIX", "ActorConfig", "ActorStats"]
@@ -72,6 +73,15 @@ class ActorConfig:
     """>1 makes this Actor that many times slower (heterogeneity experiments)."""
     streams: int = streams_field()
     """Parallel segment fetches per staged version (env ``AURORA_STREAMS``)."""
+    fetch: str = "announced"
+    """How a delta's segments are fetched (``--fetch``): ``announced``, each from its
+    announcement on the stream while the manifest is still to come (held, bounded by
+    ``max_prefetch_bytes``, and decoded only once the manifest, trusted, lists it with that
+    sha256: :mod:`aurora_store.lineage.prefetch`); ``manifest-first``, the manifest and then
+    the segments it lists (the path before prefetching, kept to measure against)."""
+    max_prefetch_bytes: int = field(default=DEFAULT_MAX_HELD_BYTES, metadata={"env": "AURORA_ACTOR_MAX_PREFETCH_MIB", "scale": _MIB})
+    """Most bytes of announced segments held before their manifest is read (env
+    ``AURORA_ACTOR_MAX_PREFETCH_MIB``, in MiB); announcements past it are fetched after the manifest."""
     mirror_grace_s: float = 2.0
     """While the region's Relay is alive, a version its mirror lacks is read from origin only
     once it has been missing this long: otherwise every Actor races the Relay's cut-through
@@ -128,6 +138,10 @@ class ActorConfig:
             raise ConfigError(f"mirror must be a URL (file:///path, s3://bucket/prefix), got {self.mirror!r}")
         if self.mirror is None and self.mirror_options:
             raise ConfigError("mirror options were given without a mirror (--mirror URL)")
+        if self.fetch not in FETCH_MODES:
+            raise ConfigError(f"fetch must be one of {', '.join(FETCH_MODES)}, got {self.fetch!r}")
+        if self.max_prefetch_bytes < 0:
+            raise ConfigError(f"max_prefetch_bytes must be >= 0, got {self.max_prefetch_bytes}")
         if self.max_staged_bytes < 1:
             raise ConfigError(f"max_staged_bytes must be >= 1, got {self.max_staged_bytes}")
         if self.temperature < 0 or self.slowdown <= 0 or self.mirror_grace_s < 0 or self.relay_wait_s < 0:

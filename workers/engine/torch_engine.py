@@ -5,10 +5,18 @@ weights that deltas are written into are the very tensors that generate:
 there is no second copy in another dtype, so an applied version is the
 version sampled from. Generation and weight writes share one lock, so a
 delta lands between batches (the paper's safe point), never inside one.
+
+:meth:`TorchEngine.prepare` does everything of an activation but the write
+while the engine generates (aurora_store.apply.prepared): checks, splitting
+over the source tensors, sorting, and the digest the weights will have. The
+safe point then writes one sorted pass per tensor, or, with
+``EngineConfig.activation = "swap"``, only swaps in a spare copy the delta
+was written into beforehand (workers.engine.spare).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -17,6 +25,12 @@ from typing import Any, cast
 
 import torch
 
+from aurora_store.apply.prepared import (
+    PreparedDelta,
+    layout_of_plan,
+    predicted_digest,
+    prepare_delta,
+)
 from aurora_store.apply.sink import SplitWeights, apply_delta, weights_digest
 from aurora_store.codec.encodings import DTYPES
 from aurora_store.codec.entries import ParamSpec
@@ -26,12 +40,15 @@ from aurora_store.config import from_env
 from aurora_store.errors import ChainError, ConfigError, ModelMismatchError
 from aurora_store.format.checkpoint import StagedDelta
 from workers.engine.protocol import Completion, Generation, TokenCodec
+from workers.engine.spare import SpareWeights, swap_fits
 from workers.model import fusion_plan_for, hf_weights
 
 __all__ = ["ENV_PREFIX", "EngineConfig", "TorchEngine"]
 
 ENV_PREFIX = "AURORA_ENGINE_"
 """Prefix of :class:`EngineConfig`'s environment variables."""
+
+log = logging.getLogger("aurora.engine")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -48,6 +65,17 @@ class EngineConfig:
     max_batch_rows: int = 256
     """Most sequences (prompts x group) in one forward pass; more are run in turns
     (env ``AURORA_ENGINE_MAX_BATCH_ROWS``)."""
+    predict_digest: bool = True
+    """:meth:`TorchEngine.prepare` also computes the weights digest the delta will give, while
+    generating, so the safe point does not hash every weight (env ``AURORA_ENGINE_PREDICT_DIGEST``).
+    Costs one read of the weights per prepared version, off the critical path."""
+    activation: str = "in-place"
+    """How a prepared delta lands at the safe point (env ``AURORA_ENGINE_ACTIVATION``):
+    ``in-place`` writes it into the weights (one sorted pass per tensor); ``swap`` writes it
+    into a spare copy while generating and swaps the copy in (the safe point then costs a
+    pointer swap per parameter, the spare costs a model's worth of memory); ``auto`` keeps a
+    spare when, after it, as much memory as the weights is still free (decided at the first
+    delta). See :mod:`workers.engine.spare`."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -65,6 +93,10 @@ class EngineConfig:
         if self.max_batch_rows < 1:
             raise ConfigError(
                 f"EngineConfig.max_batch_rows must be >= 1, got {self.max_batch_rows}"
+            )
+        if self.activation not in ("in-place", "swap", "auto"):
+            raise ConfigError(
+                f"EngineConfig.activation must be in-place, swap or auto, got {self.activation!r}"
             )
 
     @classmethod
@@ -96,6 +128,14 @@ class TorchEngine:
         self._sink: SplitWeights | None = None
         self._version: int | None = None
         self._vocab = 0
+        self._seq = 0
+        """Weight writes so far, twice each (odd while one is under way): what a predicted digest is tied to."""
+        self._digest: tuple[int, str] | None = None
+        """(``_seq`` it was predicted for, digest) of the held weights: what a prepared delta said they would be."""
+        self._spare: SpareWeights | None = None
+        self._swap_decided = self.config.activation != "auto"
+        if self.config.activation == "swap":
+            self._spare = SpareWeights()
 
     # -- loading -----------------------------------------------------------
     def load(self, model: torch.nn.Module, version: int | None = None) -> None:
@@ -114,7 +154,10 @@ class TorchEngine:
             sink = SplitWeights(
                 {n: weights[n] for p in plan for n in (b.source for b in p.blocks)}, plan
             )
+            self._seq += 2
             self._model, self._weights, self._plan, self._sink = model, weights, plan, sink
+            if self._spare is not None:
+                self._spare.forget()
             self._vocab = int(embedding.weight.shape[0])
             self._version = version
 
@@ -140,34 +183,157 @@ class TorchEngine:
         """
         self._need()
         assert self._sink is not None
+        self._seq += 2  # the caller may write: no predicted digest or prepared spare holds past this
         return self._sink
 
     # -- weights -----------------------------------------------------------
-    def apply(self, staged: StagedDelta) -> None:
-        """Write a staged delta into the model's parameters, in place, between batches.
+    def prepare(self, staged: StagedDelta) -> PreparedDelta:
+        """Everything of :meth:`apply` but the write, done now (the stager, while others generate).
+
+        Checks ``staged`` against the held parameters, splits it over the
+        source tensors, sorts and groups its writes
+        (:func:`~aurora_store.apply.prepared.prepare_delta`), moves them to
+        the engine's device, and, with ``predict_digest`` when the engine
+        holds the delta's base, computes the digest the weights will have.
+        Takes no lock that generation takes; nothing is written. Raises
+        :class:`~aurora_store.errors.ModelMismatchError` for a delta that
+        does not fit (then :meth:`apply` would have refused it too).
+        """
+        _, plan = self._need()
+        sink = self._sink
+        assert sink is not None
+        tensors = sink.tensors
+        prepared = prepare_delta(staged, plan.specs(), layout_of_plan(plan), device=lambda n: tensors[n].device)
+        spare = self._spare_for(tensors)
+        if spare is not None and self._version == staged.base_version:
+            with spare.lock:
+                try:
+                    if spare.prepare_into(prepared, tensors, lambda: self._seq, lambda w: weights_digest(w, plan)):
+                        return prepared
+                except Exception as e:  # noqa: BLE001 - the spare is an optimisation: in place it is
+                    log.warning("engine: the spare copy failed (%s: %s); activating in place", type(e).__name__, e)
+                    spare.forget()
+                    spare.tensors = None
+        if self.config.predict_digest and self.device.type == "cpu":
+            seq = self._seq
+            if seq % 2 == 0 and self._version == staged.base_version:
+                digest = predicted_digest(prepared, tensors, plan)
+                # Valid only if no write began or ended while the weights were read.
+                if digest is not None and self._seq == seq and self._sink is sink:
+                    prepared.digest, prepared.digest_basis = digest, seq
+        return prepared
+
+    def apply(self, staged: StagedDelta | PreparedDelta) -> None:
+        """Write a staged (or prepared, :meth:`prepare`) delta into the model's parameters, in place, between batches.
 
         Refused, with no element written: a delta on another base than the
         held version (when the engine was told its version), a parameter the
         model lacks, a range past a parameter's end, values of another width
         than the parameter's dtype. Stage with ``param_specs()`` as the model
-        to have shapes and dtypes checked already while fetching.
+        to have shapes and dtypes checked already while fetching; prepare it
+        to have all of that (and the grouping of its writes) done before the
+        safe point, which then only writes.
         """
         with self._lock:
-            self._apply_impl(staged)
+            if isinstance(staged, PreparedDelta):
+                self._apply_prepared(staged)
+            else:
+                self._apply_impl(staged)
+
+    def _base_check(self, version: int, base: int) -> None:
+        if self._version is not None and base != self._version:
+            raise ChainError(
+                f"delta {version} is based on version {base}, "
+                f"the engine holds version {self._version}"
+            )
 
     def _apply_impl(self, staged: StagedDelta) -> None:
         _, plan = self._need()
-        if self._version is not None and staged.base_version != self._version:
-            raise ChainError(
-                f"delta {staged.version} is based on version {staged.base_version}, "
-                f"the engine holds version {self._version}"
-            )
+        self._base_check(staged.version, staged.base_version)
         _check_entries(staged, plan.specs())
         assert self._sink is not None
-        apply_delta(staged, self._sink)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self._spare is not None:
+            self._spare.forget()  # a write the spare cannot replay
+        self._seq += 1
+        try:
+            apply_delta(staged, self._sink)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self._seq += 1
         self._version = staged.version
+
+    def _apply_prepared(self, prepared: PreparedDelta) -> None:
+        self._need()
+        self._base_check(prepared.version, prepared.base_version)
+        assert self._sink is not None
+        tensors = self._sink.tensors
+        prepared.check_live(tensors)  # before the first write: a delta lands whole or not at all
+        basis = self._seq
+        spare = self._spare
+        if spare is not None and spare.lock.acquire(blocking=False):  # busy: write in place instead
+            try:
+                new = spare.take(prepared, basis)
+                if new is not None:
+                    self._swap_in(new, prepared)
+                    return
+            finally:
+                spare.lock.release()
+        self._seq += 1
+        try:
+            prepared.write(tensors)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self._seq += 1
+        self._version = prepared.version
+        if prepared.digest is not None and prepared.digest_basis == basis:
+            self._digest = (self._seq, prepared.digest)
+        if spare is not None:
+            if spare.version is not None and spare.version >= prepared.version:
+                # The spare was written for this version (or past it) from other weights than these:
+                # a version number no longer says what it holds.
+                spare.version, spare.ready = None, None
+            spare.note_activated(prepared)
+
+    def _spare_for(self, tensors: Mapping[str, torch.Tensor]) -> SpareWeights | None:
+        """The spare copy when swap activation is on (``auto``: decided here, once, by free memory)."""
+        if not self._swap_decided:
+            self._swap_decided = True
+            need = sum(t.numel() * t.element_size() for t in tensors.values())
+            if swap_fits(need, self.device):
+                self._spare = SpareWeights()
+            log.info("engine: activation auto: %s (weights %d MiB)", "swap" if self._spare else "in-place", need >> 20)
+        return self._spare
+
+    def _swap_in(self, new: dict[str, torch.Tensor], prepared: PreparedDelta) -> None:
+        """Point the parameters at ``new`` (the spare, the held weights plus ``prepared``); the old weights become the spare."""
+        model, plan = self._need()
+        spare = self._spare
+        assert spare is not None
+        params = [(name, p) for name, p in model.named_parameters() if name in new]  # a tied head is the embedding's
+        old = {name: p.data for name, p in params}
+        self._seq += 1
+        try:
+            with torch.no_grad():
+                try:
+                    for name, p in params:
+                        p.data = new[name]
+                    weights = hf_weights(model)
+                    sink = SplitWeights({n: weights[n] for p in plan for n in (b.source for b in p.blocks)}, plan)
+                except BaseException:
+                    for name, p in params:  # never half swapped: every parameter back on the old weights
+                        p.data = old[name]
+                    spare.forget()
+                    raise
+            self._weights, self._sink = weights, sink
+        finally:
+            self._seq += 1
+        self._version = prepared.version
+        if prepared.digest is not None:
+            self._digest = (self._seq, prepared.digest)
+        spare.give(old, prepared.base_version)
+        spare.note_activated(prepared)
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Copy a full version into the held parameters (no reallocation).
@@ -211,16 +377,49 @@ class TorchEngine:
                 f"weights lack {len(lack)} of the engine's parameters (e.g. {lack[:3]}), "
                 "under fused and under Hugging Face names"
             )
-        with torch.no_grad():
-            for name, src in copies:
-                self._weights[name].view(-1).copy_(src)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self._spare is not None:
+            self._spare.forget()
+        self._seq += 1
+        try:
+            with torch.no_grad():
+                for name, src in copies:
+                    self._weights[name].view(-1).copy_(src)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self._seq += 1
         self._version = version
 
+    def verify_predicted(self) -> bool | None:
+        """Hash the held weights and compare them with the digest :meth:`prepare` predicted.
+
+        The prediction is computed from the old weights and the delta, not
+        from the weights the write produced: this closes the loop, off the
+        safe point (the Actor's stager calls it after an activation). True
+        when they agree; False when they do not, and then :meth:`digest`
+        hashes the weights themselves from now on; None when there is
+        nothing to check (no prediction held, or a write began meanwhile).
+        """
+        held, seq = self._digest, self._seq
+        if held is None or held[0] != seq or seq % 2:
+            return None
+        _, plan = self._need()
+        actual = weights_digest(self._weights, plan)
+        if self._seq != seq:
+            return None
+        if actual == held[1]:
+            return True
+        with self._lock:
+            if self._digest == held:
+                self._digest = None
+        return False
+
     def digest(self) -> str:
+        """``weights_digest`` of the held weights; the one :meth:`prepare` predicted when it is theirs."""
         with self._lock:
             _, plan = self._need()
+            if self._digest is not None and self._digest[0] == self._seq:
+                return self._digest[1]
             return weights_digest(self._weights, plan)
 
     # -- generation --------------------------------------------------------

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from aurora_store.apply.prepared import PreparedDelta, layout_of_shards, prepare_delta
 from aurora_store.apply.sink import apply_delta, weights_digest
 from aurora_store.codec.extract import spec_of
 from aurora_store.errors import ChainError, ConfigError, IntegrityError, ModelMismatchError
@@ -202,7 +203,7 @@ class AuroraWorkerExtension:
                 if old is not None and not (old.done() and old.exception() is not None):
                     return  # already staged or on its way
                 h.staging[version] = h.pool.submit(
-                    fetch_delta, store, version, h.sink.specs(), streams, expect_base_state, m
+                    _fetch_prepared, h, store, version, streams, expect_base_state, m
                 )
 
         return reply(go)
@@ -368,12 +369,28 @@ def _bootstrap_checked(h: Held, store: Any, chain: list[Manifest], streams: int)
     _sync()
 
 
-def _apply(h: Held, staged: StagedDelta, state: str | None) -> None:
+def _fetch_prepared(h: Held, store: Any, version: int, streams: int, base_state: str | None, m: Manifest | None) -> tuple[Manifest, Any]:
+    """Fetch, verify and decode delta ``version``, then prepare it for this rank's shards while the
+    engine generates (aurora_store.apply.prepared), so activation only writes (the checks and block
+    searches of ``apply_delta`` move off the safe point; the scatter itself stays, and dominates).
+    ``AURORA_VLLM_PREPARE=0``: the decoded delta, applied as before (to measure both). Column-split
+    shards (tensor parallelism) always keep the decoded delta."""
+    got, staged = fetch_delta(store, version, h.sink.specs(), streams, base_state, m)
+    layout = layout_of_shards(h.sink.layouts)
+    if layout is None or os.environ.get("AURORA_VLLM_PREPARE", "1") == "0":
+        return got, staged
+    return got, prepare_delta(staged, h.sink.specs(), layout, device=lambda n: h.sink.tensors[n].device)
+
+
+def _apply(h: Held, staged: StagedDelta | PreparedDelta, state: str | None) -> None:
     if h.version is not None and staged.base_version != h.version:
         raise ChainError(
             f"delta {staged.version} is based on version {staged.base_version}, the worker holds version {h.version}"
         )
-    apply_delta(staged, h.sink)  # validates every entry against the whole model before writing
+    if isinstance(staged, PreparedDelta):
+        staged.write(h.sink.tensors)  # every target checked before the first write
+    else:
+        apply_delta(staged, h.sink)  # validates every entry against the whole model before writing
     _sync()
     h.version, h.state = staged.version, state
 

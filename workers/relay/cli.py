@@ -50,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--streams", type=int, default=None,
         help=f"concurrent copies (default: AURORA_STREAMS or {d['streams'].default})",
     )
+    timing.add_argument(
+        "--fetch", choices=("announced", "manifest-first"), default=None,
+        help="announced (default): copy each segment when origin announces it, before its manifest; "
+        "manifest-first: copy only what a manifest lists, once it is read",
+    )
     timing.add_argument("--resync-s", type=float, default=d["resync_s"].default, help="list origin this often even without a gap; 0: never (default %(default)s)")
     rec = p.add_argument_group("recovery and retention")
     add_outage_budget_arg(rec, "Redis, origin or the mirror")
@@ -86,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> RelayConfig:
         gc_every_s=args.gc_every_s,
         grace_s=args.grace_s,
         trust=trust_from_option(trust_key_paths(getattr(args, "trust_key", None))),
+        fetch=getattr(args, "fetch", None),
     )
 
 

@@ -12,6 +12,7 @@ from aurora_store.coordination.keys import validate_run_name
 from aurora_store.errors import ConfigError
 from aurora_store.format.signing import TrustKeys
 from aurora_store.lineage.gc import DEFAULT_GRACE_S
+from aurora_store.lineage.prefetch import FETCH_MODES
 from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S
 from aurora_store.redact import redacted_repr
 
@@ -82,6 +83,11 @@ class RelayConfig:
     mirror (segments announced before it may already be copied: bytes, never decoded). None: no check."""
     actor_timeout_s: float = 60.0
     """A region Actor silent for longer than this holds nothing the mirror must keep."""
+    fetch: str = "announced"
+    """``announced``: copy each segment the moment origin announces it (cut-through, before its
+    manifest; verified against the announcement, and a version is mirrored only once its
+    manifest lists every object with that sha256); ``manifest-first``: copy only what a
+    manifest lists, once it is read (the path to measure prefetching against). ``--fetch``."""
 
     def __post_init__(self) -> None:
         validate_run_name(self.run)
@@ -99,6 +105,8 @@ class RelayConfig:
             raise ConfigError(f"block_ms must be >= 1 (0 would block forever), got {self.block_ms}")
         if not 1 <= self.streams <= 256:
             raise ConfigError(f"streams must be 1..256, got {self.streams}")
+        if self.fetch not in FETCH_MODES:
+            raise ConfigError(f"fetch must be one of {', '.join(FETCH_MODES)}, got {self.fetch!r}")
         if self.resync_s < 0 or self.retry_s <= 0:
             raise ConfigError(f"resync_s must be >= 0 and retry_s > 0 ({self.resync_s}, {self.retry_s})")
         if self.outage_budget_s <= 0 or self.quarantine_max_s < self.retry_s:

@@ -131,6 +131,7 @@ class Follower:
         on_caught_up: Callable[[], None],
         clean: Callable[[], object] | None = None,
         clean_every_s: float = 0.0,
+        cut_through: bool = True,
     ) -> None:
         self.bus = bus
         self._read_bus = read_bus
@@ -148,6 +149,8 @@ class Follower:
         self._on_caught_up = on_caught_up
         self._clean = clean if clean_every_s > 0 else None
         self.clean_every_s = clean_every_s
+        self.cut_through = cut_through
+        """Copy each segment from its announcement (``fetch="announced"``); False: only from manifests."""
         self._next_clean = math.inf
         # Version, commit, listing and retention work, one at a time in stream order.
         self._serial = ThreadPoolExecutor(1, thread_name_prefix=f"relay-{region}-version")
@@ -210,6 +213,8 @@ class Follower:
     # -- events ------------------------------------------------------------------
     def _dispatch(self, ev: Event) -> None:
         if ev.type == SEGMENT:
+            if not self.cut_through:
+                return  # manifest-first: the version event copies what its manifest lists
             ref = segment_ref(ev)
             if ref is None:
                 log.warning(

@@ -130,6 +130,7 @@ class Relay:
             self.bus, Bus(self._reader, config.run), self.copier, self.versions, self.schedule, config.region,
             config.origin, config.mirror, config.block_ms, self.redis_dep, self.halt, clock, self._announce,
             self._serve, self.clean_mirror if config.keep_snapshots else None, config.gc_every_s,
+            cut_through=config.fetch == "announced",
         )
 
     def _commit_records(self) -> CommitRecords | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import time
@@ -25,7 +26,7 @@ from aurora_tools.bench.transfer.runs import (
     pipeline_full,
     raw_transfer,
 )
-from aurora_tools.bench.transfer.server import s3_server
+from aurora_tools.bench.transfer.server import RedisCommits, rss_peak_mb, s3_server
 
 __all__ = ["run_benchmark"]
 
@@ -75,6 +76,9 @@ def _section(
         "raw_mb_s_get_s": round(mb / raws.fetch_s, 1),
         "pipeline_mb_s_1": round(mb / pipe1.total_s, 1),
         "pipeline_mb_s_s": round(mb / pipes.total_s, 1),
+        # Publishing alone (encode + upload + commit) and staging alone, over S connections.
+        "publish_mb_s_s": round(mb / max(1e-9, pipes.publish_s), 1),
+        "stage_mb_s_s": round(mb / max(1e-9, pipes.fetch_s), 1),
         # Where the S-connection pipeline's time goes. encode/verify/decode are
         # serial CPU costs measured alone; upload/fetch are wall seconds with at
         # least one segment transfer in flight during the run; publish/stage are
@@ -136,6 +140,7 @@ def run_benchmark(
     repeats = max(1, int(getattr(args, "repeats", 5)))
     full_repeats = max(1, int(getattr(args, "full_repeats", 1)))
     server_mode = str(getattr(args, "server", "process"))
+    s3_kind = str(getattr(args, "s3", "moto") or "moto")
     rtt_ms = float(getattr(args, "rtt_ms", 0.0) or 0.0)
     rate_mbit = float(getattr(args, "rate_mbit", 0.0) or 0.0)
     do_full = not getattr(args, "no_full", False)
@@ -192,7 +197,11 @@ def run_benchmark(
     )
     raws = ("raw", "boto3") if do_boto3 else ("raw",)
 
-    with s3_server(server_mode, rtt_ms, rate_mbit) as (srv, pid):
+    server_rss: float | None = None
+    with contextlib.ExitStack() as stack:
+        srv, pid = stack.enter_context(s3_server(server_mode, rtt_ms, rate_mbit, kind=s3_kind))
+        # A server that ignores conditional writes: every version commits through Redis (docs/STORE.md).
+        commits = stack.enter_context(RedisCommits()) if s3_kind == "rclone" else None
         bucket = srv.new_bucket("bench")
         druns: dict[tuple[str, int], list[Run]] = {}
         for rep in range(repeats):
@@ -209,6 +218,7 @@ def run_benchmark(
                     options,
                     max_conc,
                     lossless if rep == 0 else None,
+                    commits,
                 )
                 druns.setdefault(("pipeline", s), []).append(p)
                 line = f"delta  rep {rep} x{s:<3} pipeline {p.total_s:.3f}s"
@@ -255,7 +265,7 @@ def run_benchmark(
             for rep in range(full_repeats):
                 for s in (1, streams):
                     p = pipeline_full(
-                        srv, pid, bucket, new_fused, s, shard_bytes, expect, max_conc
+                        srv, pid, bucket, new_fused, s, shard_bytes, expect, max_conc, commits
                     )
                     fruns.setdefault(("pipeline", s), []).append(p)
                     # Keep one copy of the shards only.
@@ -286,6 +296,7 @@ def run_benchmark(
             )
             del shards
         endpoint = srv.endpoint
+        server_rss = rss_peak_mb(pid)
 
     t: dict[str, Any] = {
         "speedup_streams_min": TARGET_SPEEDUP,
@@ -306,8 +317,13 @@ def run_benchmark(
         "warmup_steps": warmup,
         "repeats": repeats,
         "full_repeats": full_repeats,
-        "server": f"moto S3 ({'child process' if server_mode == 'process' else 'thread of the client'}) at {endpoint}"
+        "server": (f"rclone serve s3 (child process, files on disk; commits through Redis) at {endpoint}" if s3_kind == "rclone"
+                   else f"moto S3 ({'child process' if server_mode == 'process' else 'thread of the client'}) at {endpoint}")
         + (f" through the WAN proxy ({rtt_ms:g} ms RTT{f', {rate_mbit:g} Mbit/s' if rate_mbit else ''})" if rtt_ms or rate_mbit else ""),
+        "s3": s3_kind,
+        "commit_via": "redis" if s3_kind == "rclone" else "store",
+        "server_rss_peak_mb": server_rss,
+        "full_publish_mb_s": None if full is None else full.get("publish_mb_s_s"),
         "rtt_ms": rtt_ms,
         "rate_mbit": rate_mbit or None,
         "client": "s3fs (aiobotocore)"

@@ -77,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="process",
         help="run moto in a child process (default: it then has its own interpreter lock) or in a thread of this one",
     )
+    parser.add_argument(
+        "--s3",
+        choices=("moto", "rclone"),
+        default="moto",
+        help="S3 server: moto (objects in memory) or rclone (`rclone serve s3`, objects in files; it ignores "
+        "conditional writes, so every version commits through a persistent Redis)",
+    )
     parser.add_argument("--no-full", action="store_true", help="skip the full-weights runs")
     parser.add_argument(
         "--value-modes",

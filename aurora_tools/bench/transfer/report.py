@@ -22,7 +22,8 @@ def format_table(r: Mapping[str, Any]) -> str:
         f"vocab {m['vocab']}), bf16 {r['bytes_full'] / 1e6:.1f} MB; step {r['warmup_steps'] + 1} at lr {r['lr']:g}: "
         f"density {100 * r['density']:.2f} % ({r['nnz']} changed)",
         f"  server  {r['server']}; client {r['client']}; {r['cpus']} CPUs, load average "
-        f"{r['loadavg_before'][0]:.1f} before, {r['loadavg_after'][0]:.1f} after",
+        f"{r['loadavg_before'][0]:.1f} before, {r['loadavg_after'][0]:.1f} after"
+        + (f"; server peak RSS {r['server_rss_peak_mb']:.0f} MB" if r.get("server_rss_peak_mb") is not None else ""),
         f"  delta   {d['bytes'] / 1e6:.2f} MB in {d['objects']} segments (<= {d['segment_bytes'] / MIB:.2f} MiB) + "
         f"{d['manifest_bytes']} B manifest, {r['bytes_full'] / max(1, d['bytes']):.0f}x smaller than full; "
         f"best of {r['repeats']} runs",

@@ -71,21 +71,25 @@ def pipeline_delta(
     options: Any,
     max_concurrency: int,
     check: Callable[[Any], bool] | None,
+    commits: Any = None,
 ) -> Run:
-    from aurora_store.lineage.fetch import fetch_delta
+    """``commits``: a :class:`~.server.RedisCommits` (a server without conditional writes), or None."""
+    from aurora_store.lineage.fetch import fetch_delta, read_manifest
     from aurora_store.lineage.publish import PublishConfig, publish_delta
 
     base_state = "sha256:" + hashlib.sha256(b"aurora bench transfer base").hexdigest()
     # Any: the pipeline takes a Store; a TimedStore is one by delegation.
     store: Any = open_timed(srv, bucket, f"delta-{uuid.uuid4().hex[:8]}", max_concurrency)
+    commit, records = commits.prepare(store.inner) if commits is not None else (None, None)
     cfg = PublishConfig(streams=streams, segment_bytes=segment_bytes, options=options)
     run = Run(streams)
     clock = Stopwatch(pid)
     with clock.run():
         t0 = time.perf_counter()
-        m = publish_delta(store, "bench", 1, deltas, base_state, cfg)
+        m = publish_delta(store, "bench", 1, deltas, base_state, cfg, commit=commit)
         t1 = time.perf_counter()
-        _, staged = fetch_delta(store, 1, specs, streams=streams, expect_base_state=base_state)
+        got = read_manifest(store, "delta", 1, commits=records) if records is not None else None
+        _, staged = fetch_delta(store, 1, specs, streams=streams, expect_base_state=base_state, manifest=got)
         t2 = time.perf_counter()
     run.publish_s, run.fetch_s = t1 - t0, t2 - t1
     _fill(run, store, clock)
@@ -106,20 +110,23 @@ def pipeline_full(
     shard_bytes: int,
     expect_digest: str,
     max_concurrency: int,
+    commits: Any = None,
 ) -> Run:
     from aurora_store.apply.sink import weights_digest
-    from aurora_store.lineage.fetch import fetch_snapshot
+    from aurora_store.lineage.fetch import fetch_snapshot, read_manifest
     from aurora_store.lineage.publish import PublishConfig, publish_snapshot
 
     store: Any = open_timed(srv, bucket, f"full-{uuid.uuid4().hex[:8]}", max_concurrency)
+    commit, records = commits.prepare(store.inner) if commits is not None else (None, None)
     cfg = PublishConfig(streams=streams, shard_bytes=shard_bytes)
     run = Run(streams)
     clock = Stopwatch(pid)
     with clock.run():
         t0 = time.perf_counter()
-        m = publish_snapshot(store, "bench", 0, fused, None, cfg)
+        m = publish_snapshot(store, "bench", 0, fused, None, cfg, commit=commit)
         t1 = time.perf_counter()
-        _, tensors = fetch_snapshot(store, 0, streams=streams)
+        got = read_manifest(store, "snapshot", 0, commits=records) if records is not None else None
+        _, tensors = fetch_snapshot(store, 0, streams=streams, manifest=got)
         t2 = time.perf_counter()
     run.publish_s, run.fetch_s = t1 - t0, t2 - t1
     _fill(run, store, clock)

@@ -19,8 +19,9 @@ both ends) after a random byte count.
 Counters are kept under a lock and :meth:`Proxy.stats` may be called from any
 thread. For sync code, :mod:`.loop` runs proxies on a background event loop
 (:class:`ProxyLoop`, any number of proxies on one loop; :class:`ProxyThread`,
-one proxy on its own). :mod:`.tcp` is the proxy itself, :mod:`.__main__` its
-command line.
+one proxy on its own). :mod:`.tcp` is the proxy itself, :mod:`.workers` the
+same proxy in several processes (:class:`ProxyWorkers`, ``SO_REUSEPORT``), and
+:mod:`.__main__` its command line.
 
 CLI: ``python -m aurora_tools.wan.proxy --listen 127.0.0.1:0 --upstream
 127.0.0.1:9000 --delay-ms 30 --jitter-ms 5 --seed 1`` prints the bound address
@@ -31,5 +32,6 @@ from __future__ import annotations
 
 from aurora_tools.wan.proxy.loop import ProxyLoop, ProxyThread
 from aurora_tools.wan.proxy.tcp import Address, Proxy, ProxyStats, parse_address
+from aurora_tools.wan.proxy.workers import ProxyWorkers, default_workers
 
-__all__ = ["Address", "Proxy", "ProxyStats", "ProxyLoop", "ProxyThread", "parse_address"]
+__all__ = ["Address", "Proxy", "ProxyStats", "ProxyLoop", "ProxyThread", "ProxyWorkers", "default_workers", "parse_address"]

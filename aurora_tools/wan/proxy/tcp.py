@@ -288,12 +288,16 @@ class Proxy:
     """
 
     def __init__(self, upstream: Address, profile: LinkProfile | None = None, *,
-                 listen: Address = ("127.0.0.1", 0), rate_limit: bool = True, name: str = "") -> None:
+                 listen: Address = ("127.0.0.1", 0), rate_limit: bool = True, name: str = "",
+                 counters: Any = None, index_start: int = 0, index_step: int = 1) -> None:
         self.upstream = (upstream[0], int(upstream[1]))
         self.profile = profile or LinkProfile()
         self.listen = listen
         self.name = name or f"proxy->{upstream[0]}:{upstream[1]}"
-        self._counters = _Counters()
+        # A worker process of a multi-process proxy (.workers) counts into shared memory, and
+        # numbers its connections start, start + step, ...: indices stay unique across workers.
+        self._counters = counters if counters is not None else _Counters()
+        self._index_step = max(1, int(index_step))
         self._buckets: dict[str, _TokenBucket] = {}
         rate = self.profile.rate_bytes_per_s if rate_limit else None
         if rate is not None:
@@ -304,13 +308,17 @@ class Proxy:
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[_Connection] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
-        self._next_index = 0
+        self._next_index = int(index_start)
         self.address: Address = ("", 0)
 
-    async def start(self) -> Address:
-        self._server = await asyncio.start_server(
-            self._handle, self.listen[0], self.listen[1], limit=4 * CHUNK, reuse_address=True
-        )
+    async def start(self, sock: socket.socket | None = None) -> Address:
+        """Listen on ``self.listen``, or accept on ``sock`` (a listening socket made elsewhere)."""
+        if sock is not None:
+            self._server = await asyncio.start_server(self._handle, sock=sock, limit=4 * CHUNK)
+        else:
+            self._server = await asyncio.start_server(
+                self._handle, self.listen[0], self.listen[1], limit=4 * CHUNK, reuse_address=True
+            )
         host, port = self._server.sockets[0].getsockname()[:2]
         self.address = (host, port)
         return self.address
@@ -343,7 +351,7 @@ class Proxy:
         assert me is not None
         self._handlers.add(me)
         index = self._next_index
-        self._next_index += 1
+        self._next_index += self._index_step
         self._counters.add("connections")
         self._counters.add("active")
         try:
