@@ -59,6 +59,36 @@ def _activate_to(a: Actor, trainer: TinyRun, v: int) -> None:
     assert a.engine.digest() == trainer.digest(v), "the Actor's weights differ from the Trainer's"
 
 
+def test_a_fresh_actor_starts_at_the_oldest_version_an_open_step_still_needs(trainer: TinyRun, origin: Store) -> None:
+    # Step 7 was generated on v1 and its only Actor died; the run is at v3 since. An Actor
+    # that started at v3 could never go back to serve it: the Trainer would wait for ever.
+    trainer.step(3)
+    prompts = trainer.open_step(7, 1, prompts=2)
+    a = Actor(Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="late"), clock=ManualClock())
+    a.bootstrap()
+    assert a.active == 1
+    assert a.engine.digest() == trainer.digest(1)
+    status, leases = a.ledger.claim("late", 7, 4)
+    assert status == "ok" and sorted(lease.prompt for lease in leases) == sorted(prompts)
+    # Nothing left to serve on v1: the next fresh Actor starts at the newest version.
+    for lease in leases:
+        assert a.ledger.settle("late", lease, 1, trainer.states[1], b"{}").reason == "accepted"
+    b = Actor(Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="later"), clock=ManualClock())
+    b.bootstrap()
+    assert b.active == trainer.head == 3
+
+
+def test_a_needed_version_the_store_no_longer_reaches_leaves_the_newest_for_bootstrap(trainer: TinyRun, origin: Store) -> None:
+    trainer.step(3)
+    trainer.snapshot(3)
+    trainer.open_step(7, 1, prompts=2)
+    run_gc(origin, keep_snapshots=1, apply=True, min_orphan_age_s=0, say=lambda *_: None)
+    assert not origin.exists(manifest_key("delta", 1))
+    a = Actor(Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="late"), clock=ManualClock())
+    a.bootstrap()
+    assert a.active == 3
+
+
 def test_far_behind_an_actor_takes_the_snapshot_when_it_fetches_fewer_bytes(trainer: TinyRun, origin: Store) -> None:
     a, counting = _bootstrapped(trainer, origin, ManualClock())
     trainer.step(6, density=0.3)  # dense deltas: each a good part of a snapshot

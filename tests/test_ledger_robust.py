@@ -392,6 +392,43 @@ def test_a_long_wait_logs_progress_and_never_times_out(ledger: Ledger, caplog: p
     assert 4 <= len(progress) <= 6  # one line per 10 minutes, not one per poll
 
 
+def test_a_step_no_live_actor_can_serve_is_reported_once(ledger: Ledger, caplog: pytest.LogCaptureFixture) -> None:
+    join(ledger, "a", v=V + 2)  # started past the step's version (it can never go back)
+    ledger.create_step(V, H, jobs(2), {}, group=1, lease_ms=LEASE)
+
+    def play(n: int) -> None:
+        if n == 400:  # a fresh Actor on the step's version comes and serves it
+            join(ledger, "b")
+            _, leases = ledger.claim("b", V, 2)
+            for x in leases:
+                ledger.settle("b", x, V, H, b"r")
+
+    with caplog.at_level(logging.INFO, logger="aurora.trainer"):
+        done, collected, _ = _collect(ledger, V, 2, play, progress_s=60.0)
+    assert done.reason == "complete" and len(collected) == 2
+    stranded = [r.getMessage() for r in caplog.records if "none can serve" in r.getMessage()]
+    assert len(stranded) == 1, stranded
+    assert f"generated on v{V}" in stranded[0] and f"v{V + 2} and up" in stranded[0] and "2 open prompt(s)" in stranded[0]
+
+
+def test_a_step_an_actor_can_still_reach_is_not_reported(ledger: Ledger, caplog: pytest.LogCaptureFixture) -> None:
+    join(ledger, "a", v=V - 1)  # behind: it activates the step's version next
+    ledger.create_step(V, H, jobs(1), {}, group=1, lease_ms=LEASE)
+
+    def play(n: int) -> None:
+        if n == 200:
+            _, leases = ledger.claim("a", V, 1)  # not on the version: refused, nothing leased
+            assert leases == []
+            join(ledger, "a")
+            _, leases = ledger.claim("a", V, 1)
+            ledger.settle("a", leases[0], V, H, b"r")
+
+    with caplog.at_level(logging.INFO, logger="aurora.trainer"):
+        done, _, _ = _collect(ledger, V, 1, play, progress_s=60.0)
+    assert done.reason == "complete"
+    assert not [r for r in caplog.records if "none can serve" in r.getMessage()]
+
+
 def test_min_results() -> None:
     assert min_results(10, None, 0.5) == 10  # no deadline: wait for all
     assert min_results(10, 30.0, 1.0) == 10

@@ -285,7 +285,7 @@ class Actor:
         self.engine.load(model)
 
     def bootstrap(self) -> None:
-        """Load the newest version the store holds (waiting for one), register, heartbeat."""
+        """Load the version the run needs (the oldest an open step still needs, else the newest), register, heartbeat."""
         if not hasattr(self, "engine"):
             self.prepare()
         if self.stop.is_set():
@@ -327,7 +327,8 @@ class Actor:
             usable = index.without(self.quarantine.blocked())
             self._resolve_commits()
             reader = ManifestReader(self.origin, self.cfg.trust, self.commits)
-            plan = self._store(partial(_newest_plan, usable, reader), "plan the bootstrap")
+            needed = self._redis(self._oldest_needed, "read open steps")
+            plan = self._store(partial(_bootstrap_plan, usable, reader, needed), "plan the bootstrap")
             if plan is None:
                 if not said:
                     log.warning("%s: no usable version at %s yet; waiting", self.cfg.actor_id, self.origin.url)
@@ -351,6 +352,16 @@ class Actor:
             metrics.active().bootstrapped(self.cfg.actor_id, self.cfg.region, full.version, full.nbytes)
             return full.version, full.state
         return None
+
+    def _oldest_needed(self) -> int | None:
+        """The oldest version an open step generated on still has prompts to settle on, or None.
+
+        A fresh Actor starts there, not at the newest version: an Actor never
+        goes back, so one that started past such a step could never serve it,
+        and a step whose only Actor died would wait for ever.
+        """
+        left = [sv for _, sv, n in self.ledger.open_step_info() if n > 0]
+        return min(left) if left else None
 
     def _resolve_commits(self) -> None:
         """Whether the run commits through Redis: asked once, when its first version is seen (workers.commits)."""
@@ -1060,6 +1071,16 @@ class Actor:
 
 def _int_or_none(x: Any) -> int | None:
     return None if x is None else int(x)
+
+
+def _bootstrap_plan(index: VersionIndex, reader: ManifestReader, needed: int | None) -> ChainPlan | None:
+    """The plan to version ``needed`` (an open step's, when the store can reach it), else to the newest."""
+    if needed is not None and needed in index.deltas | index.snapshots:
+        try:
+            return plan_chain(index, needed, cost=reader.cost)
+        except ChainError:
+            pass  # gone or broken: the newest version it is (the step waits for another Actor)
+    return _newest_plan(index, reader)
 
 
 def _newest_plan(index: VersionIndex, reader: ManifestReader, tries: int = 16) -> ChainPlan | None:

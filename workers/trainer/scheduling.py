@@ -201,7 +201,7 @@ def collect_batch(
     next_progress = t0 + progress_s
     created_ms: int | None = None
     told: set[str] = set()  # prompts already passed to mark_settled (once is enough)
-    said_floor = False
+    said_floor = said_stranded = False
 
     def absorb(results: list[AcceptedResult]) -> None:
         for r in results:
@@ -250,7 +250,28 @@ def collect_batch(
                 b, len(collected), need, now - t0, poll.settled, poll.total,
             )
             next_progress = now + progress_s
+            if not said_stranded:
+                said_stranded = _say_if_stranded(ledger, b, gen_version, need - len(collected), batch_deadline_s)
         clock.wait(stop, poll_s)
+
+
+def _say_if_stranded(ledger: Ledger, b: int, gen_version: int, left: int, batch_deadline_s: float | None) -> bool:
+    """Warn (and answer True) when every live Actor is past ``gen_version``: none can serve step ``b``.
+
+    An Actor never goes back a version, so such a step waits for an Actor
+    that starts afresh (it bootstraps at the oldest version an open step
+    needs) or for ``batch_deadline_s``.
+    """
+    alive = [a for a in ledger.actors() if a.status == "alive"]
+    if not alive or any(a.active is None or a.active <= gen_version for a in alive):
+        return False
+    until = f"its deadline ({batch_deadline_s:.0f}s)" if batch_deadline_s is not None else "an Actor starts (--batch-deadline-s would close it)"
+    log.warning(
+        "step %d: generated on v%d, but all %d live Actor(s) are past it (v%d and up): none can serve its %d open prompt(s); "
+        "it waits until %s, and a fresh Actor starts at v%d",
+        b, gen_version, len(alive), min(a.active or 0 for a in alive), left, until, gen_version,
+    )
+    return True
 
 
 def _close(
