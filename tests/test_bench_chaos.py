@@ -45,6 +45,7 @@ def test_cli_declares_chaos() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.server
 def test_chaos_smoke(tmp_path: Path) -> None:
     cfg = ChaosConfig(

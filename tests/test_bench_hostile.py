@@ -28,6 +28,7 @@ def test_the_registry_has_every_kind_of_case() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.server
 def test_quick_run_refuses_every_attack_and_accepts_the_controls() -> None:
     p = subprocess.run(

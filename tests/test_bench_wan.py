@@ -264,6 +264,7 @@ def test_small_run_end_to_end(tmp_path: object) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_region_run_counts_each_boundary(tmp_path: object) -> None:
     """Two Actor regions, each behind its own Relay: each boundary carries about one delta per version."""
     from aurora_tools.bench.wan import add_arguments, run_benchmark

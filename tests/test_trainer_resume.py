@@ -54,7 +54,16 @@ CRASH = 6
 """Crash points are at version 6 (``segment``: the first version from 6 on with a segment)."""
 
 
-@pytest.mark.parametrize("crash", [None, "segment", "manifest", "closed"], ids=["mid-batch", "mid-publish", "after-manifest", "after-close"])
+# mid-batch and mid-publish run in `make test`; the other two crash points in `make test-all`.
+@pytest.mark.parametrize(
+    "crash",
+    [
+        pytest.param(None, id="mid-batch"),
+        pytest.param("segment", id="mid-publish"),
+        pytest.param("manifest", id="after-manifest", marks=pytest.mark.long),
+        pytest.param("closed", id="after-close", marks=pytest.mark.long),
+    ],
+)
 def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url: str, crash: str | None) -> None:  # noqa: F811
     store_url = f"file://{tmp_path}/run"
     store = open_store(store_url)
