@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from aurora_store.config import free_port, port_is_free
 
@@ -43,8 +43,55 @@ _HOST = "127.0.0.1"
 _CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+class _S3Access:
+    """How clients reach an S3-protocol server: the part :class:`S3Server` and :class:`RcloneS3Server` share.
+
+    ``checksums``: botocore's checksum settings the server needs (empty: botocore's defaults).
+    """
+
+    endpoint: str
+    access_key: str
+    secret_key: str
+    region: str
+    checksums: ClassVar[Mapping[str, str]] = {}
+
+    def client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
+            region_name=self.region, config=Config(**self.checksums) if self.checksums else None,
+        )
+
+    def new_bucket(self, prefix: str = "aurora") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def storage_options(self) -> dict[str, Any]:
+        """fsspec/s3fs options that reach this server (and nothing else)."""
+        opts: dict[str, Any] = {
+            "key": self.access_key, "secret": self.secret_key,
+            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": self.region},
+        }
+        if self.checksums:
+            opts["config_kwargs"] = dict(self.checksums)
+        return opts
+
+    @property
+    def env_vars(self) -> dict[str, str]:
+        """Environment variables that point S3 clients (boto3, s3fs, child processes) at this server."""
+        env = {
+            "AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_DEFAULT_REGION": self.region,
+        }
+        env.update({f"AWS_{k.upper()}": v for k, v in self.checksums.items()})
+        return env
+
+
 @dataclass
-class S3Server:
+class S3Server(_S3Access):
     """moto's S3 server on loopback. Use as a context manager.
 
     ``port`` 0 (the default) lets the OS pick one. ``process=True`` runs the
@@ -58,6 +105,9 @@ class S3Server:
     port: int = 0
     process: bool = False
     env: Mapping[str, str] | None = None
+    access_key = _CREDS["AWS_ACCESS_KEY_ID"]
+    secret_key = _CREDS["AWS_SECRET_ACCESS_KEY"]
+    region = _CREDS["AWS_DEFAULT_REGION"]
     _server: Any = field(default=None, repr=False)
     _child: subprocess.Popen[str] | None = field(default=None, repr=False)
 
@@ -133,35 +183,6 @@ class S3Server:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def client(self) -> Any:
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=_CREDS["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=_CREDS["AWS_SECRET_ACCESS_KEY"],
-            region_name=_CREDS["AWS_DEFAULT_REGION"],
-        )
-
-    def new_bucket(self, prefix: str = "aurora") -> str:
-        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-        self.client().create_bucket(Bucket=name)
-        return name
-
-    def storage_options(self) -> dict[str, Any]:
-        """fsspec/s3fs options that reach this server (and nothing else)."""
-        return {
-            "key": _CREDS["AWS_ACCESS_KEY_ID"],
-            "secret": _CREDS["AWS_SECRET_ACCESS_KEY"],
-            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": _CREDS["AWS_DEFAULT_REGION"]},
-        }
-
-    @property
-    def env_vars(self) -> dict[str, str]:
-        """Environment variables that point S3 clients (boto3, s3fs, child processes) at this server."""
-        return {"AWS_ENDPOINT_URL": self.endpoint, **_CREDS}
-
 
 RCLONE_KEY, RCLONE_SECRET = "aurora-test-key", "aurora-test-secret"
 
@@ -206,7 +227,7 @@ checks every object's sha256 against its manifest itself (FORMAT.md)."""
 
 
 @dataclass
-class RcloneS3Server:
+class RcloneS3Server(_S3Access):
     """``rclone serve s3`` over a folder (each sub-folder a bucket), on loopback: :class:`S3Server`'s interface.
 
     File-backed: a large run keeps its objects on disk, not in a server's memory
@@ -235,6 +256,7 @@ class RcloneS3Server:
     endpoint: str = ""
     honours_create_only = False
     kind = "rclone"
+    checksums = _RCLONE_CHECKSUMS
     _child: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _private: str = field(default="", repr=False)
     _own_root: bool = field(default=False, repr=False)
@@ -321,37 +343,6 @@ class RcloneS3Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    def client(self) -> Any:
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key, region_name=self.region, config=Config(**_RCLONE_CHECKSUMS),
-        )
-
-    def new_bucket(self, prefix: str = "aurora") -> str:
-        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-        self.client().create_bucket(Bucket=name)
-        return name
-
-    def storage_options(self) -> dict[str, Any]:
-        """fsspec/s3fs options that reach this server (and nothing else)."""
-        return {
-            "key": self.access_key, "secret": self.secret_key,
-            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": self.region},
-            "config_kwargs": dict(_RCLONE_CHECKSUMS),
-        }
-
-    @property
-    def env_vars(self) -> dict[str, str]:
-        """Environment variables that point S3 clients (boto3, s3fs, child processes) at this server."""
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_DEFAULT_REGION": self.region,
-            "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required", "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required",
-        }
 
     def disk_bytes(self) -> int:
         """Bytes of the objects under the data folder (what moto would hold in memory)."""
