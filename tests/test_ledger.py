@@ -30,6 +30,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from ledger_fixtures import clock, jobs, ledger, register_on  # noqa: F401
 from redis_fixtures import (  # noqa: F401
     ManualClock,
     dead_redis_url,
@@ -55,29 +56,14 @@ LEASE = 1_000
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def jobs(n: int, prefix: str = "p") -> list[tuple[str, bytes]]:
-    return [(f"{prefix}{i:03d}", f"prompt {i}".encode()) for i in range(n)]
-
-
 def join(ledger: Ledger, actor: str, v: int | None = V, staged: int | None = V, state: str = H) -> None:
-    ledger.register(actor)
-    assert ledger.heartbeat(actor, active=v, staged=staged, active_state=state)
+    register_on(ledger, actor, v, staged, state)
 
 
 def conserved(ledger: Ledger, v: int = V) -> Any:
     st_ = ledger.step_status(v)
     assert st_.settled + st_.leased + st_.pending == st_.total, st_
     return st_
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
-def ledger(redis_client: Any, run_name: str, clock: ManualClock) -> Ledger:
-    return Ledger(redis_client, run_name, clock=clock)
 
 
 # ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from ledger_fixtures import clock, jobs, ledger, register_on  # noqa: F401
 from redis_fixtures import (  # noqa: F401
     ManualClock,
     redis_client,
@@ -26,23 +27,8 @@ H = "sha256:" + "5" * 64
 LEASE = 1_000
 
 
-def jobs(n: int, prefix: str = "p") -> list[tuple[str, bytes]]:
-    return [(f"{prefix}{i:03d}", f"prompt {i}".encode()) for i in range(n)]
-
-
 def join(ledger: Ledger, actor: str, v: int = V) -> None:
-    ledger.register(actor)
-    assert ledger.heartbeat(actor, active=v, staged=v, active_state=H)
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
-def ledger(redis_client: Any, run_name: str, clock: ManualClock) -> Ledger:
-    return Ledger(redis_client, run_name, clock=clock)
+    register_on(ledger, actor, v, v, H)
 
 
 def test_claim_is_one_round_trip_and_carries_the_step(

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from ledger_fixtures import clock, jobs, ledger, register_on  # noqa: F401
 from redis_fixtures import (  # noqa: F401
     ManualClock,
     own_redis_server,
@@ -56,23 +57,8 @@ H = "sha256:" + "3" * 64
 LEASE = 10_000
 
 
-def jobs(n: int, prefix: str = "p") -> list[tuple[str, bytes]]:
-    return [(f"{prefix}{i:03d}", f"prompt {i}".encode()) for i in range(n)]
-
-
 def join(ledger: Ledger, actor: str, v: int = V) -> None:
-    ledger.register(actor)
-    assert ledger.heartbeat(actor, active=v, staged=v, active_state=H)
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
-def ledger(redis_client: Any, run_name: str, clock: ManualClock) -> Ledger:
-    return Ledger(redis_client, run_name, clock=clock)
+    register_on(ledger, actor, v, v, H)
 
 
 class ScriptedClock:
