@@ -50,6 +50,7 @@ from aurora_tools.synthetic.engine import SyntheticEngine
 from aurora_tools.synthetic.shapes import QWEN3_TINY
 from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
 from workers.actor import ActorConfig, add_arguments, config_from_args
+from workers.actor.announced import AnnouncedFetch
 from workers.common import Endpoints, RunKeys
 from workers.model import fusion_plan_for
 from workers.relay import Relay, RelayConfig
@@ -308,6 +309,39 @@ def test_the_manifest_may_land_after_every_segment(tmp_path: Path, decoded: list
     assert origin.segments_read("delta", 1) == [] and m.state == pub.manifests[1].state
     assert len(decoded) == len(m.segments) and pf.held_bytes == 0
     pf.close()
+
+
+@pytest.mark.server
+def test_held_segments_spill_to_a_private_folder_for_workers_that_read_a_store(
+    tmp_path: Path, redis_client: Any, run_name: str
+) -> None:
+    """vLLM's workers read a store themselves: what is held is checked and written where they read it."""
+    pub = Published(tmp_path, versions=1)
+    m1 = pub.manifests[1]
+    vdir = version_dir("delta", 1)
+    listed = [f"{vdir}/{r.key}" for r in m1.segments]
+    real = pub.src.get(listed[1])
+    forged = real[:-1] + bytes([real[-1] ^ 0xFF])
+    origin = Counting(pub.src)
+    early = AnnouncedFetch(2, 1 << 26, redis_client, RunKeys(run_name))
+    assert early.spill(origin, m1, 2) is None  # nothing held: the workers read the store
+    tampering = Tampering(origin, {listed[1]: forged})
+    for ev in pub.events[1]:
+        early.segment(tampering, Event("1-0", SEGMENT, 1, {"key": ev.key, "bytes": str(ev.bytes), "sha256": ev.sha256}), 0)
+    _wait_downloads(early.prefetch)
+    local = early.spill(origin, m1, 2)
+    assert local is not None and local.url.startswith("file://")
+    spill_dir = Path(local.url.removeprefix("file://"))
+    assert sorted(local.list(vdir)) == sorted(listed)
+    for key in listed:
+        assert local.get(key) == pub.src.get(key)  # the forged held bytes were not what was written
+    assert origin.segments_read("delta", 1) == [listed[1]]  # the rest came from the prefetch
+    assert early.prefetch.held_bytes == 0
+    assert oct(spill_dir.parent.stat().st_mode & 0o777) == "0o700"
+    early.unspill(1)
+    assert not spill_dir.exists() and spill_dir.parent.exists()
+    early.close()
+    assert not spill_dir.parent.exists()
 
 
 # ---------------------------------------------------------------------------

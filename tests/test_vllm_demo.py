@@ -59,6 +59,9 @@ def test_demo_with_a_vllm_actor_is_bit_identical(tmp_path: Path) -> None:
     assert all(lg.by_actor == {"us-0": cfg.batch} for lg in res.logs)
     assert "VLLM::Worker" in logs or "vllm" in logs.lower()
     assert "activated v1" in logs
+    # --fetch announced (the default): vLLM's workers staged from the segments held from their
+    # announcements (checked against the manifest, in a private local folder), not from the store.
+    assert "delta(s) staged from held segments" in logs, logs[-3000:]
     # The JSON object of `aurora demo --json`, as the torch demo prints it.
     j = json.loads(json.dumps(res.to_json()))
     assert j["bit_identical"] is True and j["steps"] == 3

@@ -507,8 +507,23 @@ class Actor:
         if isinstance(self.engine, StoreStaging):
             # Read (and checked) here once, handed to the engine, and compared with what it staged.
             opts = self.ep.storage_options if store is self.origin else self.cfg.mirror_options
+            early = self._announced
+            if known is None and early is not None:
+                known = early.manifest(store, version)  # read when the version was announced, with the same checks
             m = known if known is not None else _manifest(store, None, "delta", version, self.cfg.trust, self.commits)
-            got, staged = self.engine.stage_from_store(store, opts, version, self.staged_state, self.cfg.streams, manifest=m)
+            src = store
+            try:
+                # Segments held from their announcements, checked against the manifest, in a local
+                # folder the workers stage from (they check each object against it again).
+                spilled = early.spill(store, m, self.cfg.streams) if early is not None else None
+                if spilled is not None:
+                    src, opts = spilled, {}
+                    self.stats.spilled += 1
+                got, staged = self.engine.stage_from_store(src, opts, version, self.staged_state, self.cfg.streams, manifest=m)
+            finally:
+                if early is not None:
+                    early.done(version)
+                    early.unspill(version)
             check_staged(version, m, got, staged)
             return m, staged
         if known is None and self.commits is not None:  # checked against its record: never re-read unchecked
@@ -544,7 +559,7 @@ class Actor:
     def _announcement(self, ev: Event, region: str | None, url: str | None) -> None:
         """``--fetch announced``: start the reads an announcement names, from where it says they are (mirror or origin)."""
         early = self._announced
-        if early is None or isinstance(self.engine, StoreStaging):
+        if early is None:
             return
         store = self._source(url)[0] if region is not None else self.origin
         if ev.type == SEGMENT:
@@ -1066,7 +1081,8 @@ class Actor:
         except Exception as e:  # noqa: BLE001 - leaving is best effort: leases expire by themselves
             log.warning("%s could not leave the ledger (%s); its leases expire instead", self.cfg.actor_id, e)
             return
-        log.info("%s left: %d settled, %d prompt(s) released, rejections %s", self.cfg.actor_id, self.stats.settled, released, self.stats.rejected)
+        spilled = f", {self.stats.spilled} delta(s) staged from held segments" if self.stats.spilled else ""
+        log.info("%s left: %d settled, %d prompt(s) released, rejections %s%s", self.cfg.actor_id, self.stats.settled, released, self.stats.rejected, spilled)
 
 
 def _int_or_none(x: Any) -> int | None:

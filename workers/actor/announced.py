@@ -5,7 +5,11 @@
   decoded before the manifest lists it with that sha256);
 - a ``version`` announcement of the next version starts reading its
   manifest and the Trainer's record of its state (two round trips) beside
-  the stager's poll of the run's head, instead of after it.
+  the stager's poll of the run's head, instead of after it;
+- for an engine whose workers read the store themselves (vLLM), the held
+  segments, once the manifest is read and each passes its size and sha256
+  check, are written to a private local folder (:meth:`AnnouncedFetch.spill`)
+  that the workers then stage from instead of the store.
 
 Everything read early is read exactly as the stager would read it later
 (:func:`~aurora_store.lineage.fetch.read_manifest` with the Actor's trust
@@ -18,16 +22,20 @@ what it raises. ``--fetch manifest-first`` does none of this.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from aurora_store.coordination.bus import Event
-from aurora_store.format.manifest import Manifest
+from aurora_store.format.manifest import Manifest, version_dir
 from aurora_store.format.signing import TrustKeys
-from aurora_store.lineage.fetch import Held, read_manifest
+from aurora_store.lineage.fetch import Held, fetch_objects, read_manifest
 from aurora_store.lineage.interfaces import CommitRecords
 from aurora_store.lineage.prefetch import Prefetcher
-from aurora_store.storage import Store
+from aurora_store.storage import Store, open_store
 from workers.common import RunKeys, read_expected_state
 
 __all__ = ["AnnouncedFetch"]
@@ -44,6 +52,7 @@ class AnnouncedFetch:
         self._keys = keys
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="aurora-announced")
         self._early: tuple[int, Store, Future[Manifest], Future[str | None]] | None = None
+        self._spill_root: Path | None = None
 
     def segment(self, store: Store, ev: Event, held_version: int) -> None:
         """A ``segment`` announcement: start its download from ``store`` (where the announcement says it is)."""
@@ -100,6 +109,38 @@ class AnnouncedFetch:
         if self._early is not None and self._early[0] <= version:
             self._early = None
 
+    def spill(self, store: Store, m: Manifest, streams: int) -> Store | None:
+        """Every segment of ``m`` in a private local folder, as a store; None when nothing is held for its version.
+
+        For an engine whose workers read a store themselves (vLLM): held
+        bytes are used where they pass ``m``'s size and sha256 check, the
+        rest read from ``store`` and checked the same way
+        (:func:`~aurora_store.lineage.fetch.fetch_objects`, which raises what
+        a fetch raises). The workers then check every object against ``m``
+        again as they read it. :meth:`unspill` removes the folder.
+        """
+        take = self.held(m.version)
+        if take is None:
+            return None
+        objects: list[tuple[str, bytes]] = fetch_objects(store, m, streams, held=take)
+        if self._spill_root is None:
+            shm = "/dev/shm"  # memory-backed where there is one: the workers read it back at once
+            base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+            self._spill_root = Path(tempfile.mkdtemp(prefix="aurora-spill-", dir=base))  # 0700
+        local = open_store(f"file://{self._spill_root / f'v{m.version}'}")
+        vdir = version_dir(m.kind, m.version)
+        for ref, (_where, data) in zip(m.segments, objects, strict=True):
+            local.put(f"{vdir}/{ref.key}", data, mode="overwrite")
+        return local
+
+    def unspill(self, version: int) -> None:
+        """Remove what :meth:`spill` wrote for ``version`` (the workers have staged it, or refused it)."""
+        if self._spill_root is not None:
+            shutil.rmtree(self._spill_root / f"v{version}", ignore_errors=True)
+
     def close(self) -> None:
         self.prefetch.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._spill_root is not None:
+            shutil.rmtree(self._spill_root, ignore_errors=True)
+            self._spill_root = None

@@ -169,5 +169,8 @@ class ActorStats:
     tokens: int = 0
     rebootstraps: int = 0
     """Whole versions swapped in after bootstrap (a catch-up through a snapshot, a broken chain)."""
+    spilled: int = 0
+    """Deltas an engine whose workers read a store (vLLM) staged from segments held from their
+    announcements (``--fetch announced``), not from the store."""
 
 
