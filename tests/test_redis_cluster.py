@@ -23,6 +23,7 @@ from aurora_store.coordination.commit import RedisCommitLog
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger
 from aurora_store.coordination.redisconn import (
+    RedisConfig,
     cluster_seeds,
     connect,
     is_cluster_client,
@@ -107,6 +108,37 @@ def test_cluster_errors_are_outages_or_answers() -> None:
         "op", rx.RedisClusterException("ERROR: Calling pipelined function evalsha is blocked")
     )
     assert isinstance(blocked, CoordinationError) and not isinstance(blocked, RedisUnavailable)
+
+
+def test_a_cluster_with_no_seed_answering_is_an_outage_at_connect() -> None:
+    # redis-py raises RedisClusterException (not a RedisError) from the client's constructor:
+    # it reached `aurora actor` as a traceback before.
+    from aurora_store.testing.servers import free_port
+
+    with pytest.raises(RedisUnavailable, match="connect to the Redis Cluster"):
+        connect(f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}", RedisConfig(cluster_connect_wait_s=0.3))
+
+
+def test_a_cluster_that_comes_up_while_a_worker_connects_is_waited_for(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker started before its cluster (or while the network is away) waits, says so once, then connects."""
+    c = RedisCluster()
+    ports = c._ports(c.masters * (1 + c.replicas))
+    c._ports = lambda n: ports  # type: ignore[method-assign]  # the ports the worker already dials
+    got: list[Any] = []
+    worker = threading.Thread(
+        target=lambda: got.append(connect(f"redis+cluster://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", RedisConfig(cluster_connect_wait_s=120)))
+    )
+    with caplog.at_level(logging.WARNING, logger="aurora.redis"):
+        worker.start()
+        deadline = time.monotonic() + 30
+        while not [r for r in caplog.records if "no seed answers yet" in r.getMessage()]:
+            assert time.monotonic() < deadline, "the connect never said it was waiting"
+            time.sleep(0.05)
+        with c:  # starts it
+            worker.join(timeout=120)
+            assert got and is_cluster_client(got[0]) and got[0].ping()
+    waiting = [r for r in caplog.records if "no seed answers yet" in r.getMessage()]
+    assert len(waiting) == 1  # once, however many tries
 
 
 def test_connect_gives_a_cluster_client(cluster: RedisCluster) -> None:

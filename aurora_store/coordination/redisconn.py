@@ -16,6 +16,8 @@ also ``ConnectionError``.
 
 from __future__ import annotations
 
+import logging
+import time
 from contextlib import ContextDecorator, suppress
 from dataclasses import dataclass
 from functools import cache
@@ -25,7 +27,7 @@ from typing import Any, Literal
 import redis
 import redis.exceptions as rx
 
-from aurora_store.config import from_env
+from aurora_store.config import Backoff, from_env
 from aurora_store.coordination.keys import key_prefix, validate_run_name
 from aurora_store.credentials import (
     REDIS_PASSWORD_FILE_ENV,
@@ -36,6 +38,8 @@ from aurora_store.credentials import (
 )
 from aurora_store.errors import ConfigError, CoordinationError, RedisUnavailable
 from aurora_store.redact import redact_url
+
+log = logging.getLogger("aurora.redis")
 
 __all__ = [
     "RedisConfig",
@@ -76,9 +80,13 @@ class RedisConfig:
     """Extra read timeout above a blocking read's own block time."""
     health_check_interval_s: int = 15
     """Idle connections are PINGed before use after this long."""
+    cluster_connect_wait_s: float = 120.0
+    """How long building a Redis Cluster client waits for a seed to answer (a cluster still
+    starting, a network away), retrying with back-off and saying so once in the log. A plain
+    Redis client connects on its first command, whose outage the worker rides out."""
 
     def __post_init__(self) -> None:
-        if min(self.connect_timeout_s, self.command_timeout_s, self.block_margin_s) <= 0:
+        if min(self.connect_timeout_s, self.command_timeout_s, self.block_margin_s) <= 0 or self.cluster_connect_wait_s < 0:
             raise ConfigError(f"RedisConfig: timeouts must be positive ({self})")
 
 
@@ -243,24 +251,36 @@ def _cluster_class() -> Any:
 
 
 def _connect_cluster(url: str, cfg: RedisConfig, timeout: float) -> Any:
+    """redis-py's cluster client reads the slot map in its constructor: no seed answering is an
+    outage there, waited out for ``cfg.cluster_connect_wait_s``, then :class:`RedisUnavailable`."""
     from redis.cluster import ClusterNode
 
     plain, seeds = cluster_seeds(url)
-    try:
-        return _cluster_class().from_url(
-            plain,
-            startup_nodes=[ClusterNode(h, p) for h, p in seeds],
-            socket_connect_timeout=cfg.connect_timeout_s,
-            socket_timeout=timeout,
-            health_check_interval=cfg.health_check_interval_s,
-            decode_responses=False,
-        )
-    except ValueError as e:
-        raise ConfigError(f"Redis Cluster URL {redact_url(url)!r}: {redact_url(str(e))}") from None
-    except rx.RedisError as e:  # no seed answered, or the cluster is not up: an outage
-        err = translate_redis_error("connect to the Redis Cluster", e)
-        assert err is not None  # a RedisError always translates
-        raise err from e
+    deadline = time.monotonic() + cfg.cluster_connect_wait_s
+    pauses = Backoff(initial_s=0.2, max_s=5.0).delays()
+    said = False
+    while True:
+        try:
+            return _cluster_class().from_url(
+                plain,
+                startup_nodes=[ClusterNode(h, p) for h, p in seeds],
+                socket_connect_timeout=cfg.connect_timeout_s,
+                socket_timeout=timeout,
+                health_check_interval=cfg.health_check_interval_s,
+                decode_responses=False,
+            )
+        except ValueError as e:
+            raise ConfigError(f"Redis Cluster URL {redact_url(url)!r}: {redact_url(str(e))}") from None
+        except (rx.RedisError, rx.RedisClusterException) as e:  # no seed answered, or the cluster is not up
+            err = translate_redis_error("connect to the Redis Cluster", e)
+            assert err is not None  # both always translate
+            left = deadline - time.monotonic()
+            if not isinstance(err, RedisUnavailable) or left <= 0:
+                raise err from e
+            if not said:
+                log.warning("Redis Cluster %s: no seed answers yet (%s); retrying for up to %.0fs", redact_url(url), err, left)
+                said = True
+            time.sleep(min(next(pauses), left))
 
 
 # Errors that mean "the server is away for now": refused, dropped, timed out,
