@@ -508,7 +508,7 @@ class Actor:
             # Read (and checked) here once, handed to the engine, and compared with what it staged.
             opts = self.ep.storage_options if store is self.origin else self.cfg.mirror_options
             early = self._announced
-            if known is None and early is not None:
+            if known is None and early is not None and self.commits is None:
                 known = early.manifest(store, version)  # read when the version was announced, with the same checks
             m = known if known is not None else _manifest(store, None, "delta", version, self.cfg.trust, self.commits)
             src = store
