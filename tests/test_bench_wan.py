@@ -240,6 +240,7 @@ def test_spec_round_trips_through_the_model_description() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_small_run_end_to_end(tmp_path: object) -> None:
     from aurora_tools.bench.wan import add_arguments, run_benchmark
 

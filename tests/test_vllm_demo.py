@@ -67,6 +67,7 @@ def test_demo_with_a_vllm_actor_is_bit_identical(tmp_path: Path) -> None:
     assert j["bit_identical"] is True and j["steps"] == 3
 
 
+@pytest.mark.long
 def test_tensor_parallel_vllm_patches_each_shard(tmp_path: Path) -> None:
     """TP=2 on the CPU: the shards, patched rank by rank, digest like the Trainer's whole weights."""
     import test_vllm_engine as t
