@@ -72,6 +72,16 @@ def tiny_plan(tiny_weights: dict[str, torch.Tensor]) -> FusionPlan:
     return plan_of(tiny_weights, tied=False)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op torch thread for a module: two on a shared two-core box spin against each
+    other (10x slower). Use as ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------------------
 # 3. store fixtures
 

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import io
 import json
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -33,12 +32,7 @@ from workers.tokenizer import CharTokenizer
 TOK = CharTokenizer()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _engine(activation: str = "in-place") -> TorchEngine:

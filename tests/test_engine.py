@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -44,14 +43,7 @@ CFG = PublishConfig(streams=2, segment_bytes=16 << 10)
 TOK = CharTokenizer()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Two intra-op threads on a shared two-core box spin against each other
-    # (10x slower); one thread keeps these tests fast and their timing sane.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
