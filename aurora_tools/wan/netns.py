@@ -50,6 +50,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from aurora_store.errors import ConfigError, WanUnavailable
+from aurora_store.testing.servers import stop_process
 from aurora_tools.wan.host import (
     SUBNET,
     cleanup_stale,
@@ -382,16 +383,7 @@ class WanTestbed:
 
 
 def _stop(proc: subprocess.Popen[Any], grace_s: float = 3.0) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(OSError):
-        proc.terminate()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            proc.kill()
-        proc.wait()
+    stop_process(proc, grace_s)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from aurora_store.testing.servers import RcloneS3Server, RedisServer, S3Server
+from aurora_store.testing.servers import RcloneS3Server, RedisServer, S3Server, stop_process
 from aurora_tools.bench.transfer.timing import TimedStore
 
 __all__ = ["S3_KINDS", "proxied", "s3_server", "open_timed", "drop", "rss_peak_mb", "RedisCommits"]
@@ -34,12 +34,7 @@ def proxied(endpoint: str, rtt_ms: float, rate_mbit: float) -> Iterator[str]:
             raise RuntimeError(f"the WAN proxy did not start (said {addr!r})")
         yield f"http://{addr}"
     finally:
-        child.terminate()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        stop_process(child)
 
 
 @contextmanager
