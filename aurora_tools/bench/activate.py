@@ -231,12 +231,10 @@ def measure(
                 flat[idx] = bits
 
     clock = time.perf_counter
-    # Every rep runs every path once, one after the other: a machine shared with others
-    # slows them alike, not one path's whole series.
-    for rep in range(reps + 1):  # rep 0 warms up (kernels compiled or loaded), untimed
-        out: dict[str, float] = {}
-        # The Actor's path: prepared while generating, then apply + digest at the safe point.
-        engine = inplace
+
+    def prepared_path() -> tuple[float, float, float, str]:
+        """``engine`` loads v0, prepares the delta (while generating), then applies and digests it
+        (the safe point): (prepare, apply, digest) seconds and the digest reached."""
         engine.load(model, version=0)
         reset()
         t0 = clock()
@@ -245,8 +243,16 @@ def measure(
         engine.apply(prepared)
         t2 = clock()
         got = engine.digest()
-        t3 = clock()
-        out.update(prepare=t1 - t0, sp_apply=t2 - t1, sp_digest=t3 - t2, sp=t3 - t1)
+        return t1 - t0, t2 - t1, clock() - t2, got
+
+    # Every rep runs every path once, one after the other: a machine shared with others
+    # slows them alike, not one path's whole series.
+    for rep in range(reps + 1):  # rep 0 warms up (kernels compiled or loaded), untimed
+        out: dict[str, float] = {}
+        # The Actor's path: prepared while generating, then apply + digest at the safe point.
+        engine = inplace
+        prep, apply_s, digest_s, got = prepared_path()
+        out.update(prepare=prep, sp_apply=apply_s, sp_digest=digest_s, sp=apply_s + digest_s)
         exact_all &= got == digest_new and exact()
         # Before preparation: the decoded delta applied and every weight hashed at the safe point.
         reset()
@@ -267,15 +273,8 @@ def measure(
         exact_all &= exact()
         # The option: written into a spare copy while generating, swapped in at the safe point.
         engine = swapper
-        engine.load(model, version=0)
-        reset()
-        t0 = clock()
-        prepared = engine.prepare(staged)
-        t1 = clock()
-        engine.apply(prepared)
-        got = engine.digest()
-        t2 = clock()
-        out.update(sw_prep=t1 - t0, sw=t2 - t1)
+        prep, apply_s, digest_s, got = prepared_path()
+        out.update(sw_prep=prep, sw=apply_s + digest_s)
         exact_all &= got == digest_new and exact()
         # A full copy of the weights (both sides' pages touched already: traffic, not page faults).
         now = held()
