@@ -15,7 +15,7 @@ from typing import Any
 
 from aurora_store.coordination.decode import as_str
 from aurora_store.coordination.keys import RunKeys
-from aurora_store.coordination.redisconn import translate_redis_errors
+from aurora_store.coordination.redisconn import is_cluster_client, translate_redis_errors
 from aurora_store.errors import BusGap
 
 __all__ = ["Event", "Bus", "BusGap", "SEGMENT", "VERSION", "COMMIT", "RESYNC"]
@@ -93,9 +93,29 @@ class Bus:
         read: the consumer must then rebuild its view from the store.
         """
         key = self.stream(region)
-        if last_id not in ("0", "0-0"):
+        if last_id in ("0", "0-0"):
+            res = self.r.xread({key: last_id}, count=count, block=block_ms)
+        elif is_cluster_client(self.r):
             self._check_continuity(key, last_id)
-        res = self.r.xread({key: last_id}, count=count, block=block_ms)
+            res = self.r.xread({key: last_id}, count=count, block=block_ms)
+        else:
+            # The continuity check and the read in one round trip (on a far link each is one):
+            # Redis runs them in order on the connection, so the check sees the stream as it was
+            # just before the read, as when they were sent one after the other. A stream that is
+            # gone is reported when the read returns (after at most ``block_ms``).
+            pipe = self.r.pipeline(transaction=False)
+            pipe.exists(key)
+            pipe.xinfo_stream(key)
+            pipe.xread({key: last_id}, count=count, block=block_ms)
+            exists, info, res = pipe.execute(raise_on_error=False)
+            for r in (exists, res):
+                if isinstance(r, Exception):
+                    raise r
+            if not exists:
+                raise BusGap(f"{key}: stream is gone (Redis restarted?); resume from the store")
+            if isinstance(info, Exception):
+                raise info
+            self._continuity(key, last_id, info)
         out: list[Event] = []
         for _, entries in res or []:
             for eid, body in entries:
@@ -110,7 +130,11 @@ class Bus:
     def _check_continuity(self, key: str, last_id: str) -> None:
         if not self.r.exists(key):
             raise BusGap(f"{key}: stream is gone (Redis restarted?); resume from the store")
-        info = self.r.xinfo_stream(key)
+        self._continuity(key, last_id, self.r.xinfo_stream(key))
+
+    @staticmethod
+    def _continuity(key: str, last_id: str, info: Mapping[Any, Any]) -> None:
+        """Raise :class:`BusGap` when ``info`` (the stream's XINFO STREAM) shows entries after ``last_id`` lost."""
         first = info.get("first-entry") or info.get(b"first-entry")
         last_gen = info.get("last-generated-id") or info.get(b"last-generated-id")
         if last_gen is not None:
