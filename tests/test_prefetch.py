@@ -682,3 +682,82 @@ def test_a_version_announcement_reads_ahead_only_what_the_stager_would(
     )  # not the next version: ignored
     assert early.manifest(pub.src, 1) == pub.manifests[1]
     early.close()
+
+
+@pytest.mark.server
+def test_the_state_read_early_serves_the_check_after_the_fetch(
+    tmp_path: Path, redis_client: Any, run_name: str
+) -> None:
+    """The stager checks the Trainer's record after the fetch (after ``done``): the early read serves that check, once."""
+    from workers.actor.announced import AnnouncedFetch
+    from workers.common import record_expected_state
+
+    pub = Published(tmp_path, versions=2)
+    keys = RunKeys(run_name)
+    record_expected_state(redis_client, keys, 1, "sha256:" + "a" * 64)
+    early = AnnouncedFetch(2, 1 << 20, redis_client, keys)
+    early.version(pub.src, Event("1-0", "version", 1, {"kind": "delta"}), 0, None, None)
+    assert early.manifest(pub.src, 1) == pub.manifests[1]
+    early.done(1)  # the fetch is over: the manifest read early is gone, the record stays
+    assert early.manifest(pub.src, 1) is None
+    assert early.expected_state(1) == (True, "sha256:" + "a" * 64)
+    assert early.expected_state(1) == (False, None)  # once: the check before activation reads it again
+    early.version(pub.src, Event("2-0", "version", 2, {"kind": "delta"}), 1, None, None)
+    early.done(2)
+    early.done(3)  # a later version staged: the record of 2 is let go unread
+    assert early.expected_state(2) == (False, None)
+    early.close()
+
+
+@pytest.mark.server
+def test_the_stager_loop_reads_segment_announcements_without_polling_between(
+    tmp_path: Path, redis_server: Any, redis_client: Any, run_name: str
+) -> None:
+    """Segments of a version still being published: back to the stream at once, no poll of the head between them."""
+    pub = Published(tmp_path, versions=1)
+    (tmp_path / "origin").mkdir()
+    a = _actor(
+        pub, tmp_path, redis_server.url, run_name, redis_client, "announced", stage_block_ms=5_000
+    )
+    a.clock = SYSTEM_CLOCK
+    polls = []
+    real_poll = a._poll
+
+    def counted() -> Any:
+        polls.append(time.monotonic())
+        return real_poll()
+
+    a._poll = counted  # type: ignore[method-assign]
+    t = threading.Thread(target=a._stager_loop, daemon=True)
+    t.start()
+    try:
+        bus = Bus(redis_client, run_name)
+        pf = a._announced.prefetch if a._announced is not None else None
+        assert pf is not None
+        deadline = time.monotonic() + 90
+        while not polls:  # the loop's first poll, then it waits on the stream
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.2)
+        pub.copy_segments(tmp_path / "origin", 1)
+        before = len(polls)
+        for e in pub.events[1]:
+            bus.announce(SEGMENT, 1, index=e.index, key=e.key, bytes=e.bytes, sha256=e.sha256)
+            time.sleep(0.05)
+        while pf.stats.started < len(pub.events[1]):
+            assert time.monotonic() < deadline, "announcements never prefetched"
+            time.sleep(0.02)
+        # One poll at most (the one that a segment-only batch makes once the last poll is a block old).
+        assert len(polls) - before <= 1 < len(pub.events[1])
+        pub.copy_manifest(tmp_path / "origin", 1)
+        redis_client.hset(RunKeys(run_name).trainer, mapping={"head": 1})
+        bus.announce("version", 1, kind="delta", state=pub.manifests[1].state)
+        while a.staged_version < 1:  # the version's announcement polls, and stages
+            assert time.monotonic() < deadline, "version 1 never staged"
+            time.sleep(0.05)
+        assert a.origin.segments_read("delta", 1) == []
+    finally:
+        a.stop.set()
+        t.join(10)
+        if a._announced is not None:
+            a._announced.close()

@@ -812,11 +812,14 @@ class Actor:
         last = "$"
         region = None
         polled: tuple[str | None, int | None, int | None] | None = None
+        polled_at = float("-inf")
         pauses = self._pauses()
         while not self.stop.is_set():
             try:
                 self._verify_active()
-                url, head, commit = polled or self._poll()
+                if polled is None:
+                    polled, polled_at = self._poll(), self.clock.monotonic()
+                url, head, commit = polled
                 new_region = self.cfg.region if self._trusted_mirror(url) else None
                 if new_region != region or last == "$":
                     # Source changed (Relay up or down): start from the newest entry.
@@ -832,7 +835,19 @@ class Actor:
                     elif ev.type == SEGMENT and region is not None:
                         self._relay_progress[ev.version] = now  # the Relay is copying it
                     self._announcement(ev, region, url)
+                if (
+                    self._announced is not None and events and all(ev.type == SEGMENT for ev in events)
+                    and now - polled_at < self.cfg.stage_block_ms / 1000
+                ):
+                    # Only segments of a version still being published, and the run's head read
+                    # moments ago: back to the stream at once, so the next announcement starts its
+                    # download one round trip sooner (on a far link a poll is one more round trip,
+                    # queued behind the segments on the wire). The version's own announcement, a
+                    # quiet stream, or a poll older than one block still poll as before.
+                    polled = url, head, commit
+                    continue
                 polled = url, head, commit = self._poll()
+                polled_at = self.clock.monotonic()
                 # Announcements are hints: a silent stream (a Relay that just died,
                 # before its key expires) must not stop us from staging what exists,
                 # nor from activating what the Trainer committed.

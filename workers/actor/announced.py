@@ -51,7 +51,10 @@ class AnnouncedFetch:
         self._redis = redis
         self._keys = keys
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="aurora-announced")
-        self._early: tuple[int, Store, Future[Manifest], Future[str | None]] | None = None
+        self._early: tuple[int, Store, Future[Manifest]] | None = None
+        # Kept apart from the manifest read: the stager checks the state after the fetch is done
+        # (:meth:`done`), so the record read early outlives the version's held segments.
+        self._state: tuple[int, Future[str | None]] | None = None
         self._spill_root: Path | None = None
 
     def segment(self, store: Store, ev: Event, held_version: int) -> None:
@@ -76,7 +79,8 @@ class AnnouncedFetch:
             return
         m = self._pool.submit(read_manifest, store, "delta", ev.version, trust, commits)
         want = self._pool.submit(read_expected_state, self._redis, self._keys, ev.version)
-        self._early = (ev.version, store, m, want)
+        self._early = (ev.version, store, m)
+        self._state = (ev.version, want)
 
     def manifest(self, store: Store, version: int) -> Manifest | None:
         """The manifest read early for ``version`` from ``store``, if that read succeeded (waits for it)."""
@@ -90,12 +94,16 @@ class AnnouncedFetch:
             return None
 
     def expected_state(self, version: int) -> tuple[bool, str | None]:
-        """``(True, state or None)`` when the Trainer's record of ``version`` was read early; ``(False, None)`` otherwise."""
-        e = self._early
+        """``(True, state or None)`` when the Trainer's record of ``version`` was read early; ``(False, None)`` otherwise.
+
+        Once: a later check of ``version`` (the one before activation) reads the record again.
+        """
+        e = self._state
         if e is None or e[0] != version:
             return False, None
+        self._state = None
         try:
-            return True, e[3].result()
+            return True, e[1].result()
         except Exception:  # noqa: BLE001 - read again, through the outage handling
             return False, None
 
@@ -104,10 +112,18 @@ class AnnouncedFetch:
         return self.prefetch.take if version in self.prefetch.versions() else None
 
     def done(self, version: int) -> None:
-        """``version`` is staged or refused: let go of what is held for it and earlier."""
+        """``version`` is staged or refused: let go of what is held for it and earlier.
+
+        The Trainer's record of ``version`` read early stays for the state check after the fetch
+        (:meth:`expected_state`); older ones go.
+        """
         self.prefetch.drop_through(version)
-        if self._early is not None and self._early[0] <= version:
+        e = self._early
+        if e is not None and e[0] <= version:
             self._early = None
+        st = self._state
+        if st is not None and st[0] < version:
+            self._state = None
 
     def spill(self, store: Store, m: Manifest, streams: int) -> Store | None:
         """Every segment of ``m`` in a private local folder, as a store; None when nothing is held for its version.
