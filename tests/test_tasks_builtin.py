@@ -33,6 +33,7 @@ from workers.task import (
     make_task,
     math_equal,
 )
+from workers.task.arithmetic import all_problems
 
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
@@ -62,11 +63,20 @@ def math_rows(n: int) -> list[dict[str, str]]:
 # arithmetic
 
 
-def test_arithmetic_task_keeps_the_trainer_batches() -> None:
-    task = make_task("arithmetic", difficulty=2)
+def test_arithmetic_batches_walk_shuffled_passes_over_every_problem() -> None:
+    task = make_task("arithmetic", difficulty=1)
     assert isinstance(task, ArithmeticTask)
-    # The Trainer's prompts before tasks were pluggable (workers/trainer/scheduling.py).
-    assert task.train_problems(3, 8, seed=5) == make_problems(8, seed=5 * 100_003 + 3 + 7, difficulty=2)
+    # Difficulty 1 has 100 sums: five batches of 20 are each of them once, and the next five again.
+    first = [p for s in range(5) for p in task.train_problems(s, 20, seed=5)]
+    second = [p for s in range(5, 10) for p in task.train_problems(s, 20, seed=5)]
+    assert sorted(p.id for p in first) == sorted(p.id for p in second) == sorted(p.id for p in all_problems(1))
+    assert [p.id for p in first] != [p.id for p in second]  # reshuffled each pass
+    assert task.train_problems(3, 20, seed=5) == make_task("arithmetic").train_problems(3, 20, seed=5)  # deterministic
+    assert task.train_problems(0, 20, seed=6) != first[:20]  # the seed matters
+    assert all(task.reward(p.solution, p) == 1.0 and p.answer == sum(map(int, p.prompt_text[3:-5].split("+"))) for p in first)
+    assert len({p.id for p in task.train_problems(0, 150, seed=5)}) == 150  # a repeat gets its own id
+    assert {p.answer >= 0 for p in all_problems(4)} == {True} and len(all_problems(2)) == 900
+    task = make_task("arithmetic", difficulty=2)
     assert task.warm_start_problems(10, seed=6) == make_problems(10, seed=6, difficulty=2)
     ev = task.eval_problems(20)
     assert ev == task.eval_problems(20) and ev[:5] == task.eval_problems(5)

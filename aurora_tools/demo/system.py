@@ -39,9 +39,13 @@ __all__ = ["DemoConfig", "DemoResult", "run_system_demo", "add_arguments", "main
 
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
-    steps: int = 40
-    """Optimizer steps; 40 take about 110 s here (the reward needs them to rise above its noise: docs/BENCHMARKS.md)."""
-    batch: int = 32
+    steps: int = 120
+    """Optimizer steps; at RL-regime density the reward climbs about 0.004 per pass over the
+    problems, so it takes about a hundred steps to rise clearly above its noise (docs/BENCHMARKS.md,
+    "The demo's regime")."""
+    batch: int = 20
+    """Prompts per step: five steps are one pass over the arithmetic task's 100 sums, so the
+    reward of the first and of the last five steps are each measured on every sum once."""
     group: int = 8
     actors_relay: int = 2
     """Actors in region eu, behind a Relay."""
@@ -445,7 +449,10 @@ def main(args: argparse.Namespace) -> int:
         from aurora_tools.demo.codec import run_demo
 
         return run_demo(args.dir, steps=min(args.steps, 10))
-    limit_torch_threads()
+    # The Trainer runs in this process and is the demo's bottleneck (its Actors wait on it):
+    # two threads here took a 40-step demo from 110 s to 90 s on two cores. The children
+    # keep one each (run_system_demo), and AURORA_TORCH_THREADS still overrides.
+    limit_torch_threads(default=min(2, os.cpu_count() or 1))
     if args.engine == "vllm":
         from workers.engine.vllm_engine import import_vllm
 

@@ -16,12 +16,13 @@ import random
 import re
 from collections.abc import Sequence
 
-from workers.task.base import Problem
+from workers.task.base import Passes, Problem
 
 __all__ = [
     "ANSWER_MARK",
     "DIFFICULTIES",
     "ArithmeticTask",
+    "all_problems",
     "format_prompt",
     "make_problems",
     "max_solution_chars",
@@ -44,8 +45,7 @@ DIFFICULTIES: dict[int, tuple[tuple[int, int], tuple[int, int], str]] = {
 _MAX_ANSWER_DIGITS = 64
 _INT = re.compile(r"[-+]?\d+")
 
-# The held-out problems are drawn with this seed; training batches use seeds >= 7
-# (see ArithmeticTask.train_problems), so the two streams never coincide.
+# The held-out problems are drawn with this seed (training batches walk all_problems).
 _EVAL_SEED = -1
 
 
@@ -74,17 +74,30 @@ def make_problems(n: int, seed: int, difficulty: int = 1) -> list[Problem]:
         a, b, op = rng.randint(alo, ahi), rng.randint(blo, bhi), rng.choice(ops)
         if op == "-" and b > a:
             a, b = b, a
-        c = a + b if op == "+" else a - b
-        expr = f"{a}{op}{b}"
-        out.append(
-            Problem(
-                id=f"arith-d{difficulty}-s{seed}-{i:06d}",
-                prompt_text=format_prompt(f"{expr}=?"),
-                answer=c,
-                solution=f" {expr}={c}\n{ANSWER_MARK} {c}",
-            )
-        )
+        out.append(_problem(a, b, op, difficulty, f"arith-d{difficulty}-s{seed}-{i:06d}"))
     return out
+
+
+def _problem(a: int, b: int, op: str, difficulty: int, pid: str) -> Problem:
+    c = a + b if op == "+" else a - b
+    expr = f"{a}{op}{b}"
+    return Problem(id=pid, prompt_text=format_prompt(f"{expr}=?"), answer=c, solution=f" {expr}={c}\n{ANSWER_MARK} {c}")
+
+
+def all_problems(difficulty: int = 1) -> list[Problem]:
+    """Every distinct problem of ``difficulty`` once, in a fixed order (100 sums at difficulty 1).
+
+    Ids name the expression (``"arith-d1-3+4"``), so one problem has one id in
+    every batch; a difference never goes below zero (``a - b`` with ``a >= b``).
+    """
+    try:
+        (alo, ahi), (blo, bhi), ops = DIFFICULTIES[difficulty]
+    except KeyError:
+        raise ValueError(f"difficulty must be one of {sorted(DIFFICULTIES)}, got {difficulty!r}") from None
+    return [
+        _problem(a, b, op, difficulty, f"arith-d{difficulty}-{a}{op}{b}")
+        for op in ops for a in range(alo, ahi + 1) for b in range(blo, bhi + 1) if op == "+" or a >= b
+    ]
 
 
 def max_solution_chars(problems: Sequence[Problem]) -> int:
@@ -120,11 +133,14 @@ def reward(completion_text: str, answer: int) -> float:
 class ArithmeticTask:
     """The generated sums of :func:`make_problems` as a :class:`~workers.task.base.Task`.
 
-    Training batch ``b`` is ``make_problems(n, seed * 100_003 + b + 7)`` (the
-    Trainer's prompts before tasks were pluggable, so old runs draw the same
-    batches); the held-out set is drawn with a seed of its own, the same for
-    every run (difficulty 1 has only 100 distinct sums, so the *texts* of
-    held-out and training problems can coincide; their draws do not).
+    Training batches walk shuffled passes over :func:`all_problems` (a
+    :class:`~workers.task.base.Passes`), as a data loader walks a data set: at
+    difficulty 1 every 100 consecutive prompts are the 100 sums once each, so
+    the reward of a batch of 20 changes with the policy, not with the luck of
+    the draw (random draws put 0.04 of noise on the mean reward of a batch of
+    32). The held-out set is drawn at random with a seed of its own, the same
+    for every run; difficulty 1 has only 100 distinct sums, so the *texts* of
+    held-out and training problems coincide (their ids do not).
     """
 
     name = "arithmetic"
@@ -133,12 +149,13 @@ class ArithmeticTask:
         if difficulty not in DIFFICULTIES:
             raise ValueError(f"difficulty must be one of {sorted(DIFFICULTIES)}, got {difficulty!r}")
         self.difficulty = difficulty
+        self._passes = Passes(all_problems(difficulty), f"aurora-arith-train/{difficulty}")
 
     def __repr__(self) -> str:
         return f"ArithmeticTask(difficulty={self.difficulty})"
 
     def train_problems(self, step: int, n: int, seed: int) -> list[Problem]:
-        return make_problems(n, seed=seed * 100_003 + step + 7, difficulty=self.difficulty)
+        return self._passes.batch(step, n, seed)
 
     def eval_problems(self, n: int) -> list[Problem]:
         return make_problems(n, seed=_EVAL_SEED, difficulty=self.difficulty)
@@ -147,6 +164,5 @@ class ArithmeticTask:
         return reward(completion, problem.answer)
 
     def warm_start_problems(self, n: int, seed: int) -> list[Problem]:
-        """``make_problems(n, seed)``: the Trainer asks with ``seed = run seed + 1``, which
-        keeps training batches (seeds ``run seed * 100_003 + step + 7``) apart from it."""
+        """``make_problems(n, seed)``: random draws with solutions (the Trainer asks with ``seed = run seed + 1``)."""
         return make_problems(n, seed=seed, difficulty=self.difficulty)

@@ -11,10 +11,13 @@ state.
 
 from __future__ import annotations
 
+import dataclasses
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["TASK_METHODS", "Problem", "Task"]
+__all__ = ["TASK_METHODS", "Passes", "Problem", "Task"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,3 +66,48 @@ class Task(Protocol):
         """Up to ``n`` problems with a :attr:`Problem.solution` for the supervised warm
         start (may be empty)."""
         ...
+
+
+class Passes:
+    """Training batches as shuffled passes over a fixed list of problems (a data loader with shuffling).
+
+    Draw ``k = step * n + j`` of batch ``step`` is ``problems[perm(seed, e)[k % m]]``
+    with pass ``e = k // m``, each pass a fresh permutation seeded by
+    ``f"{salt}/{seed}/{e}"``: within a pass every problem is drawn once, so
+    any ``m`` consecutive draws hold the same mix, and a batch is a function of
+    (step, n, seed), so a resumed run draws the same prompts. A batch that
+    crosses into the next pass (or is larger than the list) can draw a problem
+    twice: the second copy's id gets ``#2``.
+    """
+
+    def __init__(self, problems: Sequence[Problem], salt: str) -> None:
+        if not problems:
+            raise ValueError("Passes needs at least one problem")
+        self.problems = list(problems)
+        self.salt = salt
+        self._perms: dict[tuple[int, int], list[int]] = {}
+
+    def batch(self, step: int, n: int, seed: int) -> list[Problem]:
+        if step < 0 or n < 0:
+            raise ValueError(f"step and n must be >= 0, got {step} and {n}")
+        m = len(self.problems)
+        out: list[Problem] = []
+        seen: dict[str, int] = {}
+        for k in range(step * n, step * n + n):
+            epoch, i = divmod(k, m)
+            p = self.problems[self._perm(seed, epoch)[i]]
+            times = seen.get(p.id, 0) + 1
+            seen[p.id] = times
+            out.append(p if times == 1 else dataclasses.replace(p, id=f"{p.id}#{times}"))
+        return out
+
+    def _perm(self, seed: int, epoch: int) -> list[int]:
+        key = (seed, epoch)
+        perm = self._perms.get(key)
+        if perm is None:
+            perm = list(range(len(self.problems)))
+            random.Random(f"{self.salt}/{seed}/{epoch}").shuffle(perm)
+            if len(self._perms) >= 4:  # batches walk forwards: a few passes suffice
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[key] = perm
+        return perm

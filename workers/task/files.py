@@ -12,14 +12,13 @@ n, seed) and a resumed run draws the same ones.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from aurora_store.errors import TaskDataError
-from workers.task.base import Problem
+from workers.task.base import Passes, Problem
 from workers.task.data import load_rows
 
 __all__ = ["DEFAULT_HOLDOUT", "FileTask", "row_id", "string_field"]
@@ -74,7 +73,7 @@ class FileTask:
             train = [train[i] for i in sorted(order[:-h])]
         self._train = train
         self._eval = held
-        self._perms: dict[tuple[int, int], list[int]] = {}
+        self._passes = Passes(train, "aurora-train")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self._train)} training rows, {len(self._eval)} held out)"
@@ -85,20 +84,7 @@ class FileTask:
         return len(self._train)
 
     def train_problems(self, step: int, n: int, seed: int) -> list[Problem]:
-        if step < 0 or n < 0:
-            raise ValueError(f"step and n must be >= 0, got {step} and {n}")
-        m = len(self._train)
-        out: list[Problem] = []
-        seen: dict[str, int] = {}
-        for k in range(step * n, step * n + n):
-            epoch, i = divmod(k, m)
-            p = self._train[self._perm(seed, epoch)[i]]
-            times = seen.get(p.id, 0) + 1
-            seen[p.id] = times
-            # A batch that crosses an epoch boundary (or is larger than the data) can
-            # draw a row twice: the second copy gets its own id.
-            out.append(p if times == 1 else dataclasses.replace(p, id=f"{p.id}#{times}"))
-        return out
+        return self._passes.batch(step, n, seed)
 
     def eval_problems(self, n: int) -> list[Problem]:
         return self._eval[: max(n, 0)]
@@ -113,17 +99,6 @@ class FileTask:
 
     def _problem(self, row: dict[str, Any], where: str, default_id: str) -> Problem:
         raise NotImplementedError
-
-    def _perm(self, seed: int, epoch: int) -> list[int]:
-        key = (seed, epoch)
-        perm = self._perms.get(key)
-        if perm is None:
-            perm = list(range(len(self._train)))
-            random.Random(f"aurora-train/{seed}/{epoch}").shuffle(perm)
-            if len(self._perms) >= 4:  # batches walk forwards: a few epochs suffice
-                self._perms.pop(next(iter(self._perms)))
-            self._perms[key] = perm
-        return perm
 
     def _problems(self, src: str, storage_options: Mapping[str, Any] | None, id_prefix: str) -> list[Problem]:
         base = os.path.basename(src.split("?", 1)[0].rstrip("/"))
