@@ -21,6 +21,7 @@ from task_helpers import ScriptedTask
 
 from aurora_store.errors import ConfigError, TaskDataError
 from aurora_store.testing.servers import S3Server
+from aurora_tools.demo.system import DemoConfig
 from workers.task import (
     ArithmeticTask,
     Gsm8kTask,
@@ -34,6 +35,7 @@ from workers.task import (
     math_equal,
 )
 from workers.task.arithmetic import all_problems
+from workers.trainer.config import TrainerConfig
 
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
@@ -76,6 +78,8 @@ def test_arithmetic_batches_walk_shuffled_passes_over_every_problem() -> None:
     assert all(task.reward(p.solution, p) == 1.0 and p.answer == sum(map(int, p.prompt_text[3:-5].split("+"))) for p in first)
     assert len({p.id for p in task.train_problems(0, 150, seed=5)}) == 150  # a repeat gets its own id
     assert {p.answer >= 0 for p in all_problems(4)} == {True} and len(all_problems(2)) == 900
+    # The demo's reward_first and reward_last (five steps each) are each one whole pass.
+    assert 5 * DemoConfig().batch == len(all_problems(TrainerConfig().difficulty))
     task = make_task("arithmetic", difficulty=2)
     assert task.warm_start_problems(10, seed=6) == make_problems(10, seed=6, difficulty=2)
     ev = task.eval_problems(20)
