@@ -359,3 +359,24 @@ def test_vllm_workers_hold_what_the_actor_checked_not_a_second_read(engine, run:
     assert engine.digest() == run.digests[1] and engine.version == 1
     engine.apply(_stage(engine, run, 2))
     assert engine.digest() == run.digests[2]
+
+
+@needs_vllm
+def test_a_follower_brings_a_running_vllm_engine_to_each_version(engine, run: Run) -> None:  # type: ignore[no-untyped-def]
+    """``Follower.update(engine)``: whole weights the first time, then each delta applied in place in the workers."""
+    from aurora_store import Follower
+
+    ptrs = _ptrs(engine)
+    f = Follower(run.store)
+    got = f.update(engine, version=1)
+    assert (got.version, got.path, got.deltas) == (1, "snapshot", 1) and got.state == run.states[1]
+    assert engine.digest() == run.digests[1] and engine.version == 1
+    for v in range(2, VERSIONS + 1):
+        got = f.update(engine, version=v)
+        assert (got.version, got.path, got.deltas) == (v, "deltas", 1) and got.bytes > 0
+        assert engine.digest() == run.digests[v], f"v{v} differs from the Trainer's"
+    assert f.update(engine).path == "none"  # the newest is held already
+    assert _ptrs(engine) == ptrs  # every write landed in the engine's own tensors
+    with pytest.raises(ChainError, match="never goes back"):
+        f.update(engine, version=1)
+    assert engine.digest() == run.digests[VERSIONS]
