@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.server]
+# A benchmark's smoke run (two whole systems, 37 s): `make test-all`; the system path is test_e2e's.
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.long]
 
 
 def test_parity_compares_async_and_sync_accuracy_by_version() -> None:

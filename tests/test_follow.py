@@ -264,6 +264,7 @@ def test_a_run_without_a_model_description_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 30 s; Follower.update on a vLLM engine is also test_vllm_engine's (make test)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed: pip install 'aurora-store[vllm]'")
 def test_the_vllm_example_starts_from_the_followed_dir_and_applies_two_versions_in_place(tmp_path: Path, model_dir: str) -> None:
     store = f"file://{tmp_path}/run"
