@@ -11,10 +11,12 @@ within its bound. The last tests run the stager and a Relay for real.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -447,6 +449,32 @@ def test_manifest_first_is_the_old_path(
     )
 
 
+@contextlib.contextmanager
+def _stager_running(a: Any) -> Iterator[None]:
+    """The Actor's real stager loop in a thread for the body's length, stopped however it ends."""
+    a.clock = SYSTEM_CLOCK
+    t = threading.Thread(target=a._stager_loop, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        a.stop.set()
+        t.join(10)
+        if a._announced is not None:
+            a._announced.close()
+
+
+def _commit_and_stage(pub: Any, tmp_path: Path, redis_client: Any, run_name: str, a: Any, deadline: float) -> None:
+    """v1's manifest lands and is announced: the loop stages it from the held segments, reading none again."""
+    pub.copy_manifest(tmp_path / "origin", 1)
+    redis_client.hset(RunKeys(run_name).trainer, mapping={"head": 1})
+    Bus(redis_client, run_name).announce("version", 1, kind="delta", state=pub.manifests[1].state)
+    while a.staged_version < 1:
+        assert time.monotonic() < deadline, "version 1 never staged"
+        time.sleep(0.05)
+    assert a.origin.segments_read("delta", 1) == []
+
+
 @pytest.mark.server
 def test_the_stager_loop_prefetches_from_the_stream(
     tmp_path: Path, redis_server: Any, redis_client: Any, run_name: str
@@ -457,10 +485,7 @@ def test_the_stager_loop_prefetches_from_the_stream(
     a = _actor(
         pub, tmp_path, redis_server.url, run_name, redis_client, "announced", stage_block_ms=50
     )
-    a.clock = SYSTEM_CLOCK
-    t = threading.Thread(target=a._stager_loop, daemon=True)
-    t.start()
-    try:
+    with _stager_running(a):
         bus = Bus(redis_client, run_name)
         pf = a._announced.prefetch if a._announced is not None else None
         assert pf is not None
@@ -474,18 +499,7 @@ def test_the_stager_loop_prefetches_from_the_stream(
                 bus.announce(SEGMENT, 1, index=e.index, key=e.key, bytes=e.bytes, sha256=e.sha256)
             assert time.monotonic() < deadline, "announcements never prefetched"
             time.sleep(0.05)
-        pub.copy_manifest(tmp_path / "origin", 1)
-        redis_client.hset(RunKeys(run_name).trainer, mapping={"head": 1})
-        bus.announce("version", 1, kind="delta", state=pub.manifests[1].state)
-        while a.staged_version < 1:
-            assert time.monotonic() < deadline, "version 1 never staged"
-            time.sleep(0.05)
-        assert a.origin.segments_read("delta", 1) == []
-    finally:
-        a.stop.set()
-        t.join(10)
-        if a._announced is not None:
-            a._announced.close()
+        _commit_and_stage(pub, tmp_path, redis_client, run_name, a, deadline)
 
 
 # ---------------------------------------------------------------------------
@@ -719,7 +733,6 @@ def test_the_stager_loop_reads_segment_announcements_without_polling_between(
     a = _actor(
         pub, tmp_path, redis_server.url, run_name, redis_client, "announced", stage_block_ms=5_000
     )
-    a.clock = SYSTEM_CLOCK
     polls = []
     real_poll = a._poll
 
@@ -728,9 +741,7 @@ def test_the_stager_loop_reads_segment_announcements_without_polling_between(
         return real_poll()
 
     a._poll = counted  # type: ignore[method-assign]
-    t = threading.Thread(target=a._stager_loop, daemon=True)
-    t.start()
-    try:
+    with _stager_running(a):
         bus = Bus(redis_client, run_name)
         pf = a._announced.prefetch if a._announced is not None else None
         assert pf is not None
@@ -749,15 +760,4 @@ def test_the_stager_loop_reads_segment_announcements_without_polling_between(
             time.sleep(0.02)
         # One poll at most (the one that a segment-only batch makes once the last poll is a block old).
         assert len(polls) - before <= 1 < len(pub.events[1])
-        pub.copy_manifest(tmp_path / "origin", 1)
-        redis_client.hset(RunKeys(run_name).trainer, mapping={"head": 1})
-        bus.announce("version", 1, kind="delta", state=pub.manifests[1].state)
-        while a.staged_version < 1:  # the version's announcement polls, and stages
-            assert time.monotonic() < deadline, "version 1 never staged"
-            time.sleep(0.05)
-        assert a.origin.segments_read("delta", 1) == []
-    finally:
-        a.stop.set()
-        t.join(10)
-        if a._announced is not None:
-            a._announced.close()
+        _commit_and_stage(pub, tmp_path, redis_client, run_name, a, deadline)  # the version's announcement polls, and stages

@@ -62,23 +62,25 @@ def make_problems(n: int, seed: int, difficulty: int = 1) -> list[Problem]:
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    try:
-        (alo, ahi), (blo, bhi), ops = DIFFICULTIES[difficulty]
-    except KeyError:
-        raise ValueError(
-            f"difficulty must be one of {sorted(DIFFICULTIES)}, got {difficulty!r}"
-        ) from None
+    (alo, ahi), (blo, bhi), ops = _ranges(difficulty)
     rng = random.Random(f"aurora-arith/{difficulty}/{seed}")
     out: list[Problem] = []
     for i in range(n):
         a, b, op = rng.randint(alo, ahi), rng.randint(blo, bhi), rng.choice(ops)
         if op == "-" and b > a:
             a, b = b, a
-        out.append(_problem(a, b, op, difficulty, f"arith-d{difficulty}-s{seed}-{i:06d}"))
+        out.append(_problem(a, b, op, f"arith-d{difficulty}-s{seed}-{i:06d}"))
     return out
 
 
-def _problem(a: int, b: int, op: str, difficulty: int, pid: str) -> Problem:
+def _ranges(difficulty: int) -> tuple[tuple[int, int], tuple[int, int], str]:
+    try:
+        return DIFFICULTIES[difficulty]
+    except KeyError:
+        raise ValueError(f"difficulty must be one of {sorted(DIFFICULTIES)}, got {difficulty!r}") from None
+
+
+def _problem(a: int, b: int, op: str, pid: str) -> Problem:
     c = a + b if op == "+" else a - b
     expr = f"{a}{op}{b}"
     return Problem(id=pid, prompt_text=format_prompt(f"{expr}=?"), answer=c, solution=f" {expr}={c}\n{ANSWER_MARK} {c}")
@@ -90,12 +92,9 @@ def all_problems(difficulty: int = 1) -> list[Problem]:
     Ids name the expression (``"arith-d1-3+4"``), so one problem has one id in
     every batch; a difference never goes below zero (``a - b`` with ``a >= b``).
     """
-    try:
-        (alo, ahi), (blo, bhi), ops = DIFFICULTIES[difficulty]
-    except KeyError:
-        raise ValueError(f"difficulty must be one of {sorted(DIFFICULTIES)}, got {difficulty!r}") from None
+    (alo, ahi), (blo, bhi), ops = _ranges(difficulty)
     return [
-        _problem(a, b, op, difficulty, f"arith-d{difficulty}-{a}{op}{b}")
+        _problem(a, b, op, f"arith-d{difficulty}-{a}{op}{b}")
         for op in ops for a in range(alo, ahi + 1) for b in range(blo, bhi + 1) if op == "+" or a >= b
     ]
 
