@@ -335,3 +335,90 @@ def test_a_write_that_misses_its_prediction_is_caught_off_the_safe_point(monkeyp
     real = weights_digest(hf_weights(engine.model), engine.fusion_plan())
     assert real != want2 and engine.digest() == real  # from now on the weights' own hash
     assert engine.verify_predicted() is None  # nothing predicted any more
+
+
+def _segments(engine: TorchEngine, seed: int, density: float = 0.4) -> tuple[list[tuple[str, bytes]], str]:
+    """Delta 1 on the engine's version 0, cut into small segments (parameters split across them), and its target digest."""
+    plan = engine.fusion_plan()
+    cur = {n: t.clone() for n, t in hf_weights(engine.model).items() if n in {b.source for p in plan for b in p.blocks}}
+    new = _step(cur, np.random.default_rng(seed), density)
+    segs = [(f"seg-{s.index}", s.data) for s in encode_segments(extract(plan, cur, new), 1, segment_bytes=1024)]
+    return segs, weights_digest(new, plan)
+
+
+def _sparse(p: PreparedDelta) -> list[tuple[str, bool, bytes, bytes]]:
+    return [(w.source, w.xor, w.indices.astype(np.int64).tobytes(), w.bits.tobytes()) for w in p.sparse]
+
+
+def test_segments_prepared_as_they_are_decoded_join_to_the_same_delta() -> None:
+    """Per-segment preparation (the stager's download threads) joins into exactly what preparing
+    the whole delta at once gives, and lands bit for bit; parts made for another holder are not used."""
+    from aurora_store.apply.prepared import parts_of, prepare_part
+    from aurora_store.format.limits import VersionGuard
+    from aurora_store.format.segment import decode_segment
+
+    e = _engine()
+    segs, digest = _segments(e, seed=3)
+    assert len(segs) > 4
+    specs = e.param_specs()
+    guard = VersionGuard.for_model(specs)
+    decoded = [(w, decode_segment(d, w, specs, guard)) for w, d in segs]
+    split = [n for n in specs if sum(any(x.param == n for x in s.entries) for _, s in decoded) > 1]
+    assert split, "a parameter should span two segments here"
+    whole = stage_segments(segs, 1, specs)
+    staged = dataclasses.replace(whole, parts=tuple(e.prepare_segment(s) for _, s in decoded))
+    assert parts_of(staged, e.fusion_plan()) is not None
+    assert parts_of(staged, object()) is None  # another holder's parts: prepared from the entries instead
+    joined = e.prepare(staged)
+    assert _sparse(joined) == _sparse(e.prepare(whole))
+    assert joined.nnz == whole.nnz
+    e.apply(joined)
+    assert e.digest() == digest
+
+    # Parts that do not cover the delta's entries are refused, not half used.
+    plan = e.fusion_plan()
+    short = dataclasses.replace(whole, parts=staged.parts[:-1])
+    with pytest.raises(ValueError, match="do not cover"):
+        prepared_mod.prepare_delta(short, specs, prepared_mod.layout_of_plan(plan), parts=list(short.parts))
+    # Two parts writing the same element (one segment's entries twice) are caught in the join.
+    first = decoded[0][1]
+    twice = [prepare_part(1, first.entries, specs, prepared_mod.layout_of_plan(plan))] * 2
+    fake = StagedDelta(1, 0, tuple(first.entries) * 2)
+    with pytest.raises(ModelMismatchError, match="out of order or written twice"):
+        prepared_mod.prepare_delta(fake, specs, prepared_mod.layout_of_plan(plan), parts=twice)
+
+
+def test_fetch_prepares_each_segment_in_its_download_thread(tmp_path: pytest.TempPathFactory) -> None:
+    """``fetch_delta(prepare=...)``: one call per segment, its result in the staged delta's parts in segment
+    order; an error from it fails the fetch (the delta is never half prepared)."""
+    import threading
+
+    from aurora_store.lineage.fetch import fetch_delta
+    from aurora_store.lineage.publish import PublishConfig, publish_delta
+    from aurora_store.storage import open_store
+
+    e = _engine()
+    plan = e.fusion_plan()
+    cur = {n: t.clone() for n, t in hf_weights(e.model).items() if n in {b.source for p in plan for b in p.blocks}}
+    new = _step(cur, np.random.default_rng(5), 0.05)
+    store = open_store(f"file://{tmp_path}")
+    m = publish_delta(store, "t", 1, extract(plan, cur, new), "sha256:" + "0" * 64, PublishConfig(segment_bytes=1024))
+    assert len(m.segments) > 2
+    seen: list[tuple[int, str]] = []
+
+    def each(seg: object) -> object:
+        seen.append((len(seg.entries), threading.current_thread().name))  # type: ignore[attr-defined]
+        return e.prepare_segment(seg)  # type: ignore[arg-type]
+
+    got, staged = fetch_delta(store, 1, e.param_specs(), 2, prepare=each)
+    assert len(seen) == len(m.segments) == len(staged.parts)
+    assert sum(p.entries for p in staged.parts) == len(staged.entries) == sum(n for n, _ in seen)
+    assert all(name != threading.current_thread().name for _, name in seen)
+    e.apply(e.prepare(staged))
+    assert e.digest() == weights_digest(new, plan)
+
+    def broken(seg: object) -> object:
+        raise ModelMismatchError("refused by the holder")
+
+    with pytest.raises(ModelMismatchError, match="refused by the holder"):
+        fetch_delta(store, 1, e.param_specs(), 2, prepare=broken)

@@ -230,3 +230,56 @@ def test_the_relay_quarantines_a_manifest_that_differs_from_its_record(run: dict
         assert mirror.exists(manifest_key("delta", 1))
     finally:
         relay.close()
+
+
+class _RecordsAfter:
+    """Commit records (the CommitRecords protocol) of a writer that records ``version`` only when the
+    store's manifest appears: a record read made beside the manifest's read can run ahead of it."""
+
+    def __init__(self, store: Store, digest: str) -> None:
+        self.store, self.digest, self.calls = store, digest, 0
+        self.threads: set[str] = set()
+
+    def commit_record(self, kind: str, version: int) -> str | None:
+        import threading
+
+        self.calls += 1
+        self.threads.add(threading.current_thread().name)
+        return self.digest if self.calls > 1 else None  # the first read raced ahead of the record
+
+
+def test_a_record_read_beside_its_manifest_that_ran_ahead_is_read_again(tmp_path: Path) -> None:
+    """``read_manifest`` reads the commit record beside the manifest (one round trip on a far link),
+    and a record found missing there is read once more after the manifest (records precede manifests);
+    a record still missing then means: not committed."""
+    import hashlib
+
+    import torch
+
+    from aurora_store.codec.extract import extract
+    from aurora_store.errors import VersionNotFound
+    from aurora_store.lineage.fetch import read_manifest
+    from aurora_store.lineage.publish import PublishConfig, publish_delta
+    from workers.model import fusion_plan_for, hf_weights, tiny_qwen3
+
+    model = tiny_qwen3(64, seed=0)
+    plan = fusion_plan_for(model)
+    old = {n: t.detach().clone() for n, t in hf_weights(model).items() if n in {b.source for p in plan for b in p.blocks}}
+    new = {n: (t.view(torch.int16) ^ 1).view(torch.bfloat16) for n, t in old.items()}
+    store = open_store(f"file://{tmp_path}")
+    publish_delta(store, "r", 1, extract(plan, old, new), "sha256:" + "0" * 64, PublishConfig())
+    data = store.get(manifest_key("delta", 1))
+    recs = _RecordsAfter(store, "sha256:" + hashlib.sha256(data).hexdigest())
+    m = read_manifest(store, "delta", 1, None, recs)
+    assert m.version == 1 and recs.calls == 2
+    assert any(name.startswith("aurora-side-read") for name in recs.threads)
+
+    class Never(_RecordsAfter):
+        def commit_record(self, kind: str, version: int) -> str | None:
+            self.calls += 1
+            return None
+
+    never = Never(store, "")
+    with pytest.raises(VersionNotFound, match="no Redis commit record"):
+        read_manifest(store, "delta", 1, None, never)
+    assert never.calls == 2

@@ -56,9 +56,12 @@ from aurora_store.format.checkpoint import StagedDelta
 __all__ = [
     "Layout",
     "PreparedDelta",
+    "PreparedPart",
     "SortedWrites",
     "DenseWrite",
     "prepare_delta",
+    "prepare_part",
+    "parts_of",
     "predicted_digest",
     "layout_of_plan",
     "layout_of_shards",
@@ -198,28 +201,56 @@ def _signed(width: int) -> np.dtype:
     return np.dtype(np.int16 if width == 2 else np.int32)
 
 
-def prepare_delta(
-    staged: StagedDelta,
+@dataclass(slots=True)
+class PreparedPart:
+    """Some entries of one delta (usually one segment's), checked and split over source tensors.
+
+    Built by :func:`prepare_part` as soon as a segment is decoded, while the
+    others are still on the wire; :func:`prepare_delta` joins the parts of
+    a version. Every array here is an owned copy: the segment's bytes can go.
+    """
+
+    version: int
+    entries: int
+    """How many entries this part covers (a join checks that every entry of the delta is covered once)."""
+    sparse: dict[tuple[str, bool], list[tuple[np.ndarray, np.ndarray]]]
+    """(source tensor, xor) -> runs of (indices, values), each run strictly increasing."""
+    numels: dict[str, tuple[int, int]]
+    """source tensor -> (elements, bytes per element)."""
+    dense: list[DenseWrite]
+    basis: object = None
+    """What it was prepared against (a holder's own token: its fusion plan, its sink)."""
+
+
+def parts_of(staged: StagedDelta, basis: object) -> list[PreparedPart] | None:
+    """``staged.parts`` when every one is a :class:`PreparedPart` made against ``basis``, else None."""
+    parts = list(staged.parts)
+    if parts and all(isinstance(p, PreparedPart) and p.basis is basis for p in parts):
+        return parts
+    return None
+
+
+def prepare_part(
+    version: int,
+    entries: Sequence[Any],
     specs: Mapping[str, ParamSpec],
     layout: Layout,
-    device: Callable[[str], torch.device] | None = None,
-) -> PreparedDelta:
-    """``staged`` checked against the holder (``specs``, fused names) and laid out over its source tensors.
+    basis: object = None,
+) -> PreparedPart:
+    """``entries`` (decoded entries of delta ``version``) checked against the holder and split.
 
-    Raises :class:`~aurora_store.errors.ModelMismatchError` for anything that
-    does not fit; the weights are not touched. ``device`` (source name ->
-    device) moves the arrays to an accelerator now, not at the safe point.
+    The per-entry half of :func:`prepare_delta`: every check that concerns one
+    entry, the split over source tensors, and owned copies with int32 indices
+    where the tensor allows. Raises :class:`~aurora_store.errors.ModelMismatchError`.
     """
     pieces: dict[tuple[str, bool], list[tuple[np.ndarray, np.ndarray]]] = {}
     numels: dict[str, tuple[int, int]] = {}
     dense: list[DenseWrite] = []
-    for e in staged.entries:
-        where = f"delta {staged.version}: {e.param}"
+    for e in entries:
+        where = f"delta {version}: {e.param}"
         spec = specs.get(e.param)
         if spec is None:
-            raise ModelMismatchError(
-                f"delta {staged.version}: the model has no parameter {e.param!r}"
-            )
+            raise ModelMismatchError(f"delta {version}: the model has no parameter {e.param!r}")
         if e.spec != spec:
             raise ModelMismatchError(
                 f"{where} is {list(e.spec.shape)} {e.spec.dtype} in the delta, {list(spec.shape)} {spec.dtype} in the model"
@@ -249,12 +280,7 @@ def prepare_delta(
                     numels[source] = (total, width)
                     dense.append(
                         DenseWrite(
-                            source,
-                            total,
-                            width,
-                            xor,
-                            lo - off + loc,
-                            np.array(bits[lo - e.start : hi - e.start]),
+                            source, total, width, xor, lo - off + loc, np.array(bits[lo - e.start : hi - e.start])
                         )
                     )
             continue
@@ -276,24 +302,65 @@ def prepare_delta(
             else:
                 lo, hi = (int(x) for x in np.searchsorted(idx, (off, off + n)))
             if hi > lo:
-                part = idx[lo:hi] if off == loc else idx[lo:hi] - (off - loc)
-                pieces.setdefault((source, xor), []).append((part, bits[lo:hi]))
+                itype = np.int32 if total <= _INT32_MAX else np.int64
+                part = idx[lo:hi]
+                if off == loc:
+                    run = np.array(part, dtype=itype)  # an owned copy, narrowed
+                else:
+                    run = (part - (off - loc)).astype(itype, copy=False)
+                    if not run.flags.owndata:
+                        run = run.copy()
+                pieces.setdefault((source, xor), []).append((run, np.array(bits[lo:hi])))
+    return PreparedPart(version, len(entries), pieces, numels, dense, basis)
+
+
+def prepare_delta(
+    staged: StagedDelta,
+    specs: Mapping[str, ParamSpec],
+    layout: Layout,
+    device: Callable[[str], torch.device] | None = None,
+    parts: Sequence[PreparedPart] | None = None,
+) -> PreparedDelta:
+    """``staged`` checked against the holder (``specs``, fused names) and laid out over its source tensors.
+
+    Raises :class:`~aurora_store.errors.ModelMismatchError` for anything that
+    does not fit; the weights are not touched. ``device`` (source name ->
+    device) moves the arrays to an accelerator now, not at the safe point.
+    ``parts``: what :func:`prepare_part` made of ``staged``'s segments as they
+    were decoded, with the same ``specs`` and ``layout``; they must cover
+    its entries exactly. Only the checks across entries are left to do here.
+    """
+    if parts is None:
+        parts = [prepare_part(staged.version, staged.entries, specs, layout)]
+    elif sum(p.entries for p in parts) != len(staged.entries) or any(p.version != staged.version for p in parts):
+        raise ValueError(f"delta {staged.version}: the prepared parts do not cover its {len(staged.entries)} entries")
+    runs: dict[tuple[str, bool], list[tuple[np.ndarray, np.ndarray]]] = {}
+    numels: dict[str, tuple[int, int]] = {}
+    dense: list[DenseWrite] = []
+    for part in parts:
+        for k, rs in part.sparse.items():
+            runs.setdefault(k, []).extend(rs)
+        numels.update(part.numels)
+        dense.extend(part.dense)
     sparse: list[SortedWrites] = []
     nnz = sum(d.bits.size for d in dense)
-    for (source, xor), parts in sorted(pieces.items()):
+    for (source, xor), rs in sorted(runs.items()):
         n, width = numels[source]
-        parts.sort(key=lambda p: int(p[0][0]))
-        itype = np.int32 if n <= _INT32_MAX else np.int64
-        ind = np.concatenate([p[0] for p in parts]).astype(itype, copy=False)
-        val = np.concatenate([p[1] for p in parts])
-        if not ind.flags.owndata:
-            ind = ind.copy()
-        # Strictly increasing: no element twice (within or across entries), and the
-        # first and last index bound them all (the write kernel relies on it).
-        if ind.size > 1 and not bool(np.all(ind[1:] > ind[:-1])):
-            raise ModelMismatchError(
-                f"delta {staged.version}: {source} has indices out of order or written twice"
-            )
+        rs.sort(key=lambda r: int(r[0][0]))
+        # Each run is strictly increasing (checked per entry); so is the whole when each run
+        # starts after the last index of the one before: no element twice, and the first and
+        # last index bound them all (the write kernel relies on it).
+        for (a, _), (b, _) in zip(rs, rs[1:], strict=False):
+            if int(b[0]) <= int(a[-1]):
+                raise ModelMismatchError(
+                    f"delta {staged.version}: {source} has indices out of order or written twice"
+                )
+        if len(rs) == 1:
+            ind, val = rs[0]
+        else:
+            itype = np.int64 if any(r[0].dtype == np.int64 for r in rs) else np.int32
+            ind = np.concatenate([r[0] for r in rs]).astype(itype, copy=False)
+            val = np.concatenate([r[1] for r in rs])
         if int(ind[0]) < 0 or int(ind[-1]) >= n:
             raise ModelMismatchError(
                 f"delta {staged.version}: {source} has an index outside its {n} elements"
@@ -304,9 +371,7 @@ def prepare_delta(
         sparse.append(SortedWrites(source, n, width, xor, ind, val))
     _no_overlap(staged.version, sparse, dense)
     for w in sparse:
-        _warm(
-            w.bits.dtype.str, w.indices.dtype.str
-        )  # compiled here, in the stager, not at the safe point
+        _warm(w.bits.dtype.str, w.indices.dtype.str)  # compiled here, in the stager, not at the safe point
     if device is not None:
         sparse = [_to_device(w, device(w.source)) for w in sparse]
         dense = [_dense_to_device(d, device(d.source)) for d in dense]

@@ -10,7 +10,8 @@ overlapping entries), before anything may be applied.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from aurora_store.codec.entries import (
     DecodedEntry,
@@ -145,6 +146,9 @@ class StagedDelta:
     version: int
     base_version: int
     entries: tuple[DecodedEntry, ...]
+    parts: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    """What a holder made of each segment as it was decoded (``fetch_delta(prepare=...)``), in
+    segment order; empty when nothing was asked (see aurora_store.apply.prepared.prepare_part)."""
 
     @property
     def nnz(self) -> int:

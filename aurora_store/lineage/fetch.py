@@ -12,12 +12,13 @@ decoding and snapshots import their heavy modules when called.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aurora_store.codec.entries import ParamSpec
@@ -33,7 +34,7 @@ from aurora_store.errors import (
 )
 from aurora_store.format.limits import VersionGuard
 from aurora_store.format.manifest import Manifest, manifest_key, version_dir
-from aurora_store.format.segment import check_header_length, decode_segment
+from aurora_store.format.segment import Segment, check_header_length, decode_segment
 from aurora_store.lineage.plan import VersionIndex, plan_chain, scan_versions
 from aurora_store.storage import Store
 
@@ -85,12 +86,15 @@ def read_manifest(
     before it is parsed. None: the manifest's existence is the commit.
     """
     key = manifest_key(kind, version)
+    # The record is read beside the object, not after it: one round trip, not two, on a far link.
+    record = _side_reads().submit(commits.commit_record, kind, version) if commits is not None else None
     try:
         data = store.get(key)
     except ObjectNotFound:
         raise VersionNotFound(f"{store.where(key)}: {kind} {version} is not committed") from None
     if commits is not None:
-        check_commit_record(commits, kind, version, data, store.where(key))
+        assert record is not None
+        check_commit_record(commits, kind, version, data, store.where(key), record)
     m = Manifest.from_bytes(data, store.where(key))
     if m.kind != kind or m.version != version:
         raise ManifestError(
@@ -102,9 +106,24 @@ def read_manifest(
     return m
 
 
-def check_commit_record(commits: CommitRecords, kind: str, version: int, data: bytes, where: str) -> None:
-    """Refuse manifest bytes ``data`` that do not match the Redis commit record of ``kind`` ``version``."""
-    want = commits.commit_record(kind, version)
+@functools.cache
+def _side_reads() -> ThreadPoolExecutor:
+    """Threads for reads made beside another (a manifest's commit record beside the manifest)."""
+    return ThreadPoolExecutor(4, thread_name_prefix="aurora-side-read")
+
+
+def check_commit_record(
+    commits: CommitRecords, kind: str, version: int, data: bytes, where: str, early: Future[str | None] | None = None
+) -> None:
+    """Refuse manifest bytes ``data`` that do not match the Redis commit record of ``kind`` ``version``.
+
+    ``early``: the record's read, started beside the read of ``data``. A record
+    is written before its manifest, so a read that found none may have run
+    ahead of the writer: then the record is read again, after ``data``.
+    """
+    want = early.result() if early is not None else None
+    if want is None:
+        want = commits.commit_record(kind, version)
     if want is None:
         raise VersionNotFound(
             f"{where}: {kind} {version} has no Redis commit record (the run commits through Redis): not committed"
@@ -311,6 +330,7 @@ def fetch_delta(
     manifest: Manifest | None = None,
     trust: TrustKeys | None = None,
     held: Held | None = None,
+    prepare: Callable[[Segment], Any] | None = None,
 ) -> tuple[Manifest, StagedDelta]:
     """Fetch, verify, decode and validate delta ``version``. Applies nothing.
 
@@ -319,7 +339,13 @@ def fetch_delta(
     ``trust``: as for :func:`read_manifest`, checked before any segment is read.
     ``held``: segments fetched ahead from their announcements
     (:func:`fetch_objects`); asked only once the manifest is read and trusted.
+    ``prepare(segment)``: run on each decoded segment in its download thread,
+    while the other segments are still on the wire (an engine's per-segment
+    preparation); the results are the staged delta's ``parts``, in segment
+    order. An exception from it fails the fetch like a decoding error.
     """
+    import dataclasses
+
     from aurora_store.format.checkpoint import assemble_staged
 
     if manifest is not None and (manifest.kind, manifest.version) != ("delta", version):
@@ -335,8 +361,15 @@ def fetch_delta(
     # One guard for the whole version: overlaps and the decode budget are checked
     # as entries arrive, across the segments being decoded in parallel.
     guard = VersionGuard.for_manifest(m.params, model)
-    segs = fetch_objects(store, m, streams, lambda where, data: decode_segment(data, where, model, guard), held)
-    staged = assemble_staged(segs, version)
+
+    def then(where: str, data: bytes) -> tuple[Segment, Any]:
+        seg = decode_segment(data, where, model, guard)
+        return seg, (prepare(seg) if prepare is not None else None)
+
+    done = fetch_objects(store, m, streams, then, held)
+    staged = assemble_staged([(where, seg) for where, (seg, _) in done], version)
+    if prepare is not None:
+        staged = dataclasses.replace(staged, parts=tuple(part for _, (_, part) in done))
     declared = {n: int(p.get("nnz", 0)) for n, p in m.params.items()}
     counted: dict[str, int] = {}
     for e in staged.entries:

@@ -62,7 +62,11 @@ class SyntheticEngine:
 
         with self._lock:
             if self.hold:
-                self._weights = base_weights(self.spec.shape, self.spec.seed)
+                # Copied out of the cached file's private mapping: the first delta written into
+                # mapped pages would pay a copy-on-write fault per page (seconds at 1 B, on the
+                # Actor's cores, while it fetches the next version), which a real engine's
+                # weights, loaded into memory of their own, never do.
+                self._weights = {n: t.clone() for n, t in base_weights(self.spec.shape, self.spec.seed).items()}
                 self._sink = SplitWeights({n: self._weights[n] for p in self._plan for n in (b.source for b in p.blocks)}, self._plan)
             self._version = 0
 
@@ -80,14 +84,22 @@ class SyntheticEngine:
         comps = tuple(tuple(one for _ in range(group)) for _ in prompts)
         return Generation(comps, len(prompts) * group * len(ids), time.perf_counter() - t0)
 
+    def prepare_segment(self, seg: Any) -> Any:
+        """One decoded segment prepared while the others download (the torch engine's ``prepare_segment``)."""
+        from aurora_store.apply.prepared import layout_of_plan, prepare_part
+
+        if not self.hold:
+            return None
+        return prepare_part(seg.version, seg.entries, self._plan.specs(), layout_of_plan(self._plan), basis=self._plan)
+
     def prepare(self, staged: StagedDelta) -> Any:
         """What the torch engine's ``prepare`` does, for held weights (aurora_store.apply.prepared):
         checks and grouping in the stager, so the safe point only writes. Not held: ``staged`` as it is."""
-        from aurora_store.apply.prepared import layout_of_plan, prepare_delta
+        from aurora_store.apply.prepared import layout_of_plan, parts_of, prepare_delta
 
         if not self.hold:
             return staged
-        return prepare_delta(staged, self._plan.specs(), layout_of_plan(self._plan))
+        return prepare_delta(staged, self._plan.specs(), layout_of_plan(self._plan), parts=parts_of(staged, self._plan))
 
     def apply(self, staged: Any) -> None:
         from aurora_store.apply.prepared import PreparedDelta

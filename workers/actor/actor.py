@@ -529,8 +529,12 @@ class Actor:
         if known is None and self.commits is not None:  # checked against its record: never re-read unchecked
             known = _manifest(store, None, "delta", version, self.cfg.trust, self.commits)
         early = self._announced
+        each = self._segment_prep()
         if early is None:
-            return fetch_delta(store, version, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state, manifest=known, trust=self.cfg.trust)
+            return fetch_delta(
+                store, version, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state, manifest=known,
+                trust=self.cfg.trust, prepare=each,
+            )
         t0 = time.perf_counter()
         if known is None:
             known = early.manifest(store, version)  # read when the version was announced, with the same checks
@@ -540,7 +544,7 @@ class Actor:
             # Held segments are taken only once the manifest is read and trusted, each checked against it.
             fetched = fetch_delta(
                 store, version, self.engine.param_specs(), self.cfg.streams, expect_base_state=self.staged_state, manifest=known,
-                trust=self.cfg.trust, held=early.held(version),
+                trust=self.cfg.trust, held=early.held(version), prepare=each,
             )
         except VersionNotFound:
             raise  # not committed yet (here): what is held waits for its manifest
@@ -566,6 +570,12 @@ class Actor:
             early.segment(store, ev, self.staged_version)
         elif ev.type == VERSION:
             early.version(store, ev, self.staged_version, self.cfg.trust, self.commits)
+
+    def _segment_prep(self) -> Any:
+        """The engine's ``prepare_segment``, when it has one: each segment is prepared in its
+        download thread as it is decoded, so the last one's arrival leaves little for ``prepare``."""
+        each = getattr(self.engine, "prepare_segment", None)
+        return each if callable(each) else None
 
     def _prepared(self, staged: Any) -> Any:
         """``staged`` made ready for the safe point by an engine that can (``prepare``: checks,

@@ -27,9 +27,12 @@ import torch
 
 from aurora_store.apply.prepared import (
     PreparedDelta,
+    PreparedPart,
     layout_of_plan,
+    parts_of,
     predicted_digest,
     prepare_delta,
+    prepare_part,
 )
 from aurora_store.apply.sink import SplitWeights, apply_delta, weights_digest
 from aurora_store.codec.encodings import DTYPES
@@ -39,6 +42,7 @@ from aurora_store.codec.fusion import FusionPlan
 from aurora_store.config import from_env
 from aurora_store.errors import ChainError, ConfigError, ModelMismatchError
 from aurora_store.format.checkpoint import StagedDelta
+from aurora_store.format.segment import Segment
 from workers.engine.protocol import Completion, Generation, TokenCodec
 from workers.engine.spare import SpareWeights, swap_fits
 from workers.model import fusion_plan_for, hf_weights
@@ -187,6 +191,13 @@ class TorchEngine:
         return self._sink
 
     # -- weights -----------------------------------------------------------
+    def prepare_segment(self, seg: Segment) -> PreparedPart:
+        """The per-entry part of :meth:`prepare` for one decoded segment, run in its download
+        thread while the other segments are on the wire (``fetch_delta(prepare=...)``); what is
+        left for :meth:`prepare` is the checks across entries (and the digest)."""
+        _, plan = self._need()
+        return prepare_part(seg.version, seg.entries, plan.specs(), layout_of_plan(plan), basis=plan)
+
     def prepare(self, staged: StagedDelta) -> PreparedDelta:
         """Everything of :meth:`apply` but the write, done now (the stager, while others generate).
 
@@ -203,7 +214,9 @@ class TorchEngine:
         sink = self._sink
         assert sink is not None
         tensors = sink.tensors
-        prepared = prepare_delta(staged, plan.specs(), layout_of_plan(plan), device=lambda n: tensors[n].device)
+        prepared = prepare_delta(
+            staged, plan.specs(), layout_of_plan(plan), device=lambda n: tensors[n].device, parts=parts_of(staged, plan)
+        )
         spare = self._spare_for(tensors)
         if spare is not None and self._version == staged.base_version:
             with spare.lock:

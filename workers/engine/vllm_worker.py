@@ -37,7 +37,13 @@ from typing import Any
 
 import torch
 
-from aurora_store.apply.prepared import PreparedDelta, layout_of_shards, prepare_delta
+from aurora_store.apply.prepared import (
+    PreparedDelta,
+    layout_of_shards,
+    parts_of,
+    prepare_delta,
+    prepare_part,
+)
 from aurora_store.apply.sink import apply_delta, weights_digest
 from aurora_store.codec.extract import spec_of
 from aurora_store.errors import ChainError, ConfigError, IntegrityError, ModelMismatchError
@@ -375,11 +381,16 @@ def _fetch_prepared(h: Held, store: Any, version: int, streams: int, base_state:
     searches of ``apply_delta`` move off the safe point; the scatter itself stays, and dominates).
     ``AURORA_VLLM_PREPARE=0``: the decoded delta, applied as before (to measure both). Column-split
     shards (tensor parallelism) always keep the decoded delta."""
-    got, staged = fetch_delta(store, version, h.sink.specs(), streams, base_state, m)
     layout = layout_of_shards(h.sink.layouts)
     if layout is None or os.environ.get("AURORA_VLLM_PREPARE", "1") == "0":
-        return got, staged
-    return got, prepare_delta(staged, h.sink.specs(), layout, device=lambda n: h.sink.tensors[n].device)
+        return fetch_delta(store, version, h.sink.specs(), streams, base_state, m)
+    specs = h.sink.specs()
+    # Each segment prepared in its download thread as it is decoded; the join is what is left.
+    got, staged = fetch_delta(
+        store, version, specs, streams, base_state, m,
+        prepare=lambda seg: prepare_part(seg.version, seg.entries, specs, layout, basis=h.sink),
+    )
+    return got, prepare_delta(staged, specs, layout, device=lambda n: h.sink.tensors[n].device, parts=parts_of(staged, h.sink))
 
 
 def _apply(h: Held, staged: StagedDelta | PreparedDelta, state: str | None) -> None:
