@@ -720,6 +720,13 @@ def test_the_state_read_early_serves_the_check_after_the_fetch(
     early.done(2)
     early.done(3)  # a later version staged: the record of 2 is let go unread
     assert early.expected_state(2) == (False, None)
+    # A version the stager found by polling, before its announcement: the fetch starts the read.
+    record_expected_state(redis_client, keys, 4, "sha256:" + "b" * 64)
+    early.expect(4)
+    early.expect(4)  # once
+    early.version(pub.src, Event("4-0", "version", 4, {"kind": "delta"}), 3, None, None)  # a read under way is kept
+    assert early.expected_state(4) == (True, "sha256:" + "b" * 64)
+    assert early.expected_state(4) == (False, None)
     early.close()
 
 

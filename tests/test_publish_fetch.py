@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -368,3 +369,49 @@ def test_materialize_plans_around_a_damaged_snapshot(tmp_path: Path) -> None:
     tensors, state = materialize(store, 4, progress=notes.append)
     assert state == run.states[4] and weights_digest(tensors) == run.digest(4)
     assert any("snapshot 3 is unusable" in n for n in notes) and any(n.startswith("snapshot 0:") for n in notes)
+
+
+def test_read_ahead_keeps_order_raises_in_place_and_stops_its_producer() -> None:
+    """Extraction runs ahead of encoding on its own thread (publish_delta with a set segment size):
+    items come in order, a producer's error comes after the items before it, and a consumer that
+    stops early stops the producer and closes its iterator."""
+    import threading
+
+    from aurora_store.lineage.publish import read_ahead
+
+    threads: set[str] = set()
+
+    def numbers(n: int, fail_at: int | None = None) -> Iterator[int]:
+        for i in range(n):
+            threads.add(threading.current_thread().name)
+            if i == fail_at:
+                raise RuntimeError(f"scan failed at {i}")
+            yield i
+
+    assert list(read_ahead(numbers(50), 3, "t-ahead")) == list(range(50))
+    assert threads == {"t-ahead"}
+
+    got: list[int] = []
+    with pytest.raises(RuntimeError, match="scan failed at 7"):
+        for x in read_ahead(numbers(50, fail_at=7), 2, "t-ahead"):
+            got.append(x)
+    assert got == list(range(7))
+
+    closed = threading.Event()
+
+    def endless() -> Iterator[int]:
+        try:
+            i = 0
+            while True:
+                yield i
+                i += 1
+        finally:
+            closed.set()
+
+    it = read_ahead(endless(), 2, "t-ahead")
+    assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
+    it.close()  # the consumer stops: the producer is stopped, its generator closed, the thread joined
+    assert closed.is_set()
+    assert not any(t.name == "t-ahead" for t in threading.enumerate())
+    with pytest.raises(ValueError):
+        next(read_ahead([], 0, "t-ahead"))

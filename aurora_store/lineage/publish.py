@@ -21,13 +21,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import queue
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -75,6 +76,63 @@ _WEIGHTS_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 #: Target size of one snapshot shard.
 DEFAULT_SHARD_BYTES = 1 << 30
+_EXTRACT_AHEAD = 4
+"""Parameters extracted ahead of the encoder (each holds its changed indices and bits)."""
+
+_T = TypeVar("_T")
+
+
+def read_ahead(items: Iterable[_T], depth: int, name: str) -> Iterator[_T]:
+    """``items`` as they come, produced on a thread of their own (``name``) up to ``depth`` ahead.
+
+    An exception raised producing them is raised here, in order, after the
+    items before it. If the consumer stops early (or fails), the producer is
+    told to stop and its iterator is closed; this waits for it.
+    """
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    q: queue.Queue[tuple[int, Any]] = queue.Queue(depth)
+    stop = threading.Event()
+
+    def put(item: tuple[int, Any]) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        it = iter(items)
+        try:
+            for x in it:
+                if not put((0, x)):
+                    return
+            put((1, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            put((2, e))
+        finally:
+            close = getattr(it, "close", None)
+            if stop.is_set() and callable(close):
+                close()
+
+    t = threading.Thread(target=produce, name=name, daemon=True)
+    t.start()
+    try:
+        while True:
+            kind, x = q.get()
+            if kind == 0:
+                yield x
+            elif kind == 1:
+                return
+            else:
+                raise x
+    finally:
+        stop.set()
+        t.join()
+
+
 #: Smallest segment the adaptive size picks: below it, per-request cost dominates.
 MIN_SEGMENT_BYTES = 64 << 10
 
@@ -256,6 +314,9 @@ def publish_delta(
         segment_bytes = cfg.segment_bytes_for(estimate_delta_bytes(deltas))
     else:
         segment_bytes = cfg.segment_bytes
+        # Extraction (a scan of every weight) on a thread of its own, a few parameters ahead of
+        # encoding: the two overlap on two cores instead of taking turns on one.
+        deltas = read_ahead(deltas, _EXTRACT_AHEAD, "aurora-extract")
     attempt = attempt or new_attempt_id()
     vdir = version_dir("delta", version)
     params: dict[str, dict[str, object]] = {}

@@ -508,6 +508,8 @@ class Actor:
             # Read (and checked) here once, handed to the engine, and compared with what it staged.
             opts = self.ep.storage_options if store is self.origin else self.cfg.mirror_options
             early = self._announced
+            if early is not None:
+                early.expect(version)  # the state check after staging: read beside the fetch
             if known is None and early is not None and self.commits is None:
                 known = early.manifest(store, version)  # read when the version was announced, with the same checks
             m = known if known is not None else _manifest(store, None, "delta", version, self.cfg.trust, self.commits)
@@ -536,6 +538,7 @@ class Actor:
                 trust=self.cfg.trust, prepare=each,
             )
         t0 = time.perf_counter()
+        early.expect(version)  # the state check after the fetch: read beside it, not after it
         if known is None:
             known = early.manifest(store, version)  # read when the version was announced, with the same checks
         t1 = time.perf_counter()

@@ -78,9 +78,8 @@ class AnnouncedFetch:
         if self._early is not None and self._early[0] == ev.version and self._early[1] is store:
             return
         m = self._pool.submit(read_manifest, store, "delta", ev.version, trust, commits)
-        want = self._pool.submit(read_expected_state, self._redis, self._keys, ev.version)
         self._early = (ev.version, store, m)
-        self._state = (ev.version, want)
+        self.expect(ev.version)
 
     def manifest(self, store: Store, version: int) -> Manifest | None:
         """The manifest read early for ``version`` from ``store``, if that read succeeded (waits for it)."""
@@ -92,6 +91,13 @@ class AnnouncedFetch:
         except Exception as err:  # noqa: BLE001 - read again the ordinary way, which raises what it raises
             log.debug("early manifest read of delta %d failed: %s", version, err)
             return None
+
+    def expect(self, version: int) -> None:
+        """Start reading the Trainer's record of ``version``'s state now, beside the fetch (the stager
+        found the version by polling before its announcement arrived); once is enough."""
+        e = self._state
+        if e is None or e[0] != version:
+            self._state = (version, self._pool.submit(read_expected_state, self._redis, self._keys, version))
 
     def expected_state(self, version: int) -> tuple[bool, str | None]:
         """``(True, state or None)`` when the Trainer's record of ``version`` was read early; ``(False, None)`` otherwise.
