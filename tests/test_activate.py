@@ -422,3 +422,32 @@ def test_fetch_prepares_each_segment_in_its_download_thread(tmp_path: pytest.Tem
 
     with pytest.raises(ModelMismatchError, match="refused by the holder"):
         fetch_delta(store, 1, e.param_specs(), 2, prepare=broken)
+
+
+@pytest.mark.parametrize("m", [0, 1, 63, 64, 65, 1000])
+@pytest.mark.parametrize("xor", [False, True])
+def test_the_prefetching_write_kernel_writes_what_numpy_writes(m: int, xor: bool) -> None:
+    """The safe point's compiled loop (prefetching ``AHEAD`` writes on) is the one in use, and writes
+    exactly numpy's result on either side of its prefetch window; it refuses outside indices untouched."""
+    from aurora_store.codec.kernels import sorted_write
+    from aurora_store.codec.kernels.jit import readonly
+
+    kernel = prepared_mod._write_kernel()
+    assert kernel.py_func is sorted_write.write_all  # not the plain fallback
+    rng = np.random.default_rng(m)
+    flat = rng.integers(0, 1 << 16, 5000, dtype=np.uint16)
+    idx = np.sort(rng.choice(flat.size, m, replace=False)).astype(np.int32)
+    bits = rng.integers(0, 1 << 16, m, dtype=np.uint16)
+    want = flat.copy()
+    if xor:
+        want[idx] ^= bits
+    else:
+        want[idx] = bits
+    assert kernel(flat, readonly(idx), readonly(bits), xor)
+    assert np.array_equal(flat, want)
+    if m:
+        before = flat.copy()
+        bad = idx.copy()
+        bad[-1] = flat.size
+        assert not kernel(flat, readonly(bad), readonly(bits), xor)
+        assert np.array_equal(flat, before)

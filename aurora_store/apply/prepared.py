@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ __all__ = [
 #: the source tensor, elements of the source tensor). Elements of the parameter in no block are not
 #: held here (another rank's shard) and are skipped.
 Layout = Callable[[str], Sequence[tuple[str, int, int, int, int]]]
+
+log = logging.getLogger(__name__)
 
 _INT32_MAX = (1 << 31) - 1
 
@@ -457,9 +460,8 @@ def _write(flat, offset, idx, bits, klo, khi, xor):
 
 def _write_all(flat, idx, bits, xor):
     """``flat[idx] (^)= bits`` for every index; False (nothing written) if the first or last
-    index is outside ``flat`` (the indices are strictly increasing). The loop of the safe
-    point: nothing in it but the load of an index and a value and the write (offsets and
-    window bounds, as in :func:`_write`, cost about half as much again here)."""
+    index is outside ``flat`` (the indices are strictly increasing). The plain loop, used where
+    the prefetching one (aurora_store.codec.kernels.sorted_write) cannot be built."""
     m = idx.size
     if m == 0:
         return True
@@ -475,6 +477,23 @@ def _write_all(flat, idx, bits, xor):
     return True
 
 
+@functools.cache
+def _write_kernel() -> Callable[..., Any]:
+    """The compiled write loop: the prefetching one, or the plain one if numba cannot build it."""
+    try:
+        from aurora_store.codec.kernels.sorted_write import write_all
+
+        k = compiled(write_all)
+        probe = np.zeros(2, dtype=np.uint16)
+        k(probe, readonly(np.array([0, 1], dtype=np.int32)), readonly(np.array([1, 2], dtype=np.uint16)), False)
+        if probe.tolist() != [1, 2]:
+            raise RuntimeError(f"wrote {probe.tolist()}")
+        return k
+    except Exception as e:  # noqa: BLE001 - an optimisation: the plain loop writes the same
+        log.warning("the prefetching write kernel is unavailable (%s: %s); using the plain loop", type(e).__name__, e)
+        return compiled(_write_all)
+
+
 def _write_whole(
     flat: np.ndarray, indices: np.ndarray, bits: np.ndarray, xor: bool, jit: bool | None
 ) -> bool:
@@ -488,7 +507,7 @@ def _write_whole(
             f"write: {flat.dtype} {flat.ndim}-d array for {bits.shape} {bits.dtype} values"
         )
     if use_jit(jit):
-        return bool(compiled(_write_all)(flat, readonly(indices), readonly(bits), bool(xor)))
+        return bool(_write_kernel()(flat, readonly(indices), readonly(bits), bool(xor)))
     return write_sorted(flat, 0, indices, bits, 0, indices.size, xor, False)
 
 
