@@ -127,3 +127,51 @@ def test_a_failed_publish_is_retried_with_the_same_bytes(tmp_path: Path) -> None
     target = tiny_lm(seed=3).to(torch.bfloat16)
     Follower(store).update(target)
     assert digest_of(target) == p2.weights_digest
+
+
+def test_after_the_first_delta_the_adaptive_size_comes_from_the_last_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adaptive segment size has to see a whole delta before cutting it: the first delta is gathered,
+    then extracted. From the second on the size comes from the delta before, so the extraction runs
+    ahead of encoding on its own thread; the chain stays bit-exact."""
+    import threading
+
+    import aurora_store.api.publisher as publisher_mod
+    from aurora_store.lineage.publish import PublishConfig
+
+    threads: list[set[str]] = []
+    sizes: list[int | None] = []
+    real_extract, real_publish = publisher_mod.extract, publisher_mod.publish_delta
+
+    def extract(*a: Any, **k: Any) -> Any:
+        seen: set[str] = set()
+        threads.append(seen)
+        for d in real_extract(*a, **k):
+            seen.add(threading.current_thread().name)
+            yield d
+
+    def publish_delta(*a: Any, **k: Any) -> Any:
+        sizes.append(a[5].segment_bytes)
+        return real_publish(*a, **k)
+
+    monkeypatch.setattr(publisher_mod, "extract", extract)
+    monkeypatch.setattr(publisher_mod, "publish_delta", publish_delta)
+    store = f"file://{tmp_path}/run"
+    model = tiny_lm()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    cfg = PublishConfig(streams=2)
+    assert cfg.segment_bytes is None
+    with Publisher(store, config=cfg) as pub:
+        pub.publish(model)
+        published = []
+        for step in range(1, 4):
+            train_step(model, opt, step)
+            p = pub.publish(model)
+            assert p is not None
+            published.append(p)
+    assert threads[0] == {threading.current_thread().name}  # gathered in the caller
+    assert threads[1] == threads[2] == {"aurora-extract"}
+    assert sizes[0] is None
+    f = Follower(store)
+    assert sizes[1:] == [cfg.segment_bytes_for(p.bytes) for p in published[:2]]
+    target = tiny_lm(seed=5).to(torch.bfloat16)
+    assert f.update(target).version == 3 and digest_of(target) == published[-1].weights_digest

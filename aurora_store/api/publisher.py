@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -167,6 +167,8 @@ class Publisher:
         over: dict[str, Any] = {k: v for k, v in (("streams", streams), ("options", options)) if v is not None}
         self._pub_cfg = config if config is not None else PublishConfig.from_env(**over)
         """Defaults, then ``AURORA_STREAMS`` / ``AURORA_SEGMENT_MIB``, then the arguments."""
+        self._last_delta_bytes: int | None = None
+        """Bytes of the last delta published: with an adaptive segment size, the next is cut by it."""
         if not self._leader:
             return
         budget = outage_budget_s(outage_budget)
@@ -305,9 +307,10 @@ class Publisher:
                 hook(ev)
 
         m = publish_delta(
-            self.store, self.run, v, extract(plan, self._base, new), self.state, self._pub_cfg, on_segment=on_segment,
+            self.store, self.run, v, extract(plan, self._base, new), self.state, self._delta_cfg(), on_segment=on_segment,
             producer=prod or None, attempt=attempt, created_at=created, signer=self.signer, weights_digest=digest, commit=self._commit,
         )
+        self._last_delta_bytes = m.total_bytes
         snap = snapshot or bool(self.snapshot_every and v % self.snapshot_every == 0)
         snap_bytes = 0
         if snap:
@@ -318,6 +321,15 @@ class Publisher:
             snap_bytes = sm.total_bytes
         total = sum(p.spec.numel for p in plan)
         return self._done(v, m, new, "delta", m.total_bytes + snap_bytes, m.nnz, total, digest, t0, snapshot=snap, snapshot_bytes=snap_bytes)
+
+    def _delta_cfg(self) -> PublishConfig:
+        """How the next delta is cut. An adaptive size must see a whole delta before its first
+        segment; from the second delta on it is taken from the last one (RL steps change about as
+        many elements each), so extraction, encoding and uploads overlap from the first parameter."""
+        cfg = self._pub_cfg
+        if cfg.segment_bytes is None and self._last_delta_bytes:
+            return replace(cfg, segment_bytes=cfg.segment_bytes_for(self._last_delta_bytes))
+        return cfg
 
     def _done(
         self, v: int, m: Manifest, new: dict[str, torch.Tensor], kind: str, nbytes: int, changed: int, total: int, digest: str, t0: float,

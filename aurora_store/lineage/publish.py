@@ -13,7 +13,11 @@ read from the environment by :meth:`PublishConfig.from_env`
 Trainer's settings are overrides on top of it. The segment size adapts to
 the delta unless one is set (:func:`segment_bytes_for`): a delta is cut
 into about ``2 x streams`` segments, so a small delta still keeps every
-stream busy and a large one is not cut into needlessly many objects.
+stream busy and a large one is not cut into needlessly many objects. With
+a size known before the delta (set, or, in :class:`aurora_store.Publisher`,
+taken from the previous delta), the extraction runs ahead of the encoding
+on its own thread (:func:`read_ahead`) and the first segment goes out while
+the last parameters are still being scanned.
 """
 
 from __future__ import annotations
