@@ -12,6 +12,7 @@ decoding and snapshots import their heavy modules when called.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -344,8 +345,6 @@ def fetch_delta(
     preparation); the results are the staged delta's ``parts``, in segment
     order. An exception from it fails the fetch like a decoding error.
     """
-    import dataclasses
-
     from aurora_store.format.checkpoint import assemble_staged
 
     if manifest is not None and (manifest.kind, manifest.version) != ("delta", version):

@@ -62,11 +62,7 @@ class SyntheticEngine:
 
         with self._lock:
             if self.hold:
-                # Copied out of the cached file's private mapping: the first delta written into
-                # mapped pages would pay a copy-on-write fault per page (seconds at 1 B, on the
-                # Actor's cores, while it fetches the next version), which a real engine's
-                # weights, loaded into memory of their own, never do.
-                self._weights = {n: t.clone() for n, t in base_weights(self.spec.shape, self.spec.seed).items()}
+                self._weights = base_weights(self.spec.shape, self.spec.seed)
                 self._sink = SplitWeights({n: self._weights[n] for p in self._plan for n in (b.source for b in p.blocks)}, self._plan)
             self._version = 0
 

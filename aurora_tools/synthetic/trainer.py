@@ -68,9 +68,7 @@ class SyntheticTrainer(Trainer):
 
         t0 = time.perf_counter()
         warm_up()
-        # Memory of its own, as a trainer's weights are (not the cached file's private mapping,
-        # where the first full write into the second buffer would fault in every page).
-        w = {n: t.clone() for n, t in base_weights(self.spec.shape, self.spec.seed).items()}
+        w = base_weights(self.spec.shape, self.spec.seed)
         self.published = w
         self._buffers: list[dict[str, torch.Tensor]] = [w]
         self.versions_bf16 = {0: w}

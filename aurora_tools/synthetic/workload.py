@@ -125,7 +125,11 @@ def base_weights(shape: Qwen3Shape, seed: int = 0, cache: bool = True) -> dict[s
     """Version 0 (Hugging Face names, bf16): ``make_weights(shape, seed)``, cached as a file.
 
     Every process that needs the base loads the same file (the page cache
-    shares it); the first one writes it, atomically.
+    shares it); the first one writes it, atomically. The tensors are copied
+    out of the file's private mapping into memory of their own, as a real
+    model's weights are: every holder writes into them, and the first write
+    into mapped pages would pay a copy-on-write fault per page (seconds at
+    1 B, on the cores the next version's fetch needs).
     """
     if not cache:
         return make_weights(shape, seed)
@@ -134,7 +138,7 @@ def base_weights(shape: Qwen3Shape, seed: int = 0, cache: bool = True) -> dict[s
     key = hashlib.sha256(json.dumps([dataclasses.asdict(shape), seed]).encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"base-{shape.params}-{key}.safetensors")
     if os.path.exists(path):
-        return load_file(path)
+        return {n: t.clone() for n, t in load_file(path).items()}
     w = make_weights(shape, seed)
     os.makedirs(_cache_dir(), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
