@@ -10,6 +10,10 @@ TORCH_SPEC ?= torch==2.13.0
 # callback (aurora_store/integrations/trl.py) and its test.
 EXTRAS ?= dev,notebooks,vllm,trl
 PYTEST_ARGS ?=
+# The tests run in this many pytest-xdist workers, each test file on one worker (its module
+# fixtures built once; tests/conftest.py, "parallel runs"). TEST_WORKERS=0: in this process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 # What ruff, mypy and the import contracts check; tests/ is linted but not type-checked.
 PACKAGES := aurora_store workers aurora_tools
 
@@ -35,13 +39,13 @@ demo: $(STAMP)
 # (pyproject.toml [tool.importlinter], docs/ARCHITECTURE.md), ruff, mypy, then the tests.
 # mypy keeps its cache in .mypy_cache; a cold cache (a clean clone) costs the most.
 # `make test` (CI) leaves out the tests marked `long` (benchmark smoke runs and repeated
-# system runs whose paths other tests cover) to stay near 15 minutes on two cores;
-# `make test-all` runs every test.
+# system runs whose paths other tests cover) to stay within 12 minutes on two cores;
+# `make test-all` runs every test. Both run the tests in $(TEST_WORKERS) xdist workers.
 test: $(STAMP) static
-	$(PY) -m pytest -m "not long" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not long" $(PYTEST_ARGS)
 
 test-all: $(STAMP) static
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 static: $(STAMP)
 	$(VENV)/bin/lint-imports
@@ -50,7 +54,7 @@ static: $(STAMP)
 
 # The tests without the slow ones, and without the static checks.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(PACKAGES) tests

@@ -13,6 +13,14 @@ it by the field's annotated type, and lets keyword overrides win (``None``
 means "not given"). A value that does not parse raises :class:`ConfigError`
 naming the variable, never a bare ``ValueError``.
 
+A field that is also a worker's option is declared once, with
+:func:`option`: its name, type and default are the field's, its help, flag
+and variable the metadata's. :func:`declared` lists them, for the command
+line (:func:`aurora_store.options.add_declared`, flags generated with no
+default of their own) and for the generated list of every variable
+(``docs/OPTIONS.md``). A process-wide switch that belongs to no config
+(``AURORA_NO_JIT``) is a :class:`Switch`, declared beside its one reader.
+
 :class:`Backoff` is the retry delay policy shared by every loop that waits
 for a dependency to come back (store retries, Relay and stager loops).
 """
@@ -33,6 +41,10 @@ from typing import Any, TypeVar
 from aurora_store.errors import ConfigError
 
 __all__ = [
+    "Declared",
+    "Switch",
+    "declared",
+    "option",
     "free_port",
     "port_is_free",
     "from_env",
@@ -60,6 +72,128 @@ SEGMENT_MIB_ENV = "AURORA_SEGMENT_MIB"
 def streams_field() -> Any:
     """A dataclass field for a stream count: :data:`DEFAULT_STREAMS`, env :data:`STREAMS_ENV`."""
     return dataclasses.field(default=DEFAULT_STREAMS, metadata={"env": STREAMS_ENV})
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    flag: str | None = "",
+    env: str | bool | None = None,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    scale: int | None = None,
+    default_text: str | None = None,
+    default_factory: Any = dataclasses.MISSING,
+    repr: bool = True,
+) -> Any:
+    """A config field that is also an option of the worker's command, declared once.
+
+    ``help``: the flag's help (the default and the variable are appended to
+    it). ``flag``: the long flag; ``""`` derives it from the field's name
+    (``mirror_grace_s`` -> ``--mirror-grace-s``), None declares a variable
+    without a flag. ``env``: the variable when it is not prefix + NAME.
+    ``scale``: the flag and the variable are in larger units (MiB of a byte
+    count). ``default_text``: how ``--help`` states a default that is not a
+    plain value (a random id).
+    """
+    meta: dict[str, Any] = {"help": help, "flag": flag, "metavar": metavar, "choices": choices, "default_text": default_text}
+    if env is not None:
+        meta["env"] = env
+    if scale is not None:
+        meta["scale"] = scale
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta, repr=repr)
+    return dataclasses.field(default=default, metadata=meta, repr=repr)
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    """One declared option of a config dataclass, as :func:`declared` reads it."""
+
+    name: str
+    """The field's name."""
+    flag: str | None
+    """Its long flag (``--mirror-grace-s``); None: a variable only."""
+    env: str | None
+    """Its environment variable; None: a flag only."""
+    type: Any
+    """The field's annotated type, ``X | None`` included."""
+    default: Any
+    """The default value (None for a default computed per instance)."""
+    help: str
+    """What it does, one line."""
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    scale: int | None = None
+    """The flag and the variable are in units of ``scale`` (MiB of a byte count)."""
+    default_text: str | None = None
+
+    @property
+    def shown_default(self) -> str:
+        """The default as ``--help`` and the docs state it."""
+        if self.default_text is not None:
+            return self.default_text
+        if self.default is None:
+            return "none"
+        value = self.default / self.scale if self.scale and isinstance(self.default, (int, float)) else self.default
+        if isinstance(value, float) and value.is_integer():
+            value = int(value) if self.scale else value
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, tuple):
+            return ",".join(map(str, value))
+        return str(value)
+
+
+def declared(cls: type, prefix: str) -> tuple[Declared, ...]:
+    """The options of config dataclass ``cls`` (its fields made with :func:`option`), in field order."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.metadata or "help" not in f.metadata:
+            continue
+        m = f.metadata
+        flag = m["flag"]
+        if flag == "":
+            flag = "--" + f.name.replace("_", "-")
+        default = None if f.default is dataclasses.MISSING else f.default
+        out.append(
+            Declared(
+                f.name, flag, None if m.get("env") is False else env_name(f, prefix), hints.get(f.name, str), default, m["help"], m["metavar"], m["choices"],
+                m.get("scale"), m["default_text"],
+            )
+        )
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Switch:
+    """A process-wide switch read from one environment variable, declared beside its one reader.
+
+    For what belongs to no worker's config and is set per process, not per
+    run (a debugging aid, a measurement mode): ``NO_JIT.get()``.
+    """
+
+    env: str
+    """The variable."""
+    type: Any
+    """Its type: ``bool``, ``int``, ``float``, ``str`` or ``X | None``."""
+    default: Any
+    """The value when the variable is unset or empty."""
+    help: str
+    """What it does, one line (docs/OPTIONS.md)."""
+
+    def get(self, environ: Mapping[str, str] | None = None) -> Any:
+        """The switch's value now (read on every call: a test may set the variable).
+
+        An unset or empty variable gives the default; a value that does not parse
+        raises :class:`ConfigError` naming the variable."""
+        raw = (os.environ if environ is None else environ).get(self.env)
+        if raw is None or not raw.strip():
+            return self.default
+        return parse_value(self.type, raw, self.env)
+
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

@@ -5,6 +5,12 @@ the ``aurora`` CLI and a user's own processes declare these flags the same
 way, and so that light commands (``aurora lineage``, ``verify``, ``gc``,
 ``status``) need nothing from the workers.
 
+A worker's own options are declared once, on its config dataclass
+(:func:`aurora_store.config.option`); :func:`add_declared` generates their
+flags, with no default of their own, and :func:`resolve` gives the config:
+defaults < environment < config file < flags (a ``--config`` file's values
+are the parser's defaults, so argparse already puts a flag over the file).
+
 ``--store``, ``--redis``, ``--run`` and ``--storage-option`` mean the same
 thing for the Trainer, Actor, Relay, demo and benchmarks; they are declared
 here once and parsed into storage options by :func:`storage_options`. A
@@ -16,15 +22,24 @@ from __future__ import annotations
 
 import argparse
 import os
+import types
+import typing
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
+from aurora_store.config import Declared, declared, from_env
 from aurora_store.credentials import REDIS_PASSWORD_FILE_ENV, REDIS_URL_ENV
 from aurora_store.errors import ConfigError
 from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV
 
 __all__ = [
     "Options",
+    "add_declared",
+    "given",
+    "resolve",
+    "SHARED",
+    "DEBUG_LOGGERS_ENV",
+    "debug_logger_names",
     "add_config_arg",
     "add_store_args",
     "add_storage_option",
@@ -40,6 +55,8 @@ __all__ = [
     "sign_key_path",
     "trust_key_paths",
 ]
+
+T = TypeVar("T")
 
 SIGN_KEY_ENV = "AURORA_SIGN_KEY"
 """File of the key writers sign manifests with (``--sign-key``)."""
@@ -155,6 +172,13 @@ def add_common_args(
 DEBUG_LOGGERS_ENV = "AURORA_DEBUG_LOGGERS"
 
 
+def debug_logger_names(flags: Sequence[str] | None, environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The vendor loggers to turn to DEBUG: ``--debug-logger`` values and ``AURORA_DEBUG_LOGGERS`` (comma-separated), together."""
+    env = os.environ if environ is None else environ
+    listed = [*(flags or ()), *env.get(DEBUG_LOGGERS_ENV, "").split(",")]
+    return frozenset(n.strip() for n in listed if n.strip())
+
+
 def add_debug_logger_arg(p: Options) -> None:
     """Repeatable ``--debug-logger NAME``: a vendor logger (``botocore``, ``s3fs``…) to turn to DEBUG.
 
@@ -260,3 +284,77 @@ def trust_key_paths(args: Sequence[str] | None, environ: Mapping[str, str] | Non
     env = os.environ if environ is None else environ
     listed = [s.strip() for s in env.get(TRUST_KEYS_ENV, "").split(",") if s.strip()]
     return listed or None
+
+
+# -- declared options: flags generated from the config dataclasses --
+def _base_type(d: Declared) -> Any:
+    """The field's type without ``| None``."""
+    args = [a for a in typing.get_args(d.type) if a is not type(None)]
+    if typing.get_origin(d.type) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return d.type
+
+
+def _flag_type(d: Declared) -> Any:
+    if d.scale is not None:
+        return float  # in larger units: fractions allowed
+    tp = _base_type(d)
+    return tp if tp in (int, float, str, bool) else str
+
+
+def add_declared(p: Options, cls: type, prefix: str, *names: str) -> None:
+    """Flags for the declared options ``names`` of config dataclass ``cls`` (all, without names).
+
+    Each flag has no default of its own (None: not given), so the variable and
+    the config file are not overridden by a flag nobody typed; its help ends
+    with the default and the variable.
+    """
+    by_name = {d.name: d for d in declared(cls, prefix)}
+    for name in names or tuple(by_name):
+        d = by_name[name]
+        if d.flag is None:
+            raise ValueError(f"{cls.__name__}.{name} is declared without a flag")
+        help = f"{d.help} (default {d.shown_default}" + (f"; ${d.env})" if d.env else ")")
+        tp = _flag_type(d)
+        if tp is bool:
+            p.add_argument(d.flag, dest=name, action="store_true", default=None, help=help)
+        else:
+            p.add_argument(d.flag, dest=name, type=tp, default=None, choices=d.choices, metavar=d.metavar, help=help)
+
+
+def given(args: argparse.Namespace, cls: type, prefix: str) -> dict[str, Any]:
+    """The declared options of ``cls`` that the flags or the config file gave in ``args`` (field -> value)."""
+    out: dict[str, Any] = {}
+    for d in declared(cls, prefix):
+        value = vars(args).get(d.name) if d.flag is not None else None
+        if value is None:
+            continue
+        if d.scale is not None:
+            # A byte count given in MiB: a positive fraction never rounds down to nothing.
+            value = (max(1, int(value * d.scale)) if value > 0 else int(value * d.scale)) if _base_type(d) is int else value * d.scale
+        out[d.name] = value
+    return out
+
+
+def resolve(
+    cls: type[T], prefix: str, args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None, **fixed: Any
+) -> T:
+    """A worker's config: defaults < environment < config file < flags < ``fixed``.
+
+    The one resolver of the workers' options. ``args``: the parsed command line,
+    a ``--config`` file's values included (they are the parser's defaults, so a
+    flag beats the file); ``fixed``: values the command computes itself (None:
+    not given).
+    """
+    values = given(args, cls, prefix) if args is not None else {}
+    values.update({k: v for k, v in fixed.items() if v is not None})
+    return from_env(cls, prefix, environ, **values)
+
+
+#: The variables every worker's shared options read (flags declared above): variable -> (flag, help).
+SHARED: dict[str, tuple[str, str]] = {
+    REDIS_URL_ENV: ("--redis", "the run's Redis URL (its password belongs in --redis-password-file)"),
+    REDIS_PASSWORD_FILE_ENV: ("--redis-password-file", "file whose first line is the Redis password"),
+    DEBUG_LOGGERS_ENV: ("--debug-logger", "vendor loggers (comma-separated) to log at DEBUG"),
+    TRUST_KEYS_ENV: ("--trust-key", "key files (comma-separated) whose signatures readers accept"),
+}

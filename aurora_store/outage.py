@@ -27,15 +27,15 @@ main loop is one outage, with one budget.
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import tenacity
 
 from aurora_store import metrics
 from aurora_store.clock import SYSTEM_CLOCK, Clock
+from aurora_store.config import Switch
 from aurora_store.errors import (
     AuroraError,
     ConfigError,
@@ -61,16 +61,18 @@ DEFAULT_OUTAGE_BUDGET_S = 900.0
 OUTAGE_BUDGET_ENV = "AURORA_OUTAGE_BUDGET_S"
 
 
-def outage_budget_s(given: float | None = None, environ: dict[str, str] | None = None) -> float:
+#: The budget as read from the environment by the library's own entry points (``Publisher``,
+#: ``Follower``); the workers declare it as an option of their configs (docs/OPTIONS.md).
+OUTAGE_BUDGET = Switch(
+    OUTAGE_BUDGET_ENV, float, DEFAULT_OUTAGE_BUDGET_S,
+    "give up (exit 1, one line) once a dependency has been unreachable this long (seconds)",
+)
+
+
+def outage_budget_s(given: float | None = None, environ: Mapping[str, str] | None = None) -> float:
     """The outage budget: ``given``, else :data:`OUTAGE_BUDGET_ENV`, else the default."""
     if given is None:
-        raw = (os.environ if environ is None else environ).get(OUTAGE_BUDGET_ENV)
-        if raw is None or not raw.strip():
-            return DEFAULT_OUTAGE_BUDGET_S
-        try:
-            given = float(raw)
-        except ValueError:
-            raise ConfigError(f"{OUTAGE_BUDGET_ENV}={raw!r}: not a number of seconds") from None
+        given = float(OUTAGE_BUDGET.get(environ))
     if given <= 0:
         raise ConfigError(f"the outage budget must be > 0 seconds, got {given}")
     return float(given)

@@ -7,8 +7,20 @@ Sections, so additions stay easy to find:
 3. store fixtures (``memory://`` and ``file://`` run roots, fresh per test)
 4. hypothesis strategies (index sets, uint64 arrays)
 
-Server fixtures (S3-protocol, redis) go in a section of their own below the
-store fixtures, marked ``server``.
+Fixtures that start servers or build models live in their own modules,
+registered below through ``pytest_plugins`` so every test module can ask for
+them by name without importing them:
+
+- ``redis_fixtures``: ``redis_server`` (one per session, per xdist worker),
+  ``redis_url``, ``redis_client``, ``run_name``, ``own_redis_server``,
+  ``dead_redis_url``;
+- ``server_fixtures``: ``s3_server``, ``s3_bucket``, ``s3_store``, ``any_store``;
+- ``ledger_fixtures``: ``clock`` (a :class:`~aurora_store.testing.clock.ManualClock`)
+  and ``ledger``;
+- ``hf_fixtures``: ``pretrained`` (tiny fine-tuned Hugging Face checkpoints).
+
+Session-scoped fixtures start nothing until a test asks for them. Waiting on
+a condition: :func:`aurora_store.testing.wait.wait_until`.
 """
 
 from __future__ import annotations
@@ -17,10 +29,12 @@ import contextlib
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from filelock import FileLock
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
@@ -28,6 +42,8 @@ from aurora_store.codec.extract import plan_of
 from aurora_store.codec.fusion import FusionPlan
 from aurora_store.storage import Store, open_store
 from aurora_tools.synthetic.shapes import QWEN3_TINY, make_weights
+
+pytest_plugins = ["redis_fixtures", "server_fixtures", "ledger_fixtures", "hf_fixtures"]
 
 # ---------------------------------------------------------------------------
 # 1. hypothesis profiles
@@ -49,6 +65,39 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+# ---------------------------------------------------------------------------
+# 1b. parallel runs (pytest-xdist: ``make test`` runs ``-n 2 --dist loadfile``)
+#
+# A file's tests run on one worker, in order, so its module-scoped fixtures
+# are built once. Session-scoped servers are one per worker (free ports).
+# What must not run on two workers at once takes a lock in the run's shared
+# temporary folder (``shared_tmp``): tests marked ``netns`` one at a time.
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One intra-op torch thread per xdist worker: two workers of two threads each on a two-core
+    # box spin against each other (the reason for ``one_torch_thread`` below, for the whole run).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every xdist worker of this run shares (the run's own base folder without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(autouse=True)
+def _one_netns_testbed_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Network-namespace testbeds use fixed addresses: a test marked ``netns`` waits for the others."""
+    if request.node.get_closest_marker("netns") is None:
+        yield
+        return
+    with FileLock(request.getfixturevalue("shared_tmp") / "netns.lock"):
+        yield
 
 
 # ---------------------------------------------------------------------------

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from aurora_tools.tinymodel import make_model_dir, supervise, write_gsm8k_jsonl, write_math_jsonl
+
+FAMILIES = ("qwen3", "llama")
 
 
 @dataclass(frozen=True)
@@ -37,14 +40,17 @@ def _pairs(gsm8k: Path, math: Path) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="session")
-def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pretrained]:
-    d = tmp_path_factory.mktemp("pretrained")
-    gsm8k = Path(write_gsm8k_jsonl(d / "gsm8k.jsonl", 200))
-    math = Path(write_math_jsonl(d / "math.jsonl", 200))
-    pairs = _pairs(gsm8k, math)
-    out = {}
-    for family in ("qwen3", "llama"):
-        model = Path(make_model_dir(d / family, family))
-        supervise(model, pairs, steps=120)
-        out[family] = Pretrained(family, model, gsm8k, math)
-    return out
+def pretrained(shared_tmp: Path) -> dict[str, Pretrained]:
+    """Made once per run, in the folder xdist workers share: the first worker to ask makes them."""
+    d = shared_tmp / "pretrained"
+    gsm8k, math = d / "gsm8k.jsonl", d / "math.jsonl"
+    with FileLock(shared_tmp / "pretrained.lock"):
+        if not (d / "done").exists():
+            d.mkdir(exist_ok=True)
+            write_gsm8k_jsonl(gsm8k, 200)
+            write_math_jsonl(math, 200)
+            pairs = _pairs(gsm8k, math)
+            for family in FAMILIES:
+                supervise(make_model_dir(d / family, family), pairs, steps=120)
+            (d / "done").touch()
+    return {family: Pretrained(family, d / family, gsm8k, math) for family in FAMILIES}

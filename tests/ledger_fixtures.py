@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from redis_fixtures import ManualClock
 
 from aurora_store.coordination.ledger import Ledger
+from aurora_store.testing.clock import ManualClock
 
 
 def jobs(n: int, prefix: str = "p") -> list[tuple[str, bytes]]:
@@ -27,6 +27,7 @@ def register_on(ledger: Ledger, actor: str, v: int | None, staged: int | None, s
 
 @pytest.fixture
 def clock() -> ManualClock:
+    """A manual clock; the ledger reads it in milliseconds (``clock()``, ``clock.advance_ms``)."""
     return ManualClock()
 
 

@@ -1,9 +1,8 @@
 """Redis fixtures: a real ``redis-server`` on a free loopback port.
 
-Test modules import them explicitly (they are not in conftest.py, so a test
-run that never touches Redis never starts one)::
-
-    from redis_fixtures import redis_client, redis_server  # noqa: F401
+Registered by conftest.py (``pytest_plugins``): a test asks for them by name.
+Nothing starts until a test does, so a run that never touches Redis never
+starts a server.
 
 - ``redis_server``: one server for the whole session (port 0 style: a free
   port the kernel handed out, never a fixed one).
@@ -14,8 +13,6 @@ run that never touches Redis never starts one)::
 - ``own_redis_server``: a server of the test's own, for tests that restart
   Redis (a restart would break the session server under other tests).
 - ``dead_redis_url``: a loopback URL nothing listens on (Redis away).
-- ``ManualClock``: the injectable ledger clock (milliseconds) tests advance
-  by hand instead of sleeping.
 """
 
 from __future__ import annotations
@@ -28,20 +25,6 @@ import pytest
 
 from aurora_store.coordination.redisconn import connect
 from aurora_store.testing.servers import RedisServer, free_port
-
-
-class ManualClock:
-    """A millisecond clock that moves only when a test moves it."""
-
-    def __init__(self, start_ms: int = 1_700_000_000_000) -> None:
-        self.now_ms = start_ms
-
-    def __call__(self) -> int:
-        return self.now_ms
-
-    def advance(self, ms: int) -> int:
-        self.now_ms += ms
-        return self.now_ms
 
 
 @pytest.fixture(scope="session")

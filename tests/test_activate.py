@@ -429,10 +429,11 @@ def test_fetch_prepares_each_segment_in_its_download_thread(tmp_path: pytest.Tem
 def test_the_prefetching_write_kernel_writes_what_numpy_writes(m: int, xor: bool) -> None:
     """The safe point's compiled loop (prefetching ``AHEAD`` writes on) is the one in use, and writes
     exactly numpy's result on either side of its prefetch window; it refuses outside indices untouched."""
+    from aurora_store.apply.write_kernel import write_kernel
     from aurora_store.codec.kernels import sorted_write
     from aurora_store.codec.kernels.jit import readonly
 
-    kernel = prepared_mod._write_kernel()
+    kernel = write_kernel()
     assert kernel.py_func is sorted_write.write_all  # not the plain fallback
     rng = np.random.default_rng(m)
     flat = rng.integers(0, 1 << 16, 5000, dtype=np.uint16)

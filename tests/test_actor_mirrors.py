@@ -1,7 +1,7 @@
 """Mirrors are configured, not announced; what an engine that reads the store itself holds is what was checked.
 
 A real Redis and ``file://`` (and one S3) stores; the stager is driven
-directly (``_stage_available``) on a :class:`ManualClock`, as in
+directly (``Stager.stage_once``) on a :class:`ManualClock`, as in
 ``test_actor_staging``. The engine that reads the store itself is
 :class:`StoreStagingEngine` (from the hostile-input bench), a real class standing in for
 vLLM's workers: it fetches from the store on its own, and ``reread=True``
@@ -15,9 +15,8 @@ import argparse
 import logging
 import shutil
 import time
-from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from redis_fixtures import redis_client, redis_server  # noqa: F401
@@ -40,6 +39,7 @@ from aurora_tools.bench.hostile.workers import (
 )
 from aurora_tools.synthetic.workload import base_weights, sparse_update
 from workers.actor import Actor, ActorConfig, add_arguments, config_from_args
+from workers.actor.holding import Staged
 from workers.common import Endpoints
 from workers.engine import RemoteStaged, StoreStaging
 from workers.model import fusion_plan_for
@@ -57,7 +57,7 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redi
     return res
 
 
-def _actor(run: dict[str, Any], relay_url: str | None, **cfg: Any) -> SourceRecorder:
+def _actor(run: dict[str, Any], relay_url: str | None, **cfg: Any) -> tuple[Actor, SourceRecorder]:
     """A fresh Actor at v0, the Trainer's head at VERSIONS (no expected states recorded)."""
     return mirror_actor(run, relay_url, record_states=False, **cfg)
 
@@ -67,23 +67,23 @@ def _actor(run: dict[str, Any], relay_url: str | None, **cfg: Any) -> SourceReco
 
 def test_a_mirror_url_planted_in_redis_is_ignored_and_logged_once(run: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     tmp = run["tmp"]
-    a = _actor(run, f"file://{tmp}/evil", mirror=f"file://{tmp}/mirror")
+    a, rec = _actor(run, f"file://{tmp}/evil", mirror=f"file://{tmp}/mirror")
     with caplog.at_level(logging.WARNING, logger="aurora.actor"):
-        a._stage_available()
-        a._stage_available()
-        assert a._source(f"file://{tmp}/evil")[0] is a.origin
-    assert a.sources == [(v, False) for v in range(1, VERSIONS + 1)]  # origin, not the planted store
-    assert a._mirror is None  # the configured mirror is never opened while the key names another
+        a.stager.stage_once()
+        a.stager.stage_once()
+        assert a.sources.source(f"file://{tmp}/evil")[0] is a.origin
+    assert rec.sources == [(v, False) for v in range(1, VERSIONS + 1)]  # origin, not the planted store
+    assert not a.sources.mirror_opened  # the configured mirror is never opened while the key names another
     said = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert len(said) == 1 and "evil" in said[0] and "not this Actor's --mirror" in said[0]
 
 
 def test_an_actor_without_a_mirror_reads_origin_whatever_redis_says(run: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     tmp = run["tmp"]
-    a = _actor(run, f"file://user:hunter2@{tmp}/mirror")
+    a, rec = _actor(run, f"file://user:hunter2@{tmp}/mirror")
     with caplog.at_level(logging.WARNING, logger="aurora.actor"):
-        a._stage_available()
-    assert a.sources == [(v, False) for v in range(1, VERSIONS + 1)]
+        a.stager.stage_once()
+    assert rec.sources == [(v, False) for v in range(1, VERSIONS + 1)]
     said = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert len(said) == 1 and "has no --mirror" in said[0] and "hunter2" not in said[0]  # a URL from Redis may carry secrets
 
@@ -92,9 +92,9 @@ def test_the_configured_mirror_is_read_while_its_relay_heartbeats_with_it(run: d
     tmp = run["tmp"]
     shutil.rmtree(tmp / "mirror")
     shutil.copytree(tmp / "origin", tmp / "mirror")  # a plain true copy
-    a = _actor(run, f"file://{tmp}/mirror/", mirror=f"file://{tmp}/mirror")  # a trailing / is the same root
-    a._stage_available()
-    assert a.sources == [(v, True) for v in range(1, VERSIONS + 1)]
+    a, rec = _actor(run, f"file://{tmp}/mirror/", mirror=f"file://{tmp}/mirror")  # a trailing / is the same root
+    a.stager.stage_once()
+    assert rec.sources == [(v, True) for v in range(1, VERSIONS + 1)]
     assert a.staged_state == run["states"][VERSIONS]
 
 
@@ -109,10 +109,9 @@ def test_a_configured_mirror_uses_its_own_storage_options(run: dict[str, Any], m
         for p in sorted(origin.rglob("*")):
             if p.is_file():
                 mirror.put(str(p.relative_to(origin)), p.read_bytes(), mode="overwrite")
-        a = _actor(run, url, mirror=url, mirror_options=opts)
-        a.engine = StoreStagingEngine(a.engine, reread=False)
-        a._stage_available()
-        assert a.sources == [(v, True) for v in range(1, VERSIONS + 1)]
+        a, rec = _actor(run, url, engine=lambda e: StoreStagingEngine(e, reread=False), mirror=url, mirror_options=opts)
+        a.stager.stage_once()
+        assert rec.sources == [(v, True) for v in range(1, VERSIONS + 1)]
         assert a.engine.options == [opts] * VERSIONS  # what its workers are given too
         assert "secret" not in repr(a.cfg) and opts["secret"] not in repr(a.cfg)
 
@@ -140,52 +139,53 @@ def test_mirror_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- what the engine holds is what was checked ------------------------------------------
 
 
-def _two_faced_mirror(run: dict[str, Any], a: Actor) -> TwoFacedStore:
+def _two_faced_mirror(run: dict[str, Any]) -> TwoFacedStore:
     url = f"file://{run['tmp']}/mirror"
-    store = TwoFacedStore(open_store(url), manifest_key("delta", 1), run["forged_manifest"])
-    a._mirror = (url, store)  # type: ignore[assignment]
-    return store
+    return TwoFacedStore(open_store(url), manifest_key("delta", 1), run["forged_manifest"])
 
 
 def test_a_mirror_that_changes_its_manifest_between_two_reads_is_refused(run: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     """Workers that read the manifest again get the forged one: the Actor sees another state and reads origin."""
-    a = _actor(run, f"file://{run['tmp']}/mirror", mirror=f"file://{run['tmp']}/mirror")
-    a.engine = eng = StoreStagingEngine(a.engine, reread=True)
-    assert isinstance(eng, StoreStaging)
-    mirror = _two_faced_mirror(run, a)
+    mirror = _two_faced_mirror(run)
+    url = f"file://{run['tmp']}/mirror"
+    a, rec = _actor(run, url, engine=lambda e: StoreStagingEngine(e, reread=True), mirror_store=mirror, mirror=url)
+    eng = a.engine
+    assert isinstance(eng, StoreStagingEngine) and isinstance(eng, StoreStaging)
     with caplog.at_level(logging.WARNING, logger="aurora.actor"):
-        a._stage_available()
+        a.stager.stage_once()
     assert mirror.reads == 2  # the Actor's read (true), then the workers' (forged)
-    assert a.sources[0] == (1, False)  # v1 refused from the mirror, read from origin
+    assert rec.sources[0] == (1, False)  # v1 refused from the mirror, read from origin
     assert any("from mirror failed" in r.getMessage() and "refused" in r.getMessage() for r in caplog.records)
-    assert [s for _, s, _ in a.staged] == [run["states"][v] for v in range(1, VERSIONS + 1)]
+    assert [e.state for e in a.staged] == [run["states"][v] for v in range(1, VERSIONS + 1)]
     assert run["forged_state"] not in {s for s, _ in eng.held.values()}
 
 
 def test_workers_handed_the_checked_manifest_never_read_it_again(run: dict[str, Any]) -> None:
-    a = _actor(run, f"file://{run['tmp']}/mirror", mirror=f"file://{run['tmp']}/mirror")
-    a.engine = StoreStagingEngine(a.engine, reread=False)
-    mirror = _two_faced_mirror(run, a)
-    a._stage_available()
-    assert mirror.reads == 1 and a.sources == [(v, True) for v in range(1, VERSIONS + 1)]
+    mirror = _two_faced_mirror(run)
+    url = f"file://{run['tmp']}/mirror"
+    a, rec = _actor(run, url, engine=lambda e: StoreStagingEngine(e, reread=False), mirror_store=mirror, mirror=url)
+    a.stager.stage_once()
+    assert mirror.reads == 1 and rec.sources == [(v, True) for v in range(1, VERSIONS + 1)]
     assert a.staged_state == run["states"][VERSIONS]
-    assert read_manifest(mirror, "delta", 1).state == run["forged_state"]  # type: ignore[arg-type]  # what a second read would get
+    assert read_manifest(cast(Store, mirror), "delta", 1).state == run["forged_state"]  # what a second read would get
 
 
 def test_an_engine_that_refuses_activation_leaves_the_version_quarantined(run: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     """Staged under one state, asked to activate another: nothing written, the version quarantined, staging starts over."""
-    a = _actor(run, None)
-    a.engine = eng = StoreStagingEngine(a.engine, reread=False)
-    a._stage_available()
+    a, _ = _actor(run, None, engine=lambda e: StoreStagingEngine(e, reread=False))
+    eng = a.engine
+    a.stager.stage_once()
     digest = eng.digest()
-    first, _, _ = a.staged.popleft()
+    first = a.staged[0].item
     assert isinstance(first, RemoteStaged)
-    a.staged = deque([(RemoteStaged(first.version, 0, run["forged_state"], first.nnz), run["forged_state"], 0.0)])
-    a.commit_seen = 1
+    # What was staged, swapped for v1 under another state (the engine's workers hold v1's true one).
+    a.holding.start_at(0, run["spec"].base_state)
+    a.holding.stage(Staged(RemoteStaged(first.version, 0, run["forged_state"], first.nnz), run["forged_state"], 0.0))
+    a.holding.commit_seen = 1
     with caplog.at_level(logging.ERROR, logger="aurora.actor"):
-        a._activate()
+        a.safepoint.activate()
     assert a.active == 0 and a.active_state == run["spec"].base_state and eng.digest() == digest
-    assert not a.quarantine.allowed("delta", 1)
+    assert not a.ctx.quarantine.allowed("delta", 1)
     assert not a.staged and (a.staged_version, a.staged_state) == (0, run["spec"].base_state)
     assert any("refused to activate v1" in r.getMessage() for r in caplog.records)
 
@@ -208,6 +208,9 @@ class _Reacher:
     def stage_from_store(self, *a: Any, **kw: Any) -> Any:
         raise AssertionError("not used here")
 
+    def close(self) -> None:
+        pass
+
 
 def test_a_bootstrap_that_reaches_another_state_is_quarantined_and_planned_again(run: dict[str, Any]) -> None:
     from aurora_store.lineage.publish import publish_snapshot
@@ -225,8 +228,8 @@ def test_a_bootstrap_that_reaches_another_state_is_quarantined_and_planned_again
         sparse_update(new, spec.density, spec.seed, v)
         state = states[v] = publish_delta(origin, "r", v, extract(plan, w, new), state, cfg).state
         w = new
-    a = Actor(Endpoints(origin.url, run["redis"], f"t{time.monotonic_ns()}"), ActorConfig(actor_id="a"), clock=ManualClock())
-    a.engine = eng = _Reacher(lies=1)
-    assert a._reach_newest() == (VERSIONS - 1, states[VERSIONS - 1])
+    eng = _Reacher(lies=1)
+    a = Actor.from_endpoints(Endpoints(origin.url, run["redis"], f"t{time.monotonic_ns()}"), ActorConfig(actor_id="a"), ManualClock(), engine=cast(Any, eng))
+    assert a.boot.reach() == (VERSIONS - 1, states[VERSIONS - 1])
     assert eng.handed == [[("snapshot", 0)] + [("delta", v) for v in range(1, VERSIONS + 1)], [("snapshot", 0)] + [("delta", v) for v in range(1, VERSIONS)]]
-    assert not a.quarantine.allowed("delta", VERSIONS)  # refused, tried again after its back-off
+    assert not a.ctx.quarantine.allowed("delta", VERSIONS)  # refused, tried again after its back-off

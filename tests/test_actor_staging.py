@@ -2,7 +2,7 @@
 
 A real Redis and two ``file://`` stores (origin, and a region's mirror that
 the test fills by hand, as a Relay would: segments first, manifest last).
-The stager is driven directly (``_stage_available``), without its thread,
+The stager is driven directly (``Stager.stage_once``), without its thread,
 on a :class:`ManualClock`: the mirror's grace passes when the test says so.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from actor_fixtures import Counting
 from redis_fixtures import redis_client, redis_server  # noqa: F401
 
-from aurora_store.clock import SYSTEM_CLOCK
+from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.codec.extract import extract
 from aurora_store.format.manifest import manifest_key, version_dir
 from aurora_store.lineage.publish import PublishConfig, publish_delta
@@ -27,7 +27,7 @@ from aurora_tools.bench.hostile.workers import SourceRecorder
 from aurora_tools.synthetic.engine import SyntheticEngine
 from aurora_tools.synthetic.shapes import QWEN3_TINY
 from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
-from workers.actor import ActorConfig
+from workers.actor import Actor, ActorConfig
 from workers.common import Endpoints, RunKeys
 from workers.model import fusion_plan_for
 
@@ -53,27 +53,27 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redi
 
 
 def _actor(
-    run: dict[str, Any], grace: float = 60.0, head: int | None = VERSIONS, relay: bool = True, clock: ManualClock | None = None
-) -> SourceRecorder:
+    run: dict[str, Any], grace: float = 60.0, head: int | None = VERSIONS, relay: bool = True, clock: Clock | None = None, **cfg: Any
+) -> tuple[Actor, SourceRecorder]:
+    """An Actor at v0 on the synthetic engine, its origin counted, and what records where each version came from."""
     tmp: Path = run["tmp"]
     name = f"t{time.monotonic_ns()}"
-    a = SourceRecorder(
-        Endpoints(f"file://{tmp}/origin", run["redis"], name),
-        ActorConfig(actor_id="a", region="r1", mirror_grace_s=grace, mirror=f"file://{tmp}/mirror"),
-        clock=clock or ManualClock(),
-    )
-    a.origin = Counting(a.origin)  # type: ignore[assignment]
     eng = SyntheticEngine(run["spec"], hold=True, digests=True)
     eng.load_base()
-    a.engine = eng  # type: ignore[assignment]
-    a.staged_version, a.staged_state = 0, run["spec"].base_state
+    rec = SourceRecorder()
+    opts: dict[str, Any] = {"actor_id": "a", "region": "r1", "mirror_grace_s": grace, "mirror": f"file://{tmp}/mirror", **cfg}
+    a = Actor.from_endpoints(
+        Endpoints(f"file://{tmp}/origin", run["redis"], name), ActorConfig(**opts), clock or ManualClock(),
+        origin=Counting(open_store(f"file://{tmp}/origin")), engine=eng, observers=[rec],
+    )
+    a.holding.start_at(0, run["spec"].base_state)
     keys = RunKeys(name)
     if head is not None:
         run["client"].hset(keys.trainer, mapping={"head": head})
     if relay:
         (tmp / "mirror").mkdir(exist_ok=True)
         run["client"].set(keys.relay("r1"), f"file://{tmp}/mirror")
-    return a
+    return a, rec
 
 
 def _mirror(run: dict[str, Any], *versions: int) -> None:
@@ -86,88 +86,88 @@ def _mirror(run: dict[str, Any], *versions: int) -> None:
 
 
 def test_without_a_relay_every_version_comes_from_origin_by_its_manifest_key(run: dict[str, Any]) -> None:
-    a = _actor(run, relay=False)
-    a._stage_available()
-    assert a.sources == [(v, False) for v in range(1, VERSIONS + 1)]
+    a, rec = _actor(run, relay=False)
+    a.stager.stage_once()
+    assert rec.sources == [(v, False) for v in range(1, VERSIONS + 1)]
     assert a.staged_version == VERSIONS
     # No listing, one manifest read per version, and nothing probed past the head.
     assert a.origin.lists == 0
     assert [k for k in a.origin.gets if k.endswith("manifest.json")] == [manifest_key("delta", v) for v in range(1, VERSIONS + 1)]
     # The staged chain applies onto the base and reproduces what was published.
-    for staged, _state, _s in a.staged:
-        a.engine.apply(staged)
+    for e in a.staged:
+        a.engine.apply(e.item)
     assert a.engine.version == VERSIONS
 
 
 def test_the_head_bounds_what_is_staged(run: dict[str, Any]) -> None:
-    a = _actor(run, relay=False, head=2)
-    a._stage_available()
+    a, rec = _actor(run, relay=False, head=2)
+    a.stager.stage_once()
     assert a.staged_version == 2
     assert not any(manifest_key("delta", 3) == k for k in a.origin.gets)
 
 
 def test_without_a_head_the_stager_probes_until_a_version_is_missing(run: dict[str, Any]) -> None:
-    a = _actor(run, relay=False, head=None)
-    a._stage_available()
+    a, rec = _actor(run, relay=False, head=None)
+    a.stager.stage_once()
     assert a.staged_version == VERSIONS
 
 
 def test_a_mirror_missing_a_version_is_waited_for_within_the_grace(run: dict[str, Any]) -> None:
     _mirror(run, 1, 2)
-    a = _actor(run, grace=60.0)
-    a._stage_available()
-    assert a.sources == [(1, True), (2, True)]
+    a, rec = _actor(run, grace=60.0)
+    a.stager.stage_once()
+    assert rec.sources == [(1, True), (2, True)]
     assert a.origin.gets == []  # nothing crossed the region boundary
     _mirror(run, 3, 4)
-    a._stage_available()
-    assert a.sources[2:] == [(3, True), (4, True)]
+    a.stager.stage_once()
+    assert rec.sources[2:] == [(3, True), (4, True)]
     assert a.origin.gets == []
 
 
 def test_after_the_grace_origin_serves_and_the_mirror_is_used_again_once_it_has_the_next_version(run: dict[str, Any]) -> None:
     _mirror(run, 1)
     clock = ManualClock()
-    a = _actor(run, grace=0.2, clock=clock)
-    a._stage_available()
+    a, rec = _actor(run, grace=0.2, clock=clock)
+    a.stager.stage_once()
     assert a.staged_version == 1  # v2 missing from the mirror: wait
     clock.advance(0.1)
-    a._stage_available()
+    a.stager.stage_once()
     assert a.staged_version == 1  # still within the grace
     clock.advance(0.15)
-    a._stage_available()
+    a.stager.stage_once()
     # v2 from origin; the mirror is behind, so v3 and v4 go to origin at once too.
-    assert a.sources == [(1, True), (2, False), (3, False), (4, False)]
-    assert a._mirror_behind
+    assert rec.sources == [(1, True), (2, False), (3, False), (4, False)]
+    assert a.sources.mirror_behind
 
 
 def test_a_mirror_that_catches_up_serves_the_next_version(run: dict[str, Any]) -> None:
     _mirror(run, 1)
     clock = ManualClock()
-    a = _actor(run, grace=0.2, head=2, clock=clock)
-    a._stage_available()
+    a, rec = _actor(run, grace=0.2, head=2, clock=clock)
+    a.stager.stage_once()
     clock.advance(0.25)
-    a._stage_available()
-    assert a.sources == [(1, True), (2, False)] and a._mirror_behind
+    a.stager.stage_once()
+    assert rec.sources == [(1, True), (2, False)] and a.sources.mirror_behind
     _mirror(run, 2, 3)
-    run["client"].hset(RunKeys(a.ep.run).trainer, "head", 3)
-    a._stage_available()
-    assert a.sources[-1] == (3, True)
-    assert not a._mirror_behind
+    run["client"].hset(RunKeys(a.ctx.ep.run).trainer, "head", 3)
+    a.stager.stage_once()
+    assert rec.sources[-1] == (3, True)
+    assert not a.sources.mirror_behind
 
 
 def test_relay_progress_on_the_missing_version_extends_the_wait(run: dict[str, Any]) -> None:
     _mirror(run, 1)
     clock = ManualClock()
-    a = _actor(run, grace=0.3, clock=clock)
-    a._stage_available()
+    a, rec = _actor(run, grace=0.3, clock=clock)
+    a.stager.stage_once()
     clock.advance(10)  # missing for long...
-    a._relay_progress[2] = clock.monotonic()  # ...but the Relay just announced a segment of it
-    a._stage_available()
+    a.sources.relay_progress(2, clock.monotonic())  # ...but the Relay just announced a segment of it
+    a.stager.stage_once()
     assert a.staged_version == 1 and a.origin.gets == []
     clock.advance(10)  # and then went quiet
-    a._stage_available()
+    a.stager.stage_once()
     assert a.staged_version == VERSIONS
-    assert (2, False) in a.sources
+    assert (2, False) in rec.sources
 
 
 def test_a_corrupt_mirror_object_falls_back_to_origin(run: dict[str, Any]) -> None:
@@ -177,19 +177,18 @@ def test_a_corrupt_mirror_object_falls_back_to_origin(run: dict[str, Any]) -> No
     data = bytearray(seg.read_bytes())
     data[-1] ^= 0xFF
     seg.write_bytes(bytes(data))
-    a = _actor(run, head=1)
-    a._stage_available()
-    assert a.sources == [(1, False)]
+    a, rec = _actor(run, head=1)
+    a.stager.stage_once()
+    assert rec.sources == [(1, False)]
 
 
 def test_relay_wait_returns_when_the_relay_appears(run: dict[str, Any]) -> None:
-    a = _actor(run, relay=False, clock=None)
-    a.clock = SYSTEM_CLOCK  # the Relay appears on wall time here
-    a.cfg = ActorConfig(actor_id="a", region="r1", relay_wait_s=30.0, mirror="file:///nowhere")
-    key = RunKeys(a.ep.run).relay("r1")
+    # The Relay appears on wall time here.
+    a, _ = _actor(run, relay=False, clock=SYSTEM_CLOCK, relay_wait_s=30.0, mirror="file:///nowhere")
+    key = RunKeys(a.ctx.ep.run).relay("r1")
     import threading
 
     threading.Timer(0.3, lambda: run["client"].set(key, "file:///nowhere")).start()
     t0 = time.monotonic()
-    a._wait_for_relay()
+    a.sources.wait_for_relay()
     assert 0.2 < time.monotonic() - t0 < 10

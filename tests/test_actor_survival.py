@@ -1,6 +1,6 @@
 """The Actor rides out faults: started before the Trainer, Redis paused or restarted
 without its data, the S3 server paused while it stages, an outage past the budget,
-a bucket that does not exist.
+a bucket that does not exist; and a bug is not an outage.
 
 The real Actor (torch engine, a tiny Qwen3) runs in a thread (its own
 heartbeat and stager threads inside); the Trainer's side is written by hand
@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from aurora_store.storage import Store, open_store
 from aurora_store.testing.servers import RedisServer, S3Server
 from workers.actor import Actor, ActorConfig
 from workers.common import Endpoints
+from workers.engine.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.server
 
@@ -67,14 +69,14 @@ def test_an_actor_started_before_the_trainer_waits_for_the_run(
     origin: Store, redis_server: RedisServer, redis_client: Any, run_name: str, caplog: pytest.LogCaptureFixture  # noqa: F811
 ) -> None:
     run = TinyRun(origin, redis_server.url, run_name)  # nothing written yet: no model, no v0, no head
-    a = Actor(Endpoints(origin.url, redis_server.url, run_name), _cfg("early"), clock=SYSTEM_CLOCK)
+    a = Actor.from_endpoints(Endpoints(origin.url, redis_server.url, run_name), _cfg("early"), clock=SYSTEM_CLOCK)
     with caplog.at_level(logging.INFO, logger="aurora.actor"), running(a) as r:
         wait_for(lambda: bool(_messages(caplog, "waiting for the run")), what="the Actor to say it waits")
         run.describe()  # the Trainer warms up: a model description, no version yet
-        wait_for(lambda: hasattr(a, "engine"), what="the engine to be built")
+        wait_for(lambda: a.ctx.has_engine, what="the engine to be built")
         assert r["error"] is None and r["thread"].is_alive()
         run.publish_v0(announce_head=False)  # v0 in the store, nothing in Redis yet
-        wait_for(lambda: getattr(a, "active", None) == 0, what="the bootstrap")
+        wait_for(lambda: a.active == 0, what="the bootstrap")
         run.set_head(0)
         run.open_step(0, 0, prompts=6)
         wait_for(lambda: run.settled(0) == 6, what="the first step settled")
@@ -91,18 +93,18 @@ def test_redis_paused_longer_than_a_retry_is_ridden_out(
     run = TinyRun(origin, own_redis_server.url, run_name)
     run.start()
     run.open_step(0, 0, prompts=300, group=1)
-    a = Actor(Endpoints(origin.url, own_redis_server.url, run_name), _cfg(), clock=SYSTEM_CLOCK)
+    a = Actor.from_endpoints(Endpoints(origin.url, own_redis_server.url, run_name), _cfg(), clock=SYSTEM_CLOCK)
     pid = own_redis_server.proc.pid
     with caplog.at_level(logging.INFO, logger="aurora.actor"), running(a) as r:
         wait_for(lambda: run.settled(0) >= 4, what="work before the pause")
         os.kill(pid, signal.SIGSTOP)
         try:
             # Several attempts and back-offs (each attempt times out after 0.3 s).
-            wait_for(lambda: a.redis_dep.away and a.redis_dep.away_for_s() > 1.5, what="the Actor to notice the outage")
+            wait_for(lambda: a.ctx.redis_dep.away and a.ctx.redis_dep.away_for_s() > 1.5, what="the Actor to notice the outage")
             assert r["error"] is None
         finally:
             os.kill(pid, signal.SIGCONT)
-        wait_for(lambda: not a.redis_dep.away, what="the end of the outage")
+        wait_for(lambda: not a.ctx.redis_dep.away, what="the end of the outage")
         n = run.settled(0)
         wait_for(lambda: run.settled(0) >= n + 4, what="work after the pause")
         assert r["error"] is None
@@ -121,7 +123,7 @@ def test_redis_restarted_without_its_data_finds_the_actor_registering_again(
     run = TinyRun(origin, own_redis_server.url, run_name)
     run.start()
     run.open_step(0, 0, prompts=300, group=1)
-    a = Actor(Endpoints(origin.url, own_redis_server.url, run_name), _cfg(), clock=SYSTEM_CLOCK)
+    a = Actor.from_endpoints(Endpoints(origin.url, own_redis_server.url, run_name), _cfg(), clock=SYSTEM_CLOCK)
     with caplog.at_level(logging.INFO, logger="aurora.actor"), running(a) as r:
         wait_for(lambda: run.settled(0) >= 4, what="work before the restart")
         own_redis_server.restart()  # the same port, nothing kept: no actor record, no steps, no head
@@ -157,7 +159,7 @@ def test_the_s3_server_paused_while_staging_is_ridden_out_and_work_goes_on(
     run = TinyRun(open_store(url, opts), redis_server.url, run_name)
     run.start()
     run.open_step(0, 0, prompts=3000, group=1)  # more than the Actor gets through: closed by hand below
-    a = Actor(Endpoints(url, redis_server.url, run_name, opts), _cfg(), clock=SYSTEM_CLOCK)
+    a = Actor.from_endpoints(Endpoints(url, redis_server.url, run_name, opts), _cfg(), clock=SYSTEM_CLOCK)
     assert paused_s3.pid is not None
     with caplog.at_level(logging.INFO, logger="aurora.actor"), running(a) as r:
         wait_for(lambda: run.settled(0) >= 2, what="work before the pause")
@@ -165,7 +167,7 @@ def test_the_s3_server_paused_while_staging_is_ridden_out_and_work_goes_on(
         os.kill(paused_s3.pid, signal.SIGSTOP)
         try:
             run.set_head(1)  # the stager goes for v1, into the outage
-            wait_for(lambda: a.store_dep.away, what="the stager to notice the store is away")
+            wait_for(lambda: a.ctx.store_dep.away, what="the stager to notice the store is away")
             n = run.settled(0)
             wait_for(lambda: run.settled(0) >= n + 4, what="generation on v0 while the store is away")
             assert a.staged_version == 0 and r["error"] is None
@@ -187,7 +189,7 @@ def test_an_outage_past_the_budget_ends_the_actor_with_outage_too_long(
 ) -> None:
     run = TinyRun(origin, redis_server.url, run_name)
     run.start()
-    a = Actor(Endpoints(origin.url, dead_redis_url, run_name), _cfg(outage_budget_s=0.5), clock=SYSTEM_CLOCK)
+    a = Actor.from_endpoints(Endpoints(origin.url, dead_redis_url, run_name), _cfg(outage_budget_s=0.5), clock=SYSTEM_CLOCK)
     with pytest.raises(OutageTooLong, match=r"Redis unreachable for \d+s \(outage budget 0s\)") as ei:
         a.run()
     assert "\n" not in str(ei.value)
@@ -197,7 +199,7 @@ def test_an_outage_past_the_budget_ends_the_actor_with_outage_too_long(
 def test_a_bucket_that_does_not_exist_ends_the_actor_with_one_line(
     s3_server: S3Server, redis_server: RedisServer, run_name: str  # noqa: F811
 ) -> None:
-    a = Actor(Endpoints("s3://no-such-bucket-aurora/run", redis_server.url, run_name, s3_server.storage_options()), _cfg(), clock=SYSTEM_CLOCK)
+    a = Actor.from_endpoints(Endpoints("s3://no-such-bucket-aurora/run", redis_server.url, run_name, s3_server.storage_options()), _cfg(), clock=SYSTEM_CLOCK)
     with pytest.raises(StoreError, match="bucket 'no-such-bucket-aurora' does not exist") as ei:
         a.run()
     assert "\n" not in str(ei.value)
@@ -232,8 +234,41 @@ def test_an_actor_restarted_with_the_same_id_releases_what_its_dead_process_held
     run.ledger.heartbeat("a", active=0, staged=0)
     status, leases = run.ledger.claim("a", 0, 4)
     assert status == "ok" and len(leases) == 4
-    a = Actor(Endpoints(origin.url, run.redis_url, run_name), _cfg(), clock=SYSTEM_CLOCK)
+    a = Actor.from_endpoints(Endpoints(origin.url, run.redis_url, run_name), _cfg(), clock=SYSTEM_CLOCK)
     with running(a) as r:
         wait_for(lambda: run.settled(0) == 6, what="every prompt settled by the new process, its predecessor's leases included")
         assert r["error"] is None
+    run.close()
+
+
+class _BuggyPrepare:
+    """A torch engine whose ``prepare`` has a bug (a TypeError, as a wrong call would raise)."""
+
+    def __init__(self, inner: TorchEngine) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def prepare(self, staged: Any) -> Any:
+        self.calls += 1
+        raise TypeError("prepare() got an unexpected keyword argument 'basis'")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_bug_in_the_stager_ends_the_actor_with_its_error_instead_of_being_retried(
+    origin: Store, redis_server: RedisServer, redis_client: Any, run_name: str, caplog: pytest.LogCaptureFixture  # noqa: F811
+) -> None:
+    run = TinyRun(origin, redis_server.url, run_name)
+    run.start()
+    inner = TorchEngine(run.tokenizer)
+    inner.load(deepcopy(run.model))
+    eng = _BuggyPrepare(inner)
+    a = Actor.from_endpoints(Endpoints(origin.url, redis_server.url, run_name), _cfg(), SYSTEM_CLOCK, engine=eng)
+    with caplog.at_level(logging.WARNING, logger="aurora.actor"), pytest.raises(TypeError, match="unexpected keyword"), running(a) as r:
+        wait_for(lambda: a.active == 0, what="the bootstrap")
+        run.step(1)  # the stager fetches v1 and hands it to the buggy prepare
+        wait_for(lambda: r["error"] is not None, what="the Actor to end with the stager's error")
+    assert eng.calls == 1, "a bug is not retried like an outage"
+    assert not _messages(caplog, "unexpected keyword"), "nor logged as a passing warning"
     run.close()

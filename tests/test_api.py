@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 from api_helpers import digest_of, tiny_lm, train_step
-from redis_fixtures import redis_server, run_name  # noqa: F401
 
 import aurora_store
 from aurora_store import Follower, Publisher

@@ -215,7 +215,7 @@ def test_a_bootstrapping_actor_ignores_a_planted_snapshot(trainer: TinyRun, orig
     trainer.step(3)
     forged = {n: t + 0.5 for n, t in fuse_weights(trainer.weights[3], trainer.plan).items()}
     publish_snapshot(origin, trainer.run, 3, forged, trainer.states[3], CFG)  # newest, true state, any weights
-    a = Actor(Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="a"), clock=ManualClock())
+    a = Actor.from_endpoints(Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="a"), clock=ManualClock())
     with caplog.at_level(logging.WARNING, logger="aurora.lineage"):
         a.bootstrap()
     assert (a.active, a.active_state) == (3, trainer.states[3])
@@ -236,7 +236,7 @@ def test_v0_lists_the_model_files_and_a_config_changed_after_it_is_refused(train
     origin.put(MODEL_CONFIG_KEY, json.dumps(cfg).encode(), mode="overwrite")
     with pytest.raises(IntegrityError, match="changed after version 0"):
         read_model_description(origin)
-    a = Actor(Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="a"), clock=ManualClock())
+    a = Actor.from_endpoints(Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="a"), clock=ManualClock())
     with pytest.raises(IntegrityError):
         a.prepare()
 
@@ -248,12 +248,12 @@ def test_model_files_read_before_v0_are_checked_at_bootstrap(origin: Store, redi
     cfg = json.loads(origin.get(MODEL_CONFIG_KEY))
     cfg["rms_norm_eps"] = 0.5  # changed before any Actor read it, after the Trainer hashed it
     origin.put(MODEL_CONFIG_KEY, json.dumps(cfg).encode(), mode="overwrite")
-    a = Actor(Endpoints(origin.url, redis_server.url, run_name), ActorConfig(actor_id="a"), clock=ManualClock())
+    a = Actor.from_endpoints(Endpoints(origin.url, redis_server.url, run_name), ActorConfig(actor_id="a"), clock=ManualClock())
     a.prepare()  # no version 0 yet: nothing lists the files, the engine is built
     run.publish_v0()
     with pytest.raises(IntegrityError, match="changed after version 0"):
         a.bootstrap()
-    assert a.ledger.actor("a") is None  # never registered
+    assert a.ctx.ledger.actor("a") is None  # never registered
     run.close()
 
 
@@ -300,53 +300,51 @@ def forged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, r
     return {"spec": spec, "tmp": tmp_path, "redis": redis_server.url, "client": redis_client, "states": states, "fstates": fstates}
 
 
-def _mirror_actor(run: dict[str, Any], record: bool) -> SourceRecorder:
+def _mirror_actor(run: dict[str, Any], record: bool) -> tuple[Actor, SourceRecorder]:
     name = f"t{time.monotonic_ns()}"
     tmp = run["tmp"]
-    a = SourceRecorder(
-        Endpoints(f"file://{tmp}/origin", run["redis"], name),
-        ActorConfig(actor_id="a", region="r1", mirror=f"file://{tmp}/mirror"),
-        clock=ManualClock(),
-    )
     eng = SyntheticEngine(run["spec"], hold=True, digests=True)
     eng.load_base()
-    a.engine = eng  # type: ignore[assignment]
-    a.active = a.staged_version = 0
-    a.active_state = a.staged_state = run["spec"].base_state
+    rec = SourceRecorder()
+    a = Actor.from_endpoints(
+        Endpoints(f"file://{tmp}/origin", run["redis"], name), ActorConfig(actor_id="a", region="r1", mirror=f"file://{tmp}/mirror"),
+        ManualClock(), engine=eng, observers=[rec],
+    )
+    a.holding.start_at(0, run["spec"].base_state)
     keys = RunKeys(name)
     if record:
         for v, st in run["states"].items():
             record_expected_state(run["client"], keys, v, st)
     run["client"].hset(keys.trainer, mapping={"head": VERSIONS})
     run["client"].set(keys.relay("r1"), f"file://{tmp}/mirror")
-    return a
+    return a, rec
 
 
 @pytest.mark.server
 def test_a_forged_chain_from_a_mirror_is_refused_and_origin_read(forged: dict[str, Any]) -> None:
-    control = _mirror_actor(forged, record=False)
-    control._stage_available()
+    control, _ = _mirror_actor(forged, record=False)
+    control.stager.stage_once()
     assert control.staged_state == forged["fstates"][VERSIONS]  # without the record, the forgery passes every chain check
-    a = _mirror_actor(forged, record=True)
-    a._stage_available()
-    assert a.sources == [(v, False) for v in range(1, VERSIONS + 1)]  # every version from origin
-    assert [s for _, s, _ in a.staged] == [forged["states"][v] for v in range(1, VERSIONS + 1)]
-    assert a.quarantine.versions() == []  # origin's versions are fine: nothing held against them
+    a, rec = _mirror_actor(forged, record=True)
+    a.stager.stage_once()
+    assert rec.sources == [(v, False) for v in range(1, VERSIONS + 1)]  # every version from origin
+    assert [e.state for e in a.staged] == [forged["states"][v] for v in range(1, VERSIONS + 1)]
+    assert a.ctx.quarantine.versions() == []  # origin's versions are fine: nothing held against them
 
 
 @pytest.mark.server
 def test_a_version_staged_before_its_record_is_not_activated(forged: dict[str, Any]) -> None:
-    a = _mirror_actor(forged, record=False)
-    a._stage_available()  # the forged chain, staged while Redis had no record
-    keys = a.keys
+    a, _ = _mirror_actor(forged, record=False)
+    a.stager.stage_once()  # the forged chain, staged while Redis had no record
+    keys = a.ctx.keys
     for v, st in forged["states"].items():
         record_expected_state(forged["client"], keys, v, st)
-    a.commit_seen = VERSIONS
-    a._activate()
+    a.holding.commit_seen = VERSIONS
+    a.safepoint.activate()
     assert (a.active, a.active_state) == (0, forged["spec"].base_state)  # refused: nothing applied
     assert not a.staged and a.staged_version == 0
-    a._stage_available()  # again: now checked against the record, read from origin
-    a._activate()
+    a.stager.stage_once()  # again: now checked against the record, read from origin
+    a.safepoint.activate()
     assert (a.active, a.active_state) == (VERSIONS, forged["states"][VERSIONS])
 
 
@@ -355,14 +353,14 @@ def test_a_version_staged_before_its_record_is_not_activated(forged: dict[str, A
 
 @pytest.mark.server
 def test_an_actor_never_claims_a_lease_for_a_state_it_does_not_hold(trainer: TinyRun, origin: Store) -> None:
-    a = Actor(Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="a"), clock=ManualClock())
+    a = Actor.from_endpoints(Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="a"), clock=ManualClock())
     a.bootstrap()
     items = [(f"x{i}", json.dumps({"id": f"x{i}", "ids": trainer.tokenizer.encode("1+1=", bos=True)}).encode()) for i in range(2)]
     other = "sha256:" + "ab" * 32
     trainer.ledger.create_step(7, other, items, {}, 1, 120_000, version=0)
-    assert a._work_once() is False
+    assert a.work.work_once() is False
     assert trainer.redis.hlen(trainer.keys.step(7, "lease")) == 0  # not one lease taken
     trainer.ledger.close_step(7)
     trainer.open_step(8, 0, prompts=2, group=1)  # the state it holds: claimed and settled
-    assert a._work_once() is True
+    assert a.work.work_once() is True
     assert trainer.settled(8) == 2

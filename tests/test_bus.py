@@ -1,4 +1,3 @@
-# ruff: noqa: F811
 """Announcements on Redis streams against a real redis-server."""
 
 from __future__ import annotations
@@ -9,7 +8,6 @@ from typing import Any
 
 import pytest
 import redis.exceptions
-from redis_fixtures import dead_redis_url, own_redis_server, redis_client, redis_server, run_name  # noqa: F401
 
 from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus, BusGap
 from aurora_store.coordination.redisconn import RedisConfig, connect

@@ -1,26 +1,30 @@
-"""``aurora status``, ``lineage``, ``verify`` and ``gc`` never import torch, vLLM or the workers.
+"""``aurora status``, ``lineage``, ``verify`` and ``gc`` never import torch, vLLM or the workers;
+``aurora relay`` never imports torch or vLLM, even while it waits for Redis.
 
 Each command runs in a fresh interpreter against a real run (a snapshot and
 deltas in a ``file://`` store, a ledger and a Trainer head in a real
 ``redis-server``); the interpreter writes the names of every module it
-imported when the command is done, and the test reads them.
+imported when the command is done, and the test reads them. The Relay runs
+under ``python -X importtime``, whose report of each import as it happens
+covers the whole run, the wait for an unreachable Redis included.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_fixtures import redis_client, redis_server, run_name  # noqa: F401
 from safetensors.torch import save_file
 
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger
+from aurora_store.testing.wait import wait_until
 from aurora_tools.cli import main
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 
@@ -48,14 +52,30 @@ def _heavy(modules: list[str]) -> list[str]:
     ]
 
 
+def _torch_or_vllm(modules: list[str]) -> list[str]:
+    """The imported modules no process without weights may load."""
+    return [m for m in modules if m.split(".")[0] in ("torch", "vllm")]
+
+
+def _importtime_modules(stderr: str) -> list[str]:
+    """Every module ``python -X importtime`` reported importing, in order (one ``import time:`` line each)."""
+    names = [line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")]
+    return [n for n in names if n != "imported package"]  # its header line
+
+
+def _driver(out: Path, *argv: str) -> list[str]:
+    """The command line running ``aurora ARGV...`` under ``-X importtime`` with the project importable."""
+    return [sys.executable, "-X", "importtime", "-c", DRIVER, str(out), *argv]
+
+
+def _env() -> dict[str, str]:
+    root = Path(__file__).resolve().parents[1]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
+
+
 def _run(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     out = tmp_path / f"modules-{argv[0]}.json"
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
-    proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(out), *argv],
-        capture_output=True, text=True, env=env, timeout=120,
-    )
+    proc = subprocess.run(_driver(out, *argv), capture_output=True, text=True, env=_env(), timeout=120)
     return proc, json.loads(out.read_text())
 
 
@@ -110,3 +130,31 @@ def test_a_heavy_command_does_load_the_workers(tmp_path: Path) -> None:
     proc, modules = _run(tmp_path, "actor", "--help")
     assert proc.returncode == 0, proc.stderr
     assert "workers.actor" in modules and "torch" in modules
+    assert "torch" in _torch_or_vllm(_importtime_modules(proc.stderr))  # and the Relay's check can fail too
+
+
+def test_a_relay_waiting_for_redis_imports_no_torch_or_vllm(tmp_path: Path, dead_redis_url: str) -> None:
+    """``aurora relay`` against a Redis that is down rides the outage (it logs that it waits), leaves
+    on SIGTERM, and imported neither torch nor vLLM at any point of its life."""
+    out, err = tmp_path / "modules-relay.json", tmp_path / "relay.err"
+    argv = (
+        "relay", "--store", f"file://{tmp_path / 'origin'}", "--mirror", f"file://{tmp_path / 'mirror'}",
+        "--redis", dead_redis_url, "--run", "imports", "--region", "eu",
+    )
+    with err.open("w") as stderr:
+        proc = subprocess.Popen(_driver(out, *argv), stdout=subprocess.DEVNULL, stderr=stderr, env=_env())
+    try:
+        wait_until(
+            lambda: "Redis unreachable" in err.read_text(), "the Relay waiting for Redis",
+            timeout=120, processes={"aurora relay": proc}, logs=[err],
+        )
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, err.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    imported = _importtime_modules(err.read_text())
+    assert "workers.relay.relay" in imported and "redis" in imported  # the report is complete
+    assert _torch_or_vllm(imported) == []
+    assert _torch_or_vllm(json.loads(out.read_text())) == []

@@ -425,19 +425,22 @@ def test_encode_options_validated(kw: dict) -> None:
 
 
 def test_encode_options_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Resolved by the publishing side (the codec layer reads no environment) and passed in.
+    from aurora_store.lineage.publish import encode_options_from_env
+
     monkeypatch.setenv("AURORA_INDEX_ENCODINGS", "leb128, bitmask")
     monkeypatch.setenv("AURORA_VALUE_MODES", "new")
     monkeypatch.setenv("AURORA_CODECS", "none")
     monkeypatch.setenv("AURORA_ZSTD_LEVEL", "7")
-    o = EncodeOptions.from_env()
+    o = encode_options_from_env()
     assert o == EncodeOptions(("leb128", "bitmask"), ("new",), ("none",), 7)
     monkeypatch.setenv("AURORA_ZSTD_LEVEL", "high")
     with pytest.raises(ConfigError, match="AURORA_ZSTD_LEVEL"):
-        EncodeOptions.from_env()
+        encode_options_from_env()
     monkeypatch.setenv("AURORA_ZSTD_LEVEL", "1")
     monkeypatch.setenv("AURORA_CODECS", "lz4")
     with pytest.raises(ConfigError):
-        EncodeOptions.from_env()
+        encode_options_from_env()
 
 
 def test_dense_new_without_new_values_is_a_config_error() -> None:

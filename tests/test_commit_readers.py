@@ -84,7 +84,7 @@ def run(tmp_path: Path, persistent_redis: str, request: pytest.FixtureRequest) -
 
 def _actor(r: dict[str, Any], clock: ManualClock) -> Actor:
     t: TinyRun = r["trainer"]
-    return Actor(Endpoints(r["origin"].url, t.redis_url, t.run), ActorConfig(actor_id="a"), clock=clock)
+    return Actor.from_endpoints(Endpoints(r["origin"].url, t.redis_url, t.run), ActorConfig(actor_id="a"), clock=clock)
 
 
 def test_the_actor_stages_committed_versions_and_never_an_unrecorded_manifest(run: dict[str, Any]) -> None:
@@ -92,20 +92,20 @@ def test_the_actor_stages_committed_versions_and_never_an_unrecorded_manifest(ru
     clock = ManualClock()
     a = _actor(run, clock)
     a.bootstrap()
-    assert a.commits is not None, "the Actor did not find the run in Redis-commit mode"
+    assert a.fetcher.commits is not None, "the Actor did not find the run in Redis-commit mode"
     assert a.active == 1, "bootstrap used delta 2, whose manifest has no commit record"
     assert a.engine.digest() == t.digest(1)
     for _ in range(3):
-        a._stage_available()
+        a.stager.stage_once()
         clock.advance(3600)
     assert a.staged_version == 1 and not a.staged, "the Actor staged a version with no commit record"
     # The Trainer commits delta 2 (here: the record of the very bytes in the store): staged now.
     run["commits"].commit("delta", 2, run["origin"].get(manifest_key("delta", 2)))
     clock.advance(3600)
-    a._stage_available()
+    a.stager.stage_once()
     assert a.staged_version == 2
     t.open_step(102, 2, prompts=2)
-    a._activate()
+    a.safepoint.activate()
     assert a.active == 2 and a.engine.digest() == t.digest(2)
 
 
@@ -118,10 +118,10 @@ def test_a_manifest_that_differs_from_its_record_is_quarantined(run: dict[str, A
     a = _actor(run, ManualClock())
     a.bootstrap()
     assert a.active == 1
-    a._stage_available()
+    a.stager.stage_once()
     assert a.staged_version == 1
-    assert 2 in a.quarantine.versions()
-    assert not a.quarantine.allowed("delta", 2)
+    assert 2 in a.ctx.quarantine.versions()
+    assert not a.ctx.quarantine.allowed("delta", 2)
 
 
 def test_the_relay_does_not_mirror_an_unrecorded_manifest(run: dict[str, Any], tmp_path: Path) -> None:

@@ -17,15 +17,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from redis_fixtures import redis_server, redis_url  # noqa: F401
 
 from aurora_store.errors import ConfigError
 from aurora_store.redact import MASK
 from aurora_store.storage import open_store
+from aurora_store.testing.wait import wait_until
 from aurora_tools.cli import config_file
 from aurora_tools.cli.main import build_parser
 
@@ -218,7 +217,7 @@ SECRETS_TOML = (
 
 def test_printed_configuration_masks_secrets_and_keeps_paths(tmp_path: Path) -> None:
     f = toml(tmp_path, SECRETS_TOML)
-    args = parse("trainer", "--config", f)
+    args = parse("trainer", "--config", f, "--steps", "20")
     p = argparse.ArgumentParser(add_help=False)
     from aurora_tools.cli.run_cmds import add_trainer_arguments
 
@@ -232,7 +231,9 @@ def test_printed_configuration_masks_secrets_and_keeps_paths(tmp_path: Path) -> 
     assert opts["sign-key"] == "/keys/sign.pem"  # a path, shown; its contents are never read here
     assert "  steps = 20" in block and f in block.splitlines()[0]
     unset = block.splitlines()[-1]
-    assert unset.startswith("  # from the environment or the defaults: ") and " model," in unset and "steps" not in unset
+    # Options not given (no flag has a default of its own) are left to the environment or the defaults.
+    assert unset.startswith("  # from the environment or the defaults: ") and " model," in unset and " batch," in unset
+    assert "steps" not in unset
 
 
 def test_record_written_create_only_masked_and_unique(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -279,9 +280,7 @@ def test_real_relay_start_records_its_configuration(tmp_path: Path, redis_url: s
     proc = subprocess.Popen([sys.executable, "-m", "aurora_tools.cli", "relay", "--config", f, "--heartbeat-s", "0.2"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not list((origin / "config").glob("relay-*.json")) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: list((origin / "config").glob("relay-*.json")) or proc.poll() is not None, "the Relay's configuration record", timeout=60, interval=0.1)
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_fixtures import redis_client, redis_server, run_name  # noqa: F401
 
 from aurora_store.coordination.evals import eval_key, read_evals, read_store_evals, record_eval
 from aurora_store.coordination.keys import RunKeys

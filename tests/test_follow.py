@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,11 +24,11 @@ from typing import Any
 import pytest
 import torch
 from api_helpers import digest_of
-from redis_fixtures import own_redis_server, redis_server, run_name  # noqa: F401
 
 from aurora_store import Publisher
 from aurora_store.lineage.binding import ModelFile
 from aurora_store.storage import open_store
+from aurora_store.testing.wait import wait_until
 from aurora_tools.tinymodel import make_model_dir
 from workers.common import write_model_description
 from workers.follow import FollowConfig, follow
@@ -74,15 +73,6 @@ def _marker(out: Path) -> dict[str, Any] | None:
         return None
 
 
-def _until(cond: Callable[[], bool], proc: subprocess.Popen[str], what: str, log: Path | None = None) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not cond():
-        said = "" if log is None else "\n" + log.read_text()[-3000:]
-        assert proc.poll() is None, f"aurora follow exited ({proc.returncode}) before {what}{said}"
-        assert time.monotonic() < deadline, f"no {what} after {WAIT_S} s{said}"
-        time.sleep(0.05)
-
-
 def _loaded_digest(out: Path) -> str:
     from transformers import AutoModelForCausalLM
 
@@ -99,7 +89,7 @@ def test_follow_waits_for_the_run_then_holds_every_version_bit_for_bit(tmp_path:
         proc = _follow("--store", store, "--out", str(out), "--until", "3", "--poll-s", "0.1", stderr=err)
     try:
         # Started before the run exists: it waits, saying so.
-        _until(lambda: "holds no version yet" in log.read_text(), proc, "word that it waits")
+        wait_until(lambda: "holds no version yet" in log.read_text(), "word that it waits", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc})
         model = load_pretrained(model_dir)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         dirs = []
@@ -109,7 +99,7 @@ def test_follow_waits_for_the_run_then_holds_every_version_bit_for_bit(tmp_path:
                     _step(model, opt, v)
                 p = pub.publish(model)
                 assert p is not None and p.version == v
-                _until(lambda: (_marker(out) or {}).get("version") == v, proc, f"v{v} in place")  # noqa: B023
+                wait_until(lambda: (_marker(out) or {}).get("version") == v, f"v{v} in place", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc})  # noqa: B023
                 m = _marker(out)
                 assert m is not None and m["state"] == p.state and m["weights_digest"] == p.weights_digest and m["run"] == "run"
                 assert _loaded_digest(out) == p.weights_digest == digest_of(model)
@@ -152,7 +142,7 @@ def test_with_redis_every_load_during_the_run_is_a_complete_published_version(
         # Polling once a minute: only the run's announcements can make it this quick.
         proc = _follow("--store", store, "--redis", redis_server.url, "--out", str(out), "--poll-s", "60")
         try:
-            _until(lambda: _marker(out) is not None, proc, "v0 in place")
+            wait_until(lambda: _marker(out) is not None, "v0 in place", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc})
             loads: list[str] = []
             failures: list[BaseException] = []
             done = threading.Event()
@@ -173,7 +163,7 @@ def test_with_redis_every_load_during_the_run_is_a_complete_published_version(
                     assert p is not None and p.version == v
                     published[p.weights_digest] = v
                     if v % 2 == 0:  # let some versions land one by one, others two at a time
-                        _until(lambda: (_marker(out) or {}).get("version") == v, proc, f"v{v} in place")  # noqa: B023
+                        wait_until(lambda: (_marker(out) or {}).get("version") == v, f"v{v} in place", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc})  # noqa: B023
             finally:
                 done.set()
                 loader.join()
@@ -205,19 +195,19 @@ def test_redis_going_away_and_coming_back_is_ridden_out(tmp_path: Path, model_di
     with open(log, "w") as sink:
         proc = _follow("--store", store, "--redis", own_redis_server.url, "--out", str(out), "--poll-s", "0.2", "--outage-budget-s", "300", stderr=sink)
     try:
-        _until(lambda: (_marker(out) or {}).get("version") == 0, proc, "v0 in place", log)
+        wait_until(lambda: (_marker(out) or {}).get("version") == 0, "v0 in place", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc}, logs=[log])
         own_redis_server.stop()
         _step(model, opt, 1)
         with Publisher(store, run=run_name) as quiet:  # the Trainer's Redis is away; the store takes the version
             p1 = quiet.publish(model)
         assert p1 is not None and p1.version == 1
-        _until(lambda: "unreachable" in log.read_text(), proc, "word of the outage", log)  # met, and ridden (it still runs)
+        wait_until(lambda: "unreachable" in log.read_text(), "word of the outage", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc}, logs=[log])  # met, and ridden (it still runs)
         own_redis_server.start()  # back, empty
         _step(model, opt, 2)
         with Publisher(store, redis=own_redis_server.url, run=run_name) as pub:
             p2 = pub.publish(model)
         assert p2 is not None and p2.version == 2
-        _until(lambda: (_marker(out) or {}).get("version") == 2, proc, "v2 in place", log)
+        wait_until(lambda: (_marker(out) or {}).get("version") == 2, "v2 in place", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc}, logs=[log])
         assert _loaded_digest(out) == p2.weights_digest
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=WAIT_S) == 0, log.read_text()[-3000:]
@@ -280,7 +270,7 @@ def test_the_vllm_example_starts_from_the_followed_dir_and_applies_two_versions_
         with open(log, "w") as sink:
             proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--store", store, "--model", str(out), "--until", "2"], stdout=sink, stderr=subprocess.STDOUT, text=True, env=env)
         try:
-            _until(lambda: "loaded by vLLM" in log.read_text(), proc, "vLLM started")
+            wait_until(lambda: "loaded by vLLM" in log.read_text(), "vLLM started", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc})
             assert f"v0: loaded by vLLM from {out}, digest {p0.weights_digest[:19]}... checked" in log.read_text()
             digests = []
             for v in (1, 2):

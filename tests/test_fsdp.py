@@ -10,16 +10,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from redis_fixtures import redis_server, redis_url  # noqa: F401
 
 from aurora_store.coordination.redisconn import connect
 from aurora_store.testing.servers import free_port
+from aurora_store.testing.wait import wait_until
 from workers.common import RunKeys, read_digests
 from workers.model import logprobs, tiny_qwen3
 from workers.trainer.fsdp import (
@@ -142,10 +141,7 @@ def test_trainer_nproc2_versions_reach_an_actor_bit_identical(tmp_path: Path, re
         )
         # An Actor needs the model description and v0, which the Trainer writes after its warm start.
         r = connect(redis_url)
-        deadline = time.monotonic() + 300
-        while r.hget(RunKeys("fsdp").trainer, "head") is None:
-            assert trainer.poll() is None and time.monotonic() < deadline, logs.read_text(errors="replace")[-3000:]
-            time.sleep(0.2)
+        wait_until(lambda: r.hget(RunKeys("fsdp").trainer, "head") is not None, "v0", timeout=300, interval=0.2, processes={"the Trainer": trainer}, logs=[logs])
         actor = subprocess.Popen(
             [sys.executable, "-m", "aurora_tools.cli", "actor", *common, "--id", "a0"], env=env, stdout=alog, stderr=subprocess.STDOUT,
         )

@@ -1,4 +1,3 @@
-# ruff: noqa: F811
 """The job ledger against a real redis-server: leases, the settlement predicate, recovery.
 
 Most tests pass a manual clock (milliseconds) so that expiry is exact and
@@ -30,21 +29,14 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from ledger_fixtures import clock, jobs, ledger, register_on  # noqa: F401
-from redis_fixtures import (  # noqa: F401
-    ManualClock,
-    dead_redis_url,
-    own_redis_server,
-    redis_client,
-    redis_server,
-    run_name,
-)
+from ledger_fixtures import jobs, register_on
 
 from aurora_store.coordination.ledger import SETTLE_REASONS, Lease, Ledger, LedgerLost, StepExists
 from aurora_store.coordination.redisconn import RedisConfig, connect
 from aurora_store.coordination.retention import LedgerHeldVersions
 from aurora_store.errors import ConfigError, CoordinationError, RedisUnavailable
 from aurora_store.lineage.interfaces import HeldVersions
+from aurora_store.testing.clock import ManualClock
 from aurora_store.testing.servers import RedisServer
 from aurora_tools.bench.ledger import CallCounter, counting_client
 
@@ -141,10 +133,10 @@ def test_expired_lease_goes_back_to_the_pool_on_the_next_claim(ledger: Ledger, c
     ledger.create_step(V, H, jobs(3), {}, group=1, lease_ms=LEASE)
     _, held = ledger.claim("a", V, 3)
     assert len(held) == 3
-    clock.advance(LEASE)  # exactly at expiry: still a's
+    clock.advance_ms(LEASE)  # exactly at expiry: still a's
     assert ledger.claim("b", V, 3) == ("ok", [])
     assert conserved(ledger).expired == 0
-    clock.advance(1)  # now past it
+    clock.advance_ms(1)  # now past it
     st_ = conserved(ledger)
     assert (st_.leased, st_.expired) == (3, 0)  # nobody has looked yet
     status, again = ledger.claim("b", V, 3)
@@ -209,7 +201,7 @@ def test_stale_token_after_the_same_actor_was_re_leased(ledger: Ledger, clock: M
     join(ledger, "a")
     ledger.create_step(V, H, jobs(1), {}, group=1, lease_ms=LEASE)
     _, (old,) = ledger.claim("a", V, 1)
-    clock.advance(LEASE + 1)
+    clock.advance_ms(LEASE + 1)
     _, (new,) = ledger.claim("a", V, 1)
     assert new.prompt == old.prompt and new.token > old.token
     assert ledger.settle("a", old, V, H, b"old").reason == "stale_token"
@@ -225,7 +217,7 @@ def test_duplicate_settle_is_counted_once(ledger: Ledger, clock: ManualClock) ->
     ledger.create_step(V, H, jobs(2), {}, group=1, lease_ms=LEASE)
     t_claim = clock()
     _, (lease, _) = ledger.claim("a", V, 2)
-    clock.advance(10)
+    clock.advance_ms(10)
     assert ledger.settle("a", lease, V, H, b"once").reason == "accepted"
     assert ledger.settle("a", lease, V, H, b"once").reason == "duplicate"
     assert ledger.settle("a", lease, V, H, b"twice?").reason == "duplicate"
@@ -296,10 +288,10 @@ def test_reap_marks_silent_actors_gone_and_releases_their_work(ledger: Ledger, c
     ledger.create_step(V, H, jobs(6), {"a": 3}, group=1, lease_ms=60_000)
     _, held = ledger.claim("a", V, 2)
     ledger.leave("c")
-    clock.advance(5_000)
+    clock.advance_ms(5_000)
     assert ledger.heartbeat("b")
     assert ledger.reap(heartbeat_timeout_ms=5_000) == []  # exactly at the timeout: not yet
-    clock.advance(1)
+    clock.advance_ms(1)
     assert ledger.reap(heartbeat_timeout_ms=5_000) == ["a"]  # c left, b is fresh
     status = {r.actor: r.status for r in ledger.actors()}
     assert status == {"a": "gone", "b": "alive", "c": "left"}
@@ -439,7 +431,7 @@ def test_held_versions_of_live_actors(ledger: Ledger, clock: ManualClock) -> Non
     ledger.leave("left")
     assert 0 not in held.held_versions()
     join(ledger, "old", v=2, staged=2)
-    clock.advance(10_000)
+    clock.advance_ms(10_000)
     assert ledger.heartbeat("a") and ledger.heartbeat("b") and ledger.heartbeat("c")
     assert 2 in held.held_versions()  # alive until reaped, without a timeout
     recent = LedgerHeldVersions(ledger, heartbeat_timeout_ms=5_000)
@@ -463,7 +455,7 @@ def test_actor_lease_count_after_an_expired_lease_is_re_leased(ledger: Ledger, c
     join(ledger, "b")
     ledger.create_step(V, H, jobs(1), {}, group=1, lease_ms=LEASE)
     _, (old,) = ledger.claim("a", V, 1)
-    clock.advance(LEASE + 1)
+    clock.advance_ms(LEASE + 1)
     _, (new,) = ledger.claim("b", V, 1)
     assert ledger.settle("b", new, V, H, b"r").accepted
     assert ledger.settle("a", old, V, H, b"r").reason == "already_settled"
@@ -498,7 +490,7 @@ def test_quota_for_an_unregistered_actor_loses_no_prompt(ledger: Ledger, clock: 
     except ConfigError:
         return  # refusing such quotas is a fix too
     conserved(ledger)  # settled + leased + pending == total
-    clock.advance(60_000)
+    clock.advance_ms(60_000)
     assert ledger.heartbeat("b")
     ledger.reap(heartbeat_timeout_ms=30_000)
     _, got = ledger.claim("b", V, 10)
@@ -776,7 +768,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @initialize(quota=st.integers(0, 3))
     def setup(self, quota: int) -> None:
-        self.clock = ManualClock(1_000_000)
+        self.clock = ManualClock(wall=1_000.0)
         self.run = f"sm-{uuid.uuid4().hex[:10]}"
         self.ledger = Ledger(self.client, self.run, clock=self.clock)
         self.active = {"a0": V, "a1": V, "a2": V - 1}  # a2 must activate v before it may claim
@@ -890,7 +882,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(ms=st.sampled_from([0, 1, 30, SM_LEASE - 1, SM_LEASE, SM_LEASE + 1, 150]))
     def advance(self, ms: int) -> None:
-        self.clock.advance(ms)
+        self.clock.advance_ms(ms)
 
     @rule(actor=st.sampled_from(SM_ACTORS))
     def heartbeat(self, actor: str) -> None:

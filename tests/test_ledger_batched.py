@@ -1,4 +1,3 @@
-# ruff: noqa: F811
 """The ledger's batched scripts: one CLAIM answers the step's metadata, one SETTLE_MANY per step settles a
 batch, each result judged as its own SETTLE would judge it, and a step created while an Actor leaves
 strands nothing."""
@@ -8,15 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from ledger_fixtures import clock, jobs, ledger, register_on  # noqa: F401
-from redis_fixtures import (  # noqa: F401
-    ManualClock,
-    redis_client,
-    redis_server,
-    run_name,
-)
+from ledger_fixtures import jobs, register_on
 
 from aurora_store.coordination.ledger import Ledger
+from aurora_store.testing.clock import ManualClock
 from aurora_store.testing.servers import RedisServer
 from aurora_tools.bench.ledger import CallCounter, counting_client
 
@@ -73,7 +67,7 @@ def test_claim_returns_every_expired_lease_to_the_pool(ledger: Ledger, clock: Ma
     join(ledger, "b")
     ledger.create_step(V, H, jobs(30), {}, group=1, lease_ms=LEASE)
     _, held = ledger.claim("a", V, 30)
-    clock.advance(LEASE + 1)
+    clock.advance_ms(LEASE + 1)
     _, again = ledger.claim("b", V, 30)
     assert sorted(le.prompt for le in again) == sorted(le.prompt for le in held)
     assert ledger.step_status(V).expired == 30
@@ -124,7 +118,7 @@ def test_settle_many_judges_each_result_as_settle_would(
         ledger.create_step(v, H, jobs(9), {}, group=1, lease_ms=LEASE, version=V)
         _, mine = ledger.claim("a", v, 7)
         _, theirs = ledger.claim("b", v, 1)
-        clock.advance(10)
+        clock.advance_ms(10)
         short = ledger.claim("a", v, 1)[1][0]
         batch = [
             (mine[0], V, H, b"0"),
@@ -142,7 +136,7 @@ def test_settle_many_judges_each_result_as_settle_would(
             )
         else:
             answers.append([s.reason for s in ledger.settle_many("a", batch)])
-        clock.advance(
+        clock.advance_ms(
             LEASE - 5
         )  # `short` (leased 10 ms later) is still valid, the others are past expiry
         late = (
@@ -156,7 +150,7 @@ def test_settle_many_judges_each_result_as_settle_would(
             else [ledger.settle_many("a", [(short, V, H, b"s")])[0].reason]
         )
         answers[-1] += late + ok
-        clock.advance(-(LEASE - 5))
+        clock.advance_ms(-(LEASE - 5))
     assert answers[0] == answers[1]
     assert answers[0] == [
         "accepted",

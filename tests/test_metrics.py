@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -34,6 +33,7 @@ from aurora_store.lineage.plan import scan_versions
 from aurora_store.metrics import SECONDS_BUCKETS, Metrics, step_key, step_record
 from aurora_store.outage import Dependency
 from aurora_store.storage import Store, open_store
+from aurora_store.testing.wait import wait_until
 from workers.trainer.step_metrics import save_step_metrics
 from workers.trainer.trainer import StepLog
 
@@ -279,25 +279,6 @@ def test_a_step_record_that_cannot_be_written_is_one_warning(tmp_path: Path, cap
 STEPS = 4
 
 
-def _wait_until(cond: Callable[[], bool], procs: dict[str, subprocess.Popen[bytes]], logs: Path, what: str, timeout_s: float = 180) -> None:
-    """Poll ``cond`` (no fixed sleeps); fail naming ``what`` with the logs' tails if a child dies or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if cond():
-                return
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass  # an endpoint not listening yet
-        for name, p in procs.items():
-            assert p.poll() is None, f"{name} exited ({p.returncode}) waiting for {what}:\n{_tail(logs / f'{name}.log')}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n" + "\n".join(_tail(logs / f"{n}.log") for n in procs)
-        time.sleep(0.1)
-
-
-def _tail(path: Path, n: int = 3000) -> str:
-    return path.read_text(errors="replace")[-n:] if path.exists() else f"(no {path})"
-
-
 def _dir_bytes(store: Store, prefix: str) -> int:
     return sum(store.size(k) for k in store.list(prefix))
 
@@ -318,13 +299,18 @@ def test_scraped_workers_match_the_store_and_the_ledger(tmp_path: Path, installe
     logs.mkdir()
     env = {**os.environ, "AURORA_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    # Waits fail at once, with the logs' tails, if a child dies; an endpoint not listening yet is "not yet".
+    watch: dict[str, Any] = {
+        "processes": procs, "logs": [logs / "relay.log", logs / "actor.log"], "interval": 0.1,
+        "ignoring": (urllib.error.URLError, ConnectionError, OSError),
+    }
     ports = {"relay": free_port(), "actor": free_port()}
     with RedisServer() as rs:
         m = installed("trainer")
         srv = m.serve(0)
         cfg = TrainerConfig(
             steps=STEPS, batch=4, group=4, eval_every=2, eval_size=4, checkpoint_every=0,
-            snapshot_every=2, keep_snapshots=0, min_actors=1, warm_start_steps=40,
+            snapshot_every=2, keep_snapshots=0, min_actors=1, warm_start_steps=2,  # counts, not learning
         )
         trainer = Trainer(Endpoints(origin_url, rs.url, run, {}), cfg)
         common = ["--store", origin_url, "--redis", rs.url, "--run", run, "--region", "eu", "--mirror", mirror_url]
@@ -347,7 +333,7 @@ def test_scraped_workers_match_the_store_and_the_ledger(tmp_path: Path, installe
             start("actor", ["actor", *common, "--id", "a0"])
             t = threading.Thread(target=train, name="trainer", daemon=True)
             t.start()
-            _wait_until(lambda: not t.is_alive(), procs, logs, "the Trainer's last step", timeout_s=400)
+            wait_until(lambda: not t.is_alive(), "the Trainer's last step", timeout=400, **watch)
             assert not failure, failure
             store, mirror = open_store(origin_url), open_store(mirror_url)
             head = scan_versions(store).latest
@@ -386,7 +372,7 @@ def test_scraped_workers_match_the_store_and_the_ledger(tmp_path: Path, installe
                 return (rec is not None and _v(got, "aurora_active_version", **a) == head
                         and _v(got, "aurora_leases_settled_total", **a, result="accepted") == rec.settled)
 
-            _wait_until(actor_caught_up, procs, logs, "the Actor to activate the head")
+            wait_until(actor_caught_up, "the Actor to activate the head", timeout=180, **watch)
             ac = _scrape(ports["actor"])
             rec = ledger.actor("a0")
             assert rec is not None and rec.settled == STEPS * cfg.batch  # one Actor did all the work
@@ -406,7 +392,7 @@ def test_scraped_workers_match_the_store_and_the_ledger(tmp_path: Path, installe
             def relay_caught_up() -> bool:
                 return _v(_scrape(ports["relay"]), "aurora_mirrored_version", region="eu") == head
 
-            _wait_until(relay_caught_up, procs, logs, "the Relay to mirror the head")
+            wait_until(relay_caught_up, "the Relay to mirror the head", timeout=180, **watch)
             rl = _scrape(ports["relay"])
             held = scan_versions(mirror)
             assert _v(rl, "aurora_versions_mirrored_total", region="eu", kind="delta") == len(held.deltas) == head

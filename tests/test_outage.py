@@ -23,25 +23,7 @@ from aurora_store.outage import (
     is_transient,
     outage_budget_s,
 )
-
-
-class InstantClock:
-    """A clock whose waits return at once, having moved time on by the wait."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-        self.waits: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.t
-
-    def time(self) -> float:
-        return 1.7e9 + self.t
-
-    def wait(self, event: threading.Event, timeout_s: float) -> bool:
-        self.waits.append(timeout_s)
-        self.t += timeout_s
-        return event.is_set()
+from aurora_store.testing.clock import ManualClock
 
 
 def _flaky(failures: int, exc: BaseException) -> tuple[list[int], object]:
@@ -71,7 +53,7 @@ def test_transient_is_only_unavailability() -> None:
 
 
 def test_an_outage_is_logged_once_at_start_and_once_at_end(caplog: pytest.LogCaptureFixture) -> None:
-    clock = InstantClock()
+    clock = ManualClock(start=0.0, instant=True)
     dep = Dependency("Redis", logging.getLogger("t.outage"), budget_s=600, clock=clock, initial_s=0.5, max_s=4)
     calls, fn = _flaky(6, RedisUnavailable("claim", "Connection refused"))
     with caplog.at_level(logging.WARNING, logger="t.outage"):
@@ -83,11 +65,11 @@ def test_an_outage_is_logged_once_at_start_and_once_at_end(caplog: pytest.LogCap
     assert "Redis reachable again after" in lines[1]
     assert not dep.away and dep.outages == 1
     # Exponential, capped, jittered.
-    assert all(0 < w <= 4 + 0.5 for w in clock.waits) and max(clock.waits) > 2
+    assert all(0 < w <= 4 + 0.5 for w in clock.waited) and max(clock.waited) > 2
 
 
 def test_a_permanent_error_propagates_at_once() -> None:
-    dep = Dependency("the store", logging.getLogger("t.outage"), clock=InstantClock())
+    dep = Dependency("the store", logging.getLogger("t.outage"), clock=ManualClock(start=0.0, instant=True))
     calls, fn = _flaky(1, StoreError("s3://b/run: AccessDenied"))
     with pytest.raises(StoreError, match="AccessDenied"):
         dep.call(fn)  # type: ignore[arg-type]
@@ -95,17 +77,17 @@ def test_a_permanent_error_propagates_at_once() -> None:
 
 
 def test_past_the_budget_the_outage_is_too_long() -> None:
-    clock = InstantClock()
+    clock = ManualClock(start=0.0, instant=True)
     dep = Dependency("Redis", logging.getLogger("t.outage"), budget_s=30, clock=clock, initial_s=1, max_s=5)
     calls, fn = _flaky(10_000, RedisUnavailable("x", "timed out"))
     with pytest.raises(OutageTooLong, match=r"Redis unreachable for \d+s \(outage budget 30s\)") as ei:
         dep.call(fn)  # type: ignore[arg-type]
-    assert ei.value.seconds > 30 and 30 < clock.t < 40
+    assert ei.value.seconds > 30 and 30 < clock.monotonic() < 40
     assert 5 < calls[0] < 40
 
 
 def test_threads_share_one_outage(caplog: pytest.LogCaptureFixture) -> None:
-    clock = InstantClock()
+    clock = ManualClock(start=0.0, instant=True)
     dep = Dependency("Redis", logging.getLogger("t.outage"), clock=clock)
     with caplog.at_level(logging.WARNING, logger="t.outage"):
         for what in ("heartbeat", "claim", "heartbeat"):
@@ -122,7 +104,7 @@ def test_threads_share_one_outage(caplog: pytest.LogCaptureFixture) -> None:
 def test_stop_ends_the_wait_with_the_last_error() -> None:
     stop = threading.Event()
     stop.set()
-    dep = Dependency("Redis", logging.getLogger("t.outage"), clock=InstantClock())
+    dep = Dependency("Redis", logging.getLogger("t.outage"), clock=ManualClock(start=0.0, instant=True))
     _, fn = _flaky(100, RedisUnavailable("x", "refused"))
     with pytest.raises(RedisUnavailable):
         dep.call(fn, stop=stop)  # type: ignore[arg-type]

@@ -26,9 +26,10 @@ from redis_fixtures import redis_client, redis_server, run_name  # noqa: F401
 from relay_helpers import Trainer, describe_model, wait_until
 
 import aurora_store.lineage.fetch as fetch_mod
-from aurora_store.clock import SYSTEM_CLOCK
+from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.codec.extract import extract
 from aurora_store.coordination.bus import SEGMENT, Bus, Event
+from aurora_store.coordination.records import RunRecords
 from aurora_store.errors import ConfigError, SignatureError
 from aurora_store.format.manifest import manifest_key, version_dir
 from aurora_store.format.signing import Signer
@@ -51,7 +52,7 @@ from aurora_tools.bench.wan_sweep import (
 from aurora_tools.synthetic.engine import SyntheticEngine
 from aurora_tools.synthetic.shapes import QWEN3_TINY
 from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
-from workers.actor import ActorConfig, add_arguments, config_from_args
+from workers.actor import Actor, ActorConfig, add_arguments, config_from_args
 from workers.actor.announced import AnnouncedFetch
 from workers.common import Endpoints, RunKeys
 from workers.model import fusion_plan_for
@@ -325,7 +326,7 @@ def test_held_segments_spill_to_a_private_folder_for_workers_that_read_a_store(
     real = pub.src.get(listed[1])
     forged = real[:-1] + bytes([real[-1] ^ 0xFF])
     origin = Counting(pub.src)
-    early = AnnouncedFetch(2, 1 << 26, redis_client, RunKeys(run_name))
+    early = AnnouncedFetch(2, 1 << 26, RunRecords(redis_client, run_name))
     assert early.spill(origin, m1, 2) is None  # nothing held: the workers read the store
     tampering = Tampering(origin, {listed[1]: forged})
     for ev in pub.events[1]:
@@ -351,20 +352,18 @@ def test_held_segments_spill_to_a_private_folder_for_workers_that_read_a_store(
 
 
 def _actor(
-    pub: Published, tmp: Path, redis_url: str, run: str, redis: Any, fetch: str, **kw: Any
-) -> SourceRecorder:
-    a = SourceRecorder(
-        Endpoints(f"file://{tmp}/origin", redis_url, run),
-        ActorConfig(actor_id="a", region="r1", fetch=fetch, **kw),
-        clock=ManualClock(),
-    )
-    a.origin = Counting(a.origin)  # type: ignore[assignment]
+    pub: Published, tmp: Path, redis_url: str, run: str, redis: Any, fetch: str, clock: Clock | None = None, **kw: Any
+) -> tuple[Actor, SourceRecorder]:
+    """An Actor at v0 (as bootstrap leaves it) on the synthetic engine, its origin counted."""
     eng = SyntheticEngine(pub.spec, hold=True, digests=True)
     eng.load_base()
-    a.engine = eng  # type: ignore[assignment]
-    a.staged_version, a.staged_state = 0, pub.spec.base_state
-    a.active, a.active_state = 0, pub.spec.base_state  # as bootstrap leaves it
-    return a
+    rec = SourceRecorder()
+    a = Actor.from_endpoints(
+        Endpoints(f"file://{tmp}/origin", redis_url, run), ActorConfig(actor_id="a", region="r1", fetch=fetch, **kw),
+        clock or ManualClock(), origin=Counting(open_store(f"file://{tmp}/origin")), engine=eng, observers=[rec],
+    )
+    a.holding.start_at(0, pub.spec.base_state)
+    return a, rec
 
 
 def _segment_events(pub: Published, v: int) -> list[Event]:
@@ -387,29 +386,29 @@ def test_the_stager_prefetches_announced_segments_and_stages_once_committed(
     (tmp_path / "origin").mkdir()
     for v in (1, 2):
         pub.copy_segments(tmp_path / "origin", v)
-    a = _actor(pub, tmp_path, redis_server.url, run_name, redis_client, "announced")
+    a, rec = _actor(pub, tmp_path, redis_server.url, run_name, redis_client, "announced")
     for v in (1, 2):
         for ev in _segment_events(pub, v):
-            a._announcement(ev, None, None)
-    assert a._announced is not None and a._announced.prefetch.versions() == {1, 2}
-    _wait_downloads(a._announced.prefetch)
-    a._stage_available()  # nothing committed yet: nothing staged, nothing decoded
+            a.stager.announcement(ev, None, None)
+    assert a.fetcher.announced is not None and a.fetcher.announced.prefetch.versions() == {1, 2}
+    _wait_downloads(a.fetcher.announced.prefetch)
+    a.stager.stage_once()  # nothing committed yet: nothing staged, nothing decoded
     assert a.staged_version == 0
     for v in (1, 2):
         pub.copy_manifest(tmp_path / "origin", v)
     redis_client.hset(RunKeys(run_name).trainer, mapping={"head": 2})
-    a._stage_available()
-    assert a.staged_version == 2 and a.sources == [(1, False), (2, False)]
+    a.stager.stage_once()
+    assert a.staged_version == 2 and rec.sources == [(1, False), (2, False)]
     assert a.origin.segments_read("delta", 1) == [] and a.origin.segments_read("delta", 2) == []
-    assert a._announced.prefetch.held_bytes == 0
-    for staged, _state, _s in a.staged:
-        a.engine.apply(staged)
-    a._announced.close()
+    assert a.fetcher.announced.prefetch.held_bytes == 0
+    for e in a.staged:
+        a.engine.apply(e.item)
+    a.fetcher.announced.close()
 
 
 @pytest.mark.server
 def test_manifest_first_is_the_old_path(
-    tmp_path: Path, redis_server: Any, redis_client: Any, run_name: str
+    tmp_path: Path, redis_server: Any, redis_client: Any, run_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ap = argparse.ArgumentParser()
     add_arguments(ap)
@@ -428,8 +427,8 @@ def test_manifest_first_is_the_old_path(
     pub = Published(tmp_path, versions=1)
     (tmp_path / "origin").mkdir()
     pub.copy_segments(tmp_path / "origin", 1)
-    a = _actor(pub, tmp_path, redis_server.url, run_name, redis_client, "manifest-first")
-    assert a._announced is None
+    a, _ = _actor(pub, tmp_path, redis_server.url, run_name, redis_client, "manifest-first")
+    assert a.fetcher.announced is None
     ranged: list[str] = []
     real = a.origin.inner.get_range
 
@@ -437,12 +436,12 @@ def test_manifest_first_is_the_old_path(
         ranged.append(key)
         return real(key, *x)
 
-    a.origin.inner.get_range = spy  # type: ignore[method-assign]
+    monkeypatch.setattr(a.origin.inner, "get_range", spy)
     for ev in _segment_events(pub, 1):
-        a._announcement(ev, None, None)
+        a.stager.announcement(ev, None, None)
     pub.copy_manifest(tmp_path / "origin", 1)
     redis_client.hset(RunKeys(run_name).trainer, mapping={"head": 1})
-    a._stage_available()
+    a.stager.stage_once()
     assert a.staged_version == 1 and ranged == []
     assert sorted(a.origin.segments_read("delta", 1)) == sorted(
         f"{version_dir('delta', 1)}/{r.key}" for r in pub.manifests[1].segments
@@ -450,18 +449,16 @@ def test_manifest_first_is_the_old_path(
 
 
 @contextlib.contextmanager
-def _stager_running(a: Any) -> Iterator[None]:
+def _stager_running(a: Actor) -> Iterator[None]:
     """The Actor's real stager loop in a thread for the body's length, stopped however it ends."""
-    a.clock = SYSTEM_CLOCK
-    t = threading.Thread(target=a._stager_loop, daemon=True)
+    t = threading.Thread(target=a.stager.run, daemon=True)
     t.start()
     try:
         yield
     finally:
         a.stop.set()
         t.join(10)
-        if a._announced is not None:
-            a._announced.close()
+        a.fetcher.close()
 
 
 def _commit_and_stage(pub: Any, tmp_path: Path, redis_client: Any, run_name: str, a: Any, deadline: float) -> None:
@@ -482,12 +479,12 @@ def test_the_stager_loop_prefetches_from_the_stream(
     """The real loop: announcements on the stream start downloads before the manifest exists."""
     pub = Published(tmp_path, versions=1)
     (tmp_path / "origin").mkdir()
-    a = _actor(
-        pub, tmp_path, redis_server.url, run_name, redis_client, "announced", stage_block_ms=50
+    a, _ = _actor(
+        pub, tmp_path, redis_server.url, run_name, redis_client, "announced", clock=SYSTEM_CLOCK, stage_block_ms=50
     )
     with _stager_running(a):
         bus = Bus(redis_client, run_name)
-        pf = a._announced.prefetch if a._announced is not None else None
+        pf = a.fetcher.announced.prefetch if a.fetcher.announced is not None else None
         assert pf is not None
         # The loop takes the stream's end first: what is announced before is not read (re-announce).
         deadline = time.monotonic() + 90  # a condition, not a guess: a cold first run (imports, kernels) is slow
@@ -680,7 +677,7 @@ def test_a_version_announcement_reads_ahead_only_what_the_stager_would(
     trusted, forger = Signer.generate(), Signer.generate()
     pub = Published(tmp_path, versions=1, signer=forger)
     ev = Event("1-0", "version", 1, {"kind": "delta"})
-    early = AnnouncedFetch(2, 1 << 20, redis_client, RunKeys(run_name))
+    early = AnnouncedFetch(2, 1 << 20, RunRecords(redis_client, run_name))
     early.version(pub.src, ev, 0, trusted.trust(), None)
     assert (
         early.manifest(pub.src, 1) is None
@@ -704,12 +701,11 @@ def test_the_state_read_early_serves_the_check_after_the_fetch(
 ) -> None:
     """The stager checks the Trainer's record after the fetch (after ``done``): the early read serves that check, once."""
     from workers.actor.announced import AnnouncedFetch
-    from workers.common import record_expected_state
 
     pub = Published(tmp_path, versions=2)
-    keys = RunKeys(run_name)
-    record_expected_state(redis_client, keys, 1, "sha256:" + "a" * 64)
-    early = AnnouncedFetch(2, 1 << 20, redis_client, keys)
+    records = RunRecords(redis_client, run_name)
+    records.record_expected_state(1, "sha256:" + "a" * 64)
+    early = AnnouncedFetch(2, 1 << 20, records)
     early.version(pub.src, Event("1-0", "version", 1, {"kind": "delta"}), 0, None, None)
     assert early.manifest(pub.src, 1) == pub.manifests[1]
     early.done(1)  # the fetch is over: the manifest read early is gone, the record stays
@@ -721,7 +717,7 @@ def test_the_state_read_early_serves_the_check_after_the_fetch(
     early.done(3)  # a later version staged: the record of 2 is let go unread
     assert early.expected_state(2) == (False, None)
     # A version the stager found by polling, before its announcement: the fetch starts the read.
-    record_expected_state(redis_client, keys, 4, "sha256:" + "b" * 64)
+    records.record_expected_state(4, "sha256:" + "b" * 64)
     early.expect(4)
     early.expect(4)  # once
     early.version(pub.src, Event("4-0", "version", 4, {"kind": "delta"}), 3, None, None)  # a read under way is kept
@@ -732,25 +728,25 @@ def test_the_state_read_early_serves_the_check_after_the_fetch(
 
 @pytest.mark.server
 def test_the_stager_loop_reads_segment_announcements_without_polling_between(
-    tmp_path: Path, redis_server: Any, redis_client: Any, run_name: str
+    tmp_path: Path, redis_server: Any, redis_client: Any, run_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Segments of a version still being published: back to the stream at once, no poll of the head between them."""
     pub = Published(tmp_path, versions=1)
     (tmp_path / "origin").mkdir()
-    a = _actor(
-        pub, tmp_path, redis_server.url, run_name, redis_client, "announced", stage_block_ms=5_000
+    a, _ = _actor(
+        pub, tmp_path, redis_server.url, run_name, redis_client, "announced", clock=SYSTEM_CLOCK, stage_block_ms=5_000
     )
     polls = []
-    real_poll = a._poll
+    real_poll = a.stager.poll
 
     def counted() -> Any:
         polls.append(time.monotonic())
         return real_poll()
 
-    a._poll = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(a.stager, "poll", counted)
     with _stager_running(a):
         bus = Bus(redis_client, run_name)
-        pf = a._announced.prefetch if a._announced is not None else None
+        pf = a.fetcher.announced.prefetch if a.fetcher.announced is not None else None
         assert pf is not None
         deadline = time.monotonic() + 90
         while not polls:  # the loop's first poll, then it waits on the stream

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures imported from server_fixtures are parameters here)
 """Publishing and fetching versions on every backend, with a real S3 server.
 
 The store is the source of truth: these tests check that what an Actor
@@ -22,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from server_fixtures import any_store, s3_bucket, s3_server, s3_store  # noqa: F401
 
 from aurora_store.apply.sink import FusedWeights, apply_delta, weights_digest
 from aurora_store.codec.extract import extract, fuse_weights, spec_of

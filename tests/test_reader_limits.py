@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures imported from redis_fixtures are parameters here)
 """Hard bounds on untrusted sizes (issue 13, point 6; docs/FORMAT.md "Reader limits").
 
 Each entry of a segment was already bounded on its own; these are the bounds
@@ -25,7 +24,6 @@ from typing import Any
 import numpy as np
 import pytest
 from codec_helpers import publish_raw_delta
-from redis_fixtures import redis_client, redis_server, run_name  # noqa: F401
 
 from aurora_store.codec.entries import NAIVE, ParamSpec
 from aurora_store.codec.extract import ParamDelta
@@ -298,18 +296,20 @@ def test_verify_deep_flags_declared_nnz_and_passes_a_good_delta(tmp_path: Path) 
 def test_relay_skips_a_version_whose_manifest_holds_a_5000_digit_integer(redis_server: Any, run_name: str, tmp_path: Path) -> None:
     """Before the limit this was a bare ValueError that aborted the Relay's listing; now
     delta 2 is quarantined and the versions around it are mirrored."""
-    from relay_helpers import Trainer, describe_model, make_relay, mirrored, running, wait_until
+    from relay_helpers import describe_model, make_relay, mirrored, running
+    from trainer_fixtures import FakeTrainer
 
     from aurora_store.coordination.bus import Bus
     from aurora_store.coordination.redisconn import connect
     from aurora_store.storage import open_store
+    from aurora_store.testing.wait import wait_until
 
     origin = open_store(f"file://{tmp_path}/origin")
     mirror = open_store(f"file://{tmp_path}/mirror")
     describe_model(origin)
     redis = connect(redis_server.url)
     try:
-        trainer = Trainer(origin, Bus(redis, run_name), run_name)
+        trainer = FakeTrainer(origin, run_name, Bus(redis, run_name))
         for _ in range(3):
             trainer.step(announce=False)
         key = manifest_key("delta", 2)
@@ -359,9 +359,9 @@ def test_actor_reads_origin_when_the_mirror_manifest_breaks_a_limit(tmp_path: Pa
     m1.write_bytes(m1.read_bytes().replace(b'"version": 1', b'"version": ' + b"1" * 5000, 1))
     m2 = mirror / manifest_key("delta", 2)
     m2.write_bytes(m2.read_bytes().rstrip().rstrip(b"}") + b', "pad": "' + b"x" * MAX_MANIFEST_BYTES + b'"}')
-    a = _actor(run, head=2)
-    a._stage_available()
-    assert a.sources == [(1, False), (2, False)]
+    a, rec = _actor(run, head=2)
+    a.stager.stage_once()
+    assert rec.sources == [(1, False), (2, False)]
 
 
 # --- our writer stays inside the limits ---------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +36,7 @@ from aurora_store.errors import ConfigError, CoordinationError, RedisUnavailable
 from aurora_store.outage import Dependency, is_transient, riding
 from aurora_store.redact import redact_url
 from aurora_store.testing.cluster import RedisCluster, key_slot
+from aurora_store.testing.wait import wait_until
 
 pytestmark = pytest.mark.server
 
@@ -141,10 +141,7 @@ def test_a_cluster_that_comes_up_while_a_worker_connects_is_waited_for(caplog: p
     )
     with caplog.at_level(logging.WARNING, logger="aurora.redis"):
         worker.start()
-        deadline = time.monotonic() + 30
-        while not [r for r in caplog.records if "no seed answers yet" in r.getMessage()]:
-            assert time.monotonic() < deadline, "the connect never said it was waiting"
-            time.sleep(0.05)
+        wait_until(lambda: any("no seed answers yet" in r.getMessage() for r in caplog.records), "the connect to say it waits", interval=0.05)
         with c:  # starts it
             worker.join(timeout=120)
             assert got and is_cluster_client(got[0]) and got[0].ping()
@@ -288,12 +285,8 @@ def test_the_demo_system_survives_losing_its_master(tmp_path: Any) -> None:
         t.start()
         try:
             r = connect(c.url)
-            step = None
-            while t.is_alive():  # wait until the run is in its third step
-                step = r.hget(keys.trainer, "step")
-                if step is not None and int(step) >= 2:
-                    break
-                time.sleep(0.05)
+            # until the run is in its third step (or the demo ended, which the assert reports)
+            wait_until(lambda: not t.is_alive() or int(r.hget(keys.trainer, "step") or -1) >= 2, "the third step", timeout=300, interval=0.05)
             assert t.is_alive(), out
             old = c.master_of(keys.fence)
             c.kill(old)

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures imported from server_fixtures/redis_fixtures are parameters here)
 """The Relay against real servers: moto's S3 server and redis-server on loopback.
 
 A test Trainer publishes versions at origin with the library and announces
@@ -22,20 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_fixtures import own_redis_server, redis_server, run_name  # noqa: F401
 from relay_helpers import (
     MODEL_CONFIG,
     REGION,
     REPO,
-    Trainer,
     describe_model,
     make_relay,
     mirrored,
     region_events,
     running,
-    wait_until,
 )
-from server_fixtures import s3_server  # noqa: F401
+from trainer_fixtures import FakeTrainer
 
 from aurora_store.apply.sink import weights_digest
 from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus
@@ -48,6 +44,7 @@ from aurora_store.lineage.plan import scan_versions
 from aurora_store.lineage.publish import SegmentEvent
 from aurora_store.storage import open_store
 from aurora_store.testing.servers import RedisServer, S3Server
+from aurora_store.testing.wait import wait_until
 from workers.relay import RelayConfig, add_arguments, config_from_args, relay_key
 
 
@@ -86,7 +83,7 @@ def test_cut_through_mirror_and_region_announcements(s3_server: S3Server, redis_
     with running(relay):
         wait_until(relay.caught_up.is_set, "the first listing")
         assert redis.get(relay_key(run_name, REGION)) == mirror.url.encode()
-        trainer = Trainer(origin, bus, run_name)
+        trainer = FakeTrainer(origin, run_name, bus)
         m1 = trainer.step(after=cut_through)
         m2 = trainer.step()
         assert len(m1.segments) > 1 and len(m2.segments) > 1
@@ -125,7 +122,7 @@ def test_late_relay_catches_up_and_restarts_without_copying_again(s3_server: S3S
     origin = open_store(f"s3://{s3_server.new_bucket()}/runs/{run_name}", s3_server.storage_options())
     mirror = open_store(f"s3://{s3_server.new_bucket()}/eu/{run_name}", s3_server.storage_options())
     bus = Bus(redis, run_name)
-    trainer = Trainer(origin, bus, run_name)
+    trainer = FakeTrainer(origin, run_name, bus)
     for _ in range(3):
         trainer.step()
     trainer.snapshot(3)
@@ -172,7 +169,7 @@ def test_duplicate_announcements_copy_each_object_once(redis_server: RedisServer
     relay = make_relay(origin, mirror, redis_server.url, run_name)
     with running(relay):
         wait_until(relay.caught_up.is_set, "the first listing")
-        trainer = Trainer(origin, Bus(redis, run_name), run_name, repeat=3)
+        trainer = FakeTrainer(origin, run_name, Bus(redis, run_name), repeat=3)
         for _ in range(3):
             trainer.step()
         wait_until(mirrored(relay, *trainer.manifests), "every version")
@@ -198,7 +195,7 @@ def test_untrusted_bytes_are_never_mirrored(redis_server: RedisServer, redis: An
     bus = Bus(redis, run_name)
     with running(relay):
         wait_until(relay.caught_up.is_set, "the first listing")
-        trainer = Trainer(origin, bus, run_name)
+        trainer = FakeTrainer(origin, run_name, bus)
 
         # 1. A forged announcement (digest of other bytes) for a good object: refused at
         #    once, then fetched again and checked against the manifest when it commits.
@@ -212,7 +209,7 @@ def test_untrusted_bytes_are_never_mirrored(redis_server: RedisServer, redis: An
                 assert not mirror.exists(ev.key)
 
         trainer.step(after=forged, announce=False)
-        trainer._committed(trainer.manifests[("delta", 1)], announce=True)
+        trainer.announce(trainer.manifests[("delta", 1)])
         wait_until(mirrored(relay, ("delta", 1)), "delta 1 from its manifest")
         assert any(forged_keys[0] in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
 
@@ -253,7 +250,7 @@ def test_bus_gap_relists_origin(redis_server: RedisServer, redis: Any, run_name:
     origin = open_store(f"file://{tmp_path}/origin")
     mirror = open_store(f"file://{tmp_path}/mirror")
     bus = Bus(redis, run_name)
-    trainer = Trainer(origin, bus, run_name)
+    trainer = FakeTrainer(origin, run_name, bus)
     relay = make_relay(origin, mirror, redis_server.url, run_name)
     with running(relay):
         wait_until(mirrored(relay, ("snapshot", 0)), "snapshot 0")
@@ -274,7 +271,7 @@ def test_redis_restart_loses_stream_and_heartbeat(own_redis_server: RedisServer,
     origin = open_store(f"file://{tmp_path}/origin")
     mirror = open_store(f"file://{tmp_path}/mirror")
     redis = connect(own_redis_server.url)
-    trainer = Trainer(origin, Bus(redis, run_name), run_name)
+    trainer = FakeTrainer(origin, run_name, Bus(redis, run_name))
     relay = make_relay(origin, mirror, own_redis_server.url, run_name)
     key = relay_key(run_name, REGION)
     with running(relay):
@@ -310,7 +307,7 @@ def test_heartbeat_deleted_on_sigterm_and_expires_after_sigkill(redis_server: Re
         for r, p in procs.items():
             wait_until(
                 lambda r=r, p=p: redis.get(relay_key(run_name, r)) is not None or p.poll() is not None,  # type: ignore[misc]
-                f"relay {r} heartbeating", timeout_s=60,
+                f"relay {r} heartbeating", timeout=60,
             )
             assert p.poll() is None, p.communicate()[0]
         assert redis.get(relay_key(run_name, "a")) == f"file://{tmp_path}/mirror-a".encode()
@@ -325,8 +322,8 @@ def test_heartbeat_deleted_on_sigterm_and_expires_after_sigkill(redis_server: Re
         procs["b"].kill()
         procs["b"].wait(timeout=30)
         assert redis.pttl(relay_key(run_name, "b")) > 0  # still there: nobody deleted it
-        wait_until(lambda: redis.get(relay_key(run_name, "b")) is None, "relay b's key to expire", timeout_s=5)
-        wait_until(lambda: redis.get(RunKeys(run_name).relay_held("b")) is None, "relay b's held key to expire", timeout_s=5)
+        wait_until(lambda: redis.get(relay_key(run_name, "b")) is None, "relay b's key to expire", timeout=5)
+        wait_until(lambda: redis.get(RunKeys(run_name).relay_held("b")) is None, "relay b's held key to expire", timeout=5)
     finally:
         for p in procs.values():
             if p.poll() is None:

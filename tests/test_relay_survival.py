@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures imported from redis_fixtures are parameters here)
 """The Relay survives (issue 12, points 1, 5 and 6 for the Relay), against real servers.
 
 - started before the Trainer, it waits for the run to appear, saying so once;
@@ -28,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_fixtures import dead_redis_url, own_redis_server, redis_server, run_name  # noqa: F401
-from relay_helpers import REPO, Trainer, describe_model, make_relay, mirrored, running, wait_until
+from relay_helpers import REPO, describe_model, make_relay, mirrored, running
+from trainer_fixtures import FakeTrainer
 
 from aurora_store.coordination.bus import Bus
 from aurora_store.coordination.ledger import Ledger
@@ -43,6 +42,7 @@ from aurora_store.lineage.publish import SegmentEvent
 from aurora_store.storage import Store, StoreConfig, open_store
 from aurora_store.testing.clock import ManualClock
 from aurora_store.testing.servers import RedisServer, S3Server
+from aurora_store.testing.wait import wait_until
 from workers.relay import add_arguments, config_from_args
 
 
@@ -78,7 +78,7 @@ def test_a_relay_started_before_the_trainer_waits_for_the_run(
         wait_until(lambda: relay.stats().listings >= 5, "a few listings")
         assert not relay.caught_up.is_set() and redis.get(relay.heartbeat_key) is None
         describe_model(origin)
-        trainer = Trainer(origin, Bus(redis, run_name), run_name)
+        trainer = FakeTrainer(origin, run_name, Bus(redis, run_name))
         trainer.step()
         wait_until(relay.caught_up.is_set, "the mirror caught up once the run appeared")
         wait_until(mirrored(relay, ("snapshot", 0), ("delta", 1)), "versions 0 and 1")
@@ -101,7 +101,7 @@ def test_the_relay_rides_out_redis_killed_and_restarted(
     mirror = open_store(f"file://{tmp_path}/mirror")
     redis = connect(own_redis_server.url)
     describe_model(origin)
-    trainer = Trainer(origin, Bus(redis, run_name), run_name)
+    trainer = FakeTrainer(origin, run_name, Bus(redis, run_name))
     relay = make_relay(origin, mirror, own_redis_server.url, run_name, retry_s=0.2, resync_s=0.5)
     with running(relay):
         wait_until(mirrored(relay, ("snapshot", 0)), "snapshot 0")
@@ -141,22 +141,22 @@ def test_the_relay_rides_out_a_paused_s3_origin(
         mirror = open_store(f"file://{tmp_path}/mirror")
         bus = Bus(redis, run_name)
         describe_model(publisher)
-        trainer = Trainer(publisher, bus, run_name)
+        trainer = FakeTrainer(publisher, run_name, bus)
         relay = make_relay(origin, mirror, redis_server.url, run_name, retry_s=0.2)
         with running(relay):
-            wait_until(mirrored(relay, ("snapshot", 0)), "snapshot 0", timeout_s=30)
+            wait_until(mirrored(relay, ("snapshot", 0)), "snapshot 0", timeout=30)
             trainer.step(announce=False)  # committed at origin; announced while S3 is paused
             os.kill(s3.pid, signal.SIGSTOP)
             try:
-                trainer._committed(trainer.manifests[("delta", 1)], announce=True)
-                wait_until(lambda: relay.origin_dep.away, "the Relay to wait for origin", timeout_s=60)
+                trainer.announce(trainer.manifests[("delta", 1)])
+                wait_until(lambda: relay.origin_dep.away, "the Relay to wait for origin", timeout=60)
                 assert not relay.versions.quarantine.failures()  # an outage is not damage
             finally:
                 os.kill(s3.pid, signal.SIGCONT)
-            wait_until(mirrored(relay, ("delta", 1)), "delta 1 once origin is back", timeout_s=60)
+            wait_until(mirrored(relay, ("delta", 1)), "delta 1 once origin is back", timeout=60)
             assert not relay.origin_dep.away
             trainer.step()
-            wait_until(mirrored(relay, ("delta", 2)), "delta 2", timeout_s=30)
+            wait_until(mirrored(relay, ("delta", 2)), "delta 2", timeout=30)
         assert s3.problem() is None
     assert len(messages(caplog, "the origin store (eu Relay) unreachable")) == 1
     assert len(messages(caplog, "the origin store (eu Relay) reachable again")) == 1
@@ -223,7 +223,7 @@ def test_a_damaged_version_is_quarantined_with_back_off(
     mirror = open_store(f"file://{tmp_path}/mirror")
     describe_model(origin)
     bus = Bus(redis, run_name)
-    trainer = Trainer(origin, bus, run_name)
+    trainer = FakeTrainer(origin, run_name, bus)
     relay = make_relay(origin, mirror, redis_server.url, run_name, clock, block_ms=20, retry_s=1.0, resync_s=1.0, quarantine_max_s=64.0)
     damaged: dict[str, bytes] = {}
 
@@ -285,7 +285,7 @@ def test_the_mirror_keeps_the_newest_snapshots_and_what_region_actors_hold(
     ledger.heartbeat("eu-1", active=4, staged=4)
     ledger.register("us-1", region="us")
     ledger.heartbeat("us-1", active=1, staged=1)  # another region's: not the mirror's concern
-    trainer = Trainer(origin, Bus(redis, run_name), run_name)
+    trainer = FakeTrainer(origin, run_name, Bus(redis, run_name))
     relay = make_relay(origin, mirror, redis_server.url, run_name, keep_snapshots=1, gc_every_s=0.1, grace_s=0.0, resync_s=0.1)
     with running(relay):
         wait_until(relay.caught_up.is_set, "the first listing")
@@ -318,7 +318,7 @@ def test_a_late_relay_copies_only_what_retention_keeps(redis_server: RedisServer
     origin = open_store(f"file://{tmp_path}/origin")
     mirror = open_store(f"file://{tmp_path}/mirror")
     describe_model(origin)
-    trainer = Trainer(origin, Bus(redis, run_name), run_name)
+    trainer = FakeTrainer(origin, run_name, Bus(redis, run_name))
     for v in range(1, 6):
         trainer.step()
         if v == 3:

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures imported from redis_fixtures are parameters here)
 """Safe retention (issue 12, point 6): ``retain`` and ``aurora gc --redis``.
 
 The rule keeps the newest K snapshots and everything after the oldest of
@@ -16,15 +15,13 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_fixtures import dead_redis_url, redis_client, redis_server, run_name  # noqa: F401
+from trainer_fixtures import FakeTrainer
 
-from aurora_store.apply.sink import weights_digest
-from aurora_store.codec.extract import extract, fuse_weights, plan_of
+from aurora_store.codec.extract import extract
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger
 from aurora_store.coordination.retention import (
@@ -39,48 +36,26 @@ from aurora_store.format.manifest import version_dir
 from aurora_store.lineage.fetch import materialize
 from aurora_store.lineage.gc import plan_gc, retain, retained, retention_floor
 from aurora_store.lineage.plan import scan_versions
-from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
+from aurora_store.lineage.publish import PublishConfig, publish_delta
 from aurora_store.lineage.report import read_lineage
 from aurora_store.outage import Dependency
 from aurora_store.storage import Store, open_store
 from aurora_store.storage.base import TEMP_PREFIX
+from aurora_store.testing.wait import wait_until
 from aurora_tools.cli import main
-from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 from workers.relay.heartbeat import Heartbeat
 
 CFG = PublishConfig(streams=2, segment_bytes=4096)
 
 
-class Run:
-    """Snapshot 0, then deltas and snapshots of the tiny model, in a ``file://`` store."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        w = make_weights(QWEN3_TINY, seed=0)
-        self.plan = plan_of(w, tied=False)
-        self.master = MasterWeights(w, seed=0)
-        self.weights = {0: w}
-        self.states = {0: publish_snapshot(store, "t", 0, fuse_weights(w, self.plan), None, CFG).state}
-
-    def step(self, n: int = 1) -> None:
-        for _ in range(n):
-            v = max(self.weights) + 1
-            new = self.master.step(lr=2.5e-7)
-            m = publish_delta(self.store, "t", v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], CFG, weights_digest=weights_digest(new, self.plan))
-            self.weights[v], self.states[v] = new, m.state
-
-    def snapshot(self, v: int) -> None:
-        publish_snapshot(self.store, "t", v, fuse_weights(self.weights[v], self.plan), self.states[v], CFG)
-
-
-def chain(tmp_path: Path) -> Run:
+def chain(tmp_path: Path) -> FakeTrainer:
     """Snapshots 0, 3, 6; deltas 1..7. Keeping one snapshot leaves snapshot 6 and delta 7."""
-    run = Run(open_store(f"file://{tmp_path}/run-{uuid.uuid4().hex[:6]}"))
-    run.step(3)
+    run = FakeTrainer(open_store(f"file://{tmp_path}/run-{uuid.uuid4().hex[:6]}"), config=CFG)
+    run.steps(3)
     run.snapshot(3)
-    run.step(3)
+    run.steps(3)
     run.snapshot(6)
-    run.step(1)
+    run.steps(1)
     return run
 
 
@@ -94,14 +69,6 @@ def age(path: Path, seconds: float) -> None:
     """Make ``path`` look ``seconds`` old."""
     t = time.time() - seconds
     os.utime(path, (t, t))
-
-
-def wait_until(pred: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 # --- pure rules -----------------------------------------------------------------
@@ -143,8 +110,8 @@ def test_relay_held_values_and_hostile_ones() -> None:
 
 
 def test_old_orphans_and_temp_files_go_fresh_ones_stay(tmp_path: Path) -> None:
-    run = Run(open_store(f"file://{tmp_path}/run"))
-    run.step(2)
+    run = FakeTrainer(open_store(f"file://{tmp_path}/run"), config=CFG)
+    run.steps(2)
     root = Path(run.store.root)
     # A publish that died an hour ago, and one in flight now (no manifest yet).
     dead = f"{version_dir('delta', 3)}/{'a' * 16}/seg-00000.safetensors"
@@ -219,7 +186,7 @@ def test_gc_keeps_what_a_live_actor_holds_until_forced(
     assert main(gc) == 0  # a dry run
     out = capsys.readouterr()
     assert "would delete snapshot 0" in out.out and "live Actors still need" in out.out
-    assert "cannot see live Actors" not in out.err
+    assert out.err == ""  # with --redis, no note that gc cannot see live Actors (or any other)
     assert versions(run.store) == ({0, 3, 6}, set(range(1, 8)))
 
     assert main([*gc, "--apply"]) == 0
@@ -293,8 +260,8 @@ def test_gc_with_redis_away_deletes_nothing(tmp_path: Path, dead_redis_url: str,
 def test_retain_is_safe_to_run_beside_a_publish(tmp_path: Path) -> None:
     """The Trainer's periodic call: a publish in flight (its attempt objects, no manifest yet)
     survives a retention run with the default grace, and commits afterwards."""
-    run = Run(open_store(f"file://{tmp_path}/run"))
-    run.step(2)
+    run = FakeTrainer(open_store(f"file://{tmp_path}/run"), config=CFG)
+    run.steps(2)
     run.snapshot(2)
     go, done = threading.Event(), threading.Event()
     plans = []

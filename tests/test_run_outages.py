@@ -11,29 +11,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.storage import open_store
 from aurora_store.testing.servers import RedisServer, S3Server
+from aurora_store.testing.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 RUN = "outages"
 STEPS = 10
-
-
-def _wait(cond: Callable[[], bool], procs: list[subprocess.Popen[bytes]], logs: list[Path], what: str, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        for p, log in zip(procs, logs, strict=True):
-            assert p.poll() is None, f"{log.name} exited ({p.returncode}) waiting for {what}:\n{log.read_text(errors='replace')[-3000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n" + "\n".join(log.read_text(errors="replace")[-2000:] for log in logs)
-        time.sleep(0.05)
 
 
 def test_trainer_and_actor_ride_out_redis_and_s3_outages(tmp_path: Path) -> None:
@@ -42,6 +33,8 @@ def test_trainer_and_actor_ride_out_redis_and_s3_outages(tmp_path: Path) -> None
         store_url = f"s3://{bucket}/run"
         env = {
             **os.environ, **s3.env_vars, "AURORA_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            # Two warm-start steps: riding out outages is the point, not what the model learns.
+            "AURORA_TRAINER_WARM_START_STEPS": "2",
             # Short timeouts, so an outage is noticed within a second or two.
             "AURORA_REDIS_COMMAND_TIMEOUT_S": "1", "AURORA_REDIS_CONNECT_TIMEOUT_S": "1", "AURORA_REDIS_BLOCK_MARGIN_S": "1",
             "AURORA_STORE_RETRIES": "1", "AURORA_STORE_READ_TIMEOUT_S": "1", "AURORA_STORE_CONNECT_TIMEOUT_S": "1",
@@ -61,6 +54,7 @@ def test_trainer_and_actor_ride_out_redis_and_s3_outages(tmp_path: Path) -> None
             env=env, stdout=open(alog, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
         )
         procs, logs = [trainer, actor], [tlog, alog]
+        both: dict[str, Any] = {"timeout": 240, "interval": 0.05, "processes": {"the Trainer": trainer, "the Actor": actor}, "logs": logs}
         store = open_store(store_url, s3.storage_options())
 
         def head() -> int:
@@ -71,26 +65,26 @@ def test_trainer_and_actor_ride_out_redis_and_s3_outages(tmp_path: Path) -> None
 
         try:
             # 1. Redis paused until both processes have noticed, then resumed.
-            _wait(lambda: head() >= 2, procs, logs, "v2")
+            wait_until(lambda: head() >= 2, "v2", **both)
             os.kill(rs.proc.pid, signal.SIGSTOP)
             try:
-                _wait(lambda: said(tlog, "Redis unreachable") and said(alog, "Redis unreachable"), procs, logs, "both to notice Redis is away")
+                wait_until(lambda: said(tlog, "Redis unreachable") and said(alog, "Redis unreachable"), "both to notice Redis is away", **both)
             finally:
                 os.kill(rs.proc.pid, signal.SIGCONT)
             # 2. The S3 server paused until the Trainer, publishing, notices it.
-            _wait(lambda: head() >= 4, procs, logs, "v4")
+            wait_until(lambda: head() >= 4, "v4", **both)
             os.kill(s3.pid, signal.SIGSTOP)  # type: ignore[arg-type]
             try:
-                _wait(lambda: said(tlog, "the store unreachable"), procs, logs, "the Trainer to notice the store is away")
+                wait_until(lambda: said(tlog, "the store unreachable"), "the Trainer to notice the store is away", **both)
             finally:
                 os.kill(s3.pid, signal.SIGCONT)  # type: ignore[arg-type]
             # 3. Redis restarted without its data (steps, leases, the Actor's record, the fence)
             # while the Actor is stopped, so the Trainer is sure to be waiting on a lost step.
-            _wait(lambda: head() >= 6, procs, logs, "v6")
+            wait_until(lambda: head() >= 6, "v6", **both)
             os.kill(actor.pid, signal.SIGSTOP)
             try:
                 rs.restart()
-                _wait(lambda: said(tlog, "ledger lost"), [trainer], [tlog], "the Trainer to re-issue the lost step")
+                wait_until(lambda: said(tlog, "ledger lost"), "the Trainer to re-issue the lost step", timeout=240, interval=0.05, processes={"the Trainer": trainer}, logs=[tlog])
             finally:
                 os.kill(actor.pid, signal.SIGCONT)
             assert trainer.wait(timeout=300) == 0, tlog.read_text(errors="replace")[-3000:]

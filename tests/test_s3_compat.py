@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_fixtures import redis_server  # noqa: F401 - fixture
 from safetensors.torch import save_file
 
 from aurora_store.coordination.commit import (
@@ -61,19 +59,12 @@ from aurora_store.testing.servers import (
     rclone_binary,
     redis_server_binary,
 )
+from aurora_store.testing.wait import wait_until
 from aurora_tools.cli import main
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 
 pytestmark = pytest.mark.server
 
-
-
-def _wait_for(cond: Any, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(autouse=True)
@@ -178,7 +169,7 @@ def persistent_redis(tmp_path: Path) -> Iterator[str]:
         except Exception:  # noqa: BLE001 - not listening yet
             return False
 
-    _wait_for(up, "redis-server --appendonly yes")
+    wait_until(up, "redis-server --appendonly yes", interval=0.05)
     yield url
     proc.terminate()
     proc.wait(timeout=10)
@@ -460,11 +451,11 @@ def test_the_trainer_on_a_server_without_conditional_writes(
     p = trainer(persistent_redis, "--commit-via", "redis")
     client = connect(persistent_redis)
     try:
-        _wait_for(lambda: p.poll() is not None or client.exists("aurora:{t}:commit:snapshot:0"), "v0's commit record", 240)
+        wait_until(lambda: p.poll() is not None or client.exists("aurora:{t}:commit:snapshot:0"), "v0's commit record", timeout=240, interval=0.05)
         assert p.poll() is None, p.communicate()[0]
         commits = commit_records_for(client, "t")
         assert commits is not None
-        _wait_for(lambda: scan_versions(store).latest == 0, "v0's manifest", 60)
+        wait_until(lambda: scan_versions(store).latest == 0, "v0's manifest", timeout=60, interval=0.05)
         assert read_manifest(store, "snapshot", 0, commits=commits).version == 0
     finally:
         p.terminate()

@@ -22,8 +22,7 @@ import secrets
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from aurora_store.redact import (
     redact_url,
     register_secret,
 )
+from aurora_store.testing.wait import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -131,7 +131,7 @@ def test_the_filter_masks_messages_arguments_and_tracebacks() -> None:
 
 _LOGGING_PROBE = """
 import logging, os, sys
-from workers.common import setup_logging
+from workers.process import setup_logging
 setup_logging("probe", verbose=True, debug_loggers=sys.argv[1:])
 logging.getLogger("botocore.endpoint").debug("botocore debug: x-amz-security-token %s", os.environ["AWS_SESSION_TOKEN"])
 logging.getLogger("s3fs").debug("s3fs debug line")
@@ -334,7 +334,7 @@ def test_demo_with_a_password_and_s3_keys_leaks_no_secret(tmp_path: Path, monkey
                 argv.sweep()
                 return any(planted in a for a in argv.argvs.values())
 
-            _wait(seen, "the planted argv")
+            wait_until(seen, "the planted argv")
             (workdir / "logs" / "planted.log").write_text(f"oops {planted}\n")
             client.put_object(Bucket=bucket, Key="run/planted.bin", Body=planted.encode())
             admin.xadd("aurora:{secrets}:events", {"kind": "note", "text": planted})
@@ -346,11 +346,3 @@ def test_demo_with_a_password_and_s3_keys_leaks_no_secret(tmp_path: Path, monkey
         for where in ("argv of pid", "planted.log", f"s3://{bucket}/run/planted.bin", "redis stream", "redis hash"):
             assert any(where in f for f in found), (where, found)
         admin.close()
-
-
-def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)

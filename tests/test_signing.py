@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from redis_fixtures import redis_server, run_name  # noqa: F401
 from safetensors.torch import save_file
+from trainer_fixtures import FakeTrainer
 
-from aurora_store.codec.extract import extract, fuse_weights, plan_of, spec_of
-from aurora_store.codec.fusion import FusionPlan
+from aurora_store.codec.extract import extract, fuse_weights, plan_of
 from aurora_store.errors import ConfigError, ManifestError, SignatureError
 from aurora_store.format.manifest import Manifest, manifest_key
 from aurora_store.format.signing import (
@@ -46,6 +45,7 @@ from aurora_store.lineage.report import read_lineage
 from aurora_store.lineage.verify import verify_run
 from aurora_store.options import trust_key_paths
 from aurora_store.storage import LocalStore, Store
+from aurora_store.testing.wait import wait_until
 from aurora_tools.bench.hostile.forge import CountingStore
 from aurora_tools.cli import main
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
@@ -67,24 +67,11 @@ def _hmac_file(tmp_path: Path, name: str = "hmac.key") -> Path:
     return p
 
 
-class Chain:
+def _chain(store: Store, signer: Signer | None, n: int = 2) -> FakeTrainer:
     """Snapshot 0 and ``n`` deltas of the tiny model, each manifest signed by ``signer`` (or not)."""
-
-    def __init__(self, store: Store, signer: Signer | None, n: int = 2) -> None:
-        w = make_weights(QWEN3_TINY, seed=0)
-        self.plan = FusionPlan.from_specs({k: spec_of(t, k) for k, t in w.items()})
-        self.master = MasterWeights(w, seed=0)
-        self.weights = [w]
-        self.store = store
-        self.states = [publish_snapshot(store, "t", 0, fuse_weights(w, self.plan), None, CFG, signer=signer).state]
-        for v in range(1, n + 1):
-            self.publish(v, signer)
-
-    def publish(self, v: int, signer: Signer | None) -> Manifest:
-        self.weights.append(self.master.step(lr=2.5e-7))
-        m = publish_delta(self.store, "t", v, extract(self.plan, self.weights[v - 1], self.weights[v]), self.states[v - 1], CFG, signer=signer)
-        self.states.append(m.state)
-        return m
+    chain = FakeTrainer(store, config=CFG, signer=signer)
+    chain.steps(n)
+    return chain
 
 
 def _rewrite_manifest(store: Store, kind: str, v: int, edit) -> None:
@@ -101,7 +88,7 @@ def _rewrite_manifest(store: Store, kind: str, v: int, edit) -> None:
 def test_sign_verify_round_trip(alg: str, tmp_path: Path) -> None:
     signer = Signer.generate() if alg == ED25519 else Signer.from_file(_hmac_file(tmp_path))
     store = LocalStore(f"file://{tmp_path / 'run'}")
-    chain = Chain(store, signer, n=1)
+    chain = _chain(store, signer, n=1)
     for kind, v in (("snapshot", 0), ("delta", 1)):
         raw = json.loads(store.get(manifest_key(kind, v)))
         sig = raw["signature"]
@@ -116,7 +103,7 @@ def test_sign_verify_round_trip(alg: str, tmp_path: Path) -> None:
     m1 = read_manifest(store, "delta", 1)
     again = publish_delta(
         store, "t", 1, extract(chain.plan, chain.weights[0], chain.weights[1]), chain.states[0], CFG,
-        attempt=m1.segments[0].key.split("/")[0], created_at=m1.created_at, signer=signer,
+        attempt=m1.segments[0].key.split("/")[0], created_at=m1.created_at, signer=signer, weights_digest=chain.digest(1),
     )
     assert again.to_bytes() == store.get(manifest_key("delta", 1))
     tensors, state = materialize(store, 1, trust=signer.trust())
@@ -171,7 +158,7 @@ def test_short_or_wrong_keys_are_config_errors(tmp_path: Path) -> None:
 def test_tampered_manifest_refused_before_any_segment_read(tmp_path: Path) -> None:
     signer = Signer.generate()
     store = CountingStore(f"file://{tmp_path / 'run'}")
-    Chain(store, signer, n=2)
+    _chain(store, signer, n=2)
     trust = signer.trust()
 
     def bump(d: dict) -> None:
@@ -197,9 +184,11 @@ def test_tampered_manifest_refused_before_any_segment_read(tmp_path: Path) -> No
 def test_untrusted_and_unsigned_refused_no_trust_accepted(tmp_path: Path) -> None:
     store = CountingStore(f"file://{tmp_path / 'run'}")
     ours, theirs = Signer.generate(), Signer.generate()
-    chain = Chain(store, ours, n=1)
-    chain.publish(2, theirs)  # signed, by a key nobody trusts
-    chain.publish(3, None)  # unsigned
+    chain = _chain(store, ours, n=1)
+    chain.signer = theirs  # signed, by a key nobody trusts
+    chain.step()
+    chain.signer = None  # unsigned
+    chain.step()
     trust = ours.trust()
     CountingStore.segment_reads = 0
     with pytest.raises(SignatureError, match="not trusted") as ei:
@@ -225,8 +214,9 @@ def test_untrusted_and_unsigned_refused_no_trust_accepted(tmp_path: Path) -> Non
 def test_key_rotation_trusts_two_keys(tmp_path: Path) -> None:
     store = LocalStore(f"file://{tmp_path / 'run'}")
     old, new = Signer.generate(), Signer.from_file(_hmac_file(tmp_path), key_id="new-hmac")
-    chain = Chain(store, old, n=1)
-    chain.publish(2, new)  # a resumed Trainer signs with its new key
+    chain = _chain(store, old, n=1)
+    chain.signer = new  # a resumed Trainer signs with its new key
+    chain.step()
     (tmp_path / "old.pub.pem").write_bytes(old.public_pem())
     both = TrustKeys.from_files([str(tmp_path / "old.pub.pem"), f"new-hmac={tmp_path / 'hmac.key'}"])
     assert set(both.key_ids) == {old.key_id, "new-hmac"}
@@ -242,7 +232,7 @@ def test_untrusted_snapshot_is_planned_around(tmp_path: Path) -> None:
     """A snapshot planted at a later version (signed by nobody trusted) is never used."""
     signer = Signer.generate()
     store = CountingStore(f"file://{tmp_path / 'run'}")
-    chain = Chain(store, signer, n=2)
+    chain = _chain(store, signer, n=2)
     publish_snapshot(store, "t", 2, fuse_weights(chain.weights[2], chain.plan), chain.states[2], CFG)  # unsigned
     notes: list[str] = []
     tensors, state = materialize(store, 2, progress=notes.append, trust=signer.trust())
@@ -254,8 +244,9 @@ def test_untrusted_snapshot_is_planned_around(tmp_path: Path) -> None:
 def test_lineage_and_verify_with_trust(tmp_path: Path) -> None:
     store = CountingStore(f"file://{tmp_path / 'run'}")
     signer = Signer.generate()
-    chain = Chain(store, signer, n=1)
-    chain.publish(2, None)
+    chain = _chain(store, signer, n=1)
+    chain.signer = None
+    chain.step()
     lin = read_lineage(store)
     assert [r.key_id for r in lin.rows] == [signer.key_id, signer.key_id, None] and not lin.problems
     lin = read_lineage(store, signer.trust())
@@ -354,7 +345,7 @@ def test_counting_store_counts_segments(tmp_path: Path) -> None:
     """The counter the refusals rely on does count: a trusted fetch reads every segment."""
     signer = Signer.generate()
     store = CountingStore(f"file://{tmp_path / 'run'}")
-    Chain(store, signer, n=1)
+    _chain(store, signer, n=1)
     CountingStore.segment_reads = 0
     m, _ = fetch_delta(store, 1, None, trust=signer.trust())
     assert CountingStore.segment_reads == len(m.segments) > 0
@@ -391,25 +382,25 @@ def test_actor_with_trust_key_refuses_forged_versions_before_reading_segments(tm
         for kind, v in (("snapshot", 0), ("delta", 1)):
             _resign(origin, kind, v, signer)
         clock = ManualClock()
-        a = Actor(Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="a", trust=signer.trust()), clock=clock)
+        a = Actor.from_endpoints(
+            Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="a", trust=signer.trust()), clock, origin=CountingStore(origin.url),
+        )
         a.bootstrap()
         assert a.active == 1
-        counting = CountingStore(origin.url)
-        a.origin = counting
         # v2 unsigned, v3 signed by a key nobody trusts: written by someone with write access.
         trainer.step(2)
         _resign(origin, "delta", 3, forger)
         CountingStore.read = []
-        a._stage_available()
+        a.stager.stage_once()
         assert a.staged_version == 1, "nothing past the trusted chain is staged"
         assert [k for k in CountingStore.read if k.startswith(("deltas/v0000000002/", "deltas/v0000000003/"))] == []
-        assert 2 in a.quarantine.versions() and not a.quarantine.allowed("delta", 2)
+        assert 2 in a.ctx.quarantine.versions() and not a.ctx.quarantine.allowed("delta", 2)
         # The real Trainer's signature arrives (the version is repaired at origin): after its
         # back-off the Actor stages it, on its own.
         _resign(origin, "delta", 2, signer)
         _resign(origin, "delta", 3, signer)
         clock.advance(3600)
-        a._stage_available()
+        a.stager.stage_once()
         assert a.staged_version == 3
     finally:
         trainer.close()
@@ -419,7 +410,8 @@ def test_actor_with_trust_key_refuses_forged_versions_before_reading_segments(tm
 def test_relay_with_trust_key_mirrors_only_signed_versions(tmp_path: Path, redis_server, run_name: str, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
     import logging
 
-    from relay_helpers import Trainer, describe_model, make_relay, mirrored, running, wait_until
+    from relay_helpers import describe_model, make_relay, mirrored, running
+    from trainer_fixtures import FakeTrainer
 
     from aurora_store.coordination.bus import Bus
     from aurora_store.coordination.redisconn import connect
@@ -436,7 +428,7 @@ def test_relay_with_trust_key_mirrors_only_signed_versions(tmp_path: Path, redis
     try:
         with running(relay):
             wait_until(relay.caught_up.is_set, "the first listing")
-            trainer = Trainer(origin, Bus(redis, run_name), run_name)  # v0, unsigned
+            trainer = FakeTrainer(origin, run_name, Bus(redis, run_name))  # v0, unsigned
             wait_until(lambda: any("snapshot 0 not mirrored" in r.getMessage() and "unsigned" in r.getMessage() for r in caplog.records), "v0 refused")
             assert not mirror.exists(manifest_key("snapshot", 0))
             _resign(origin, "snapshot", 0, signer)
@@ -473,7 +465,6 @@ def test_status_says_whether_the_run_is_signed(redis_server, run_name: str) -> N
 def test_signed_run_end_to_end_trainer_and_actor_processes(tmp_path: Path, redis_server, run_name: str) -> None:  # noqa: F811
     """``aurora trainer --sign-key`` signs every manifest; ``aurora actor --trust-key`` follows it."""
     import sys
-    import time
 
     from aurora_store.coordination.keys import RunKeys
     from aurora_store.coordination.redisconn import connect
@@ -483,7 +474,8 @@ def test_signed_run_end_to_end_trainer_and_actor_processes(tmp_path: Path, redis
     signer = generate_keypair(tmp_path / "keys")
     priv, pub = tmp_path / "keys" / PRIVATE_KEY_FILE, tmp_path / "keys" / PUBLIC_KEY_FILE
     url = f"file://{tmp_path}/run"
-    env = {**os.environ, "AURORA_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # Two warm-start steps: signatures are the point, not what the model learns.
+    env = {**os.environ, "AURORA_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1", "AURORA_TRAINER_WARM_START_STEPS": "2"}
     base = [sys.executable, "-m", "aurora_tools.cli"]
     common = ["--store", url, "--redis", redis_server.url, "--run", run_name]
     tlog, alog = open(tmp_path / "trainer.log", "wb"), open(tmp_path / "actor.log", "wb")  # noqa: SIM115
@@ -493,11 +485,8 @@ def test_signed_run_end_to_end_trainer_and_actor_processes(tmp_path: Path, redis
     )
     actor = subprocess.Popen([*base, "actor", *common, "--id", "a0", "--trust-key", str(pub)], env=env, stdout=alog, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 600
-        while trainer.poll() is None:
-            assert actor.poll() is None, (tmp_path / "actor.log").read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, (tmp_path / "trainer.log").read_text(errors="replace")[-3000:]
-            time.sleep(0.2)
+        wait_until(lambda: trainer.poll() is not None, "the Trainer to finish", timeout=600, interval=0.2,
+                   processes={"the Actor": actor}, logs=[tmp_path / "trainer.log", tmp_path / "actor.log"])
         assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text(errors="replace")[-3000:]
     finally:
         for p in (trainer, actor):

@@ -10,7 +10,6 @@ import socket
 import uuid
 
 import pytest
-from server_fixtures import s3_server  # noqa: F401  (the session's S3 server)
 
 from aurora_store.errors import ObjectNotFound, StoreError
 from aurora_store.storage import LocalStore, MemoryStore, S3Store, Store, StoreConfig, open_store

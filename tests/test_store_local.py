@@ -8,7 +8,6 @@ run by aurora_store/testing/store.py."""
 from __future__ import annotations
 
 import os
-import threading
 import uuid
 
 import pytest
@@ -24,23 +23,7 @@ from aurora_store.storage import (
     open_store,
 )
 from aurora_store.storage import local as local_backend
-
-
-class RecordingClock:
-    """A clock whose waits return at once and are recorded (no wall-clock sleeps)."""
-
-    def __init__(self) -> None:
-        self.waits: list[float] = []
-
-    def monotonic(self) -> float:
-        return 0.0
-
-    def time(self) -> float:
-        return 0.0
-
-    def wait(self, event: threading.Event, timeout_s: float) -> bool:
-        self.waits.append(timeout_s)
-        return event.is_set()
+from aurora_store.testing.clock import ManualClock
 
 
 def test_file_store_leaves_no_temp_files(file_store: Store) -> None:
@@ -151,37 +134,37 @@ class FlakyCat:
 
 
 def test_transient_failures_are_retried_on_the_clock(memory_store: Store) -> None:
-    clock = RecordingClock()
+    clock = ManualClock(instant=True)
     cfg = StoreConfig(retries=3, backoff_s=0.5, backoff_max_s=1.5)
     store = open_store(memory_store.url, config=cfg, clock=clock)
     store.put("k", b"v")
     flaky = FlakyCat(store.fs, fail=3, exc=ConnectionError("reset"))
     store.fs = flaky
     assert store.get("k") == b"v"
-    assert flaky.calls == 4 and len(clock.waits) == 3
+    assert flaky.calls == 4 and len(clock.waited) == 3
     # Doubling from backoff_s, capped at backoff_max_s, jittered downwards by at most half.
-    for wait, cap in zip(clock.waits, (0.5, 1.0, 1.5), strict=True):
+    for wait, cap in zip(clock.waited, (0.5, 1.0, 1.5), strict=True):
         assert cap / 2 <= wait <= cap
 
 
 def test_retries_give_up_with_a_store_error(memory_store: Store) -> None:
-    clock = RecordingClock()
+    clock = ManualClock(instant=True)
     store = open_store(memory_store.url, config=StoreConfig(retries=2), clock=clock)
     store.put("k", b"v")
     store.fs = FlakyCat(store.fs, fail=10, exc=TimeoutError("slow"))
     with pytest.raises(StoreError, match="failed after 3 attempts") as ei:
         store.get("k")
     assert isinstance(ei.value.__cause__, TimeoutError)
-    assert len(clock.waits) == 2
+    assert len(clock.waited) == 2
 
 
 def test_answers_are_not_retried(memory_store: Store) -> None:
-    clock = RecordingClock()
+    clock = ManualClock(instant=True)
     store = open_store(memory_store.url, clock=clock)
     store.fs = FlakyCat(store.fs, fail=10, exc=FileNotFoundError("gone"))
     with pytest.raises(ObjectNotFound):
         store.get("k")
-    assert clock.waits == []
+    assert clock.waited == []
 
 
 def test_store_config_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

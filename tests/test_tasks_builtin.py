@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures imported from server_fixtures are parameters here)
 """The built-in tasks (arithmetic, gsm8k, math), their data loading and the reward runner.
 
 Real files (JSON lines and Parquet written here), a real S3-protocol server
@@ -16,7 +15,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from server_fixtures import s3_server  # noqa: F401
 from task_helpers import ScriptedTask
 
 from aurora_store.errors import ConfigError, TaskDataError

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_fixtures import ManualClock, dead_redis_url, redis_client, redis_server, run_name  # noqa: F401
 
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger
@@ -22,6 +21,7 @@ from aurora_store.coordination.redisconn import RedisConfig, connect
 from aurora_store.coordination.status import collect_status, render
 from aurora_store.errors import RedisUnavailable
 from aurora_store.storage import open_store
+from aurora_store.testing.clock import ManualClock
 from aurora_tools import testbed
 from aurora_tools.cli import main
 from aurora_tools.testbed import processes
@@ -153,7 +153,7 @@ def _populate(redis: Any, run: str, clock: ManualClock) -> int:
     # Step 1 (also on version 0): short leases, two of which expire.
     ledger.create_step(1, H, [(f"q{i}", b"{}") for i in range(4)], {}, group=2, lease_ms=1_000, version=0)
     assert len(ledger.claim("a1", 1, 2)[1]) == 2
-    clock.advance(2_000)
+    clock.advance_ms(2_000)
     assert len(ledger.claim("a2", 1, 1)[1]) == 1  # returns the two expired leases to the pool first
     assert ledger.heartbeat("a2")
 
@@ -167,7 +167,7 @@ def _populate(redis: Any, run: str, clock: ManualClock) -> int:
 def test_collect_status_numbers(redis_client: Any, run_name: str) -> None:  # noqa: F811
     clock = ManualClock()
     t0 = _populate(redis_client, run_name, clock)
-    now = clock.advance(500)
+    now = clock.advance_ms(500)
     st = collect_status(redis_client, run_name, now_ms=now)
     assert st["run"] == run_name and st["now_ms"] == now
 

@@ -10,17 +10,16 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from redis_fixtures import redis_server, redis_url  # noqa: F401
 
 from aurora_store.coordination.redisconn import connect
 from aurora_store.format.manifest import version_dir
 from aurora_store.lineage.fetch import read_manifest
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.storage import open_store
+from aurora_store.testing.wait import wait_until
 from workers.common import RunKeys, read_digests
 from workers.trainer.checkpoint import list_checkpoints
 from workers.trainer.crash import CRASH_ENV
@@ -40,14 +39,6 @@ def _trainer(store: str, redis_url: str, log: Path, *extra: str, env: dict[str, 
         "--steps", "9", "--batch", "8", "--group", "4", "--snapshot-every", "0", "--checkpoint-every", "2", *extra,
     ]
     return subprocess.Popen(cmd, env={**_env(), **(env or {})}, stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
-
-
-def _wait(cond, proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: float = 300, poll_s: float = 0.1) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert proc.poll() is None, f"exited ({proc.returncode}) waiting for {what}:\n{log.read_text(errors='replace')[-3000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text(errors='replace')[-3000:]}"
-        time.sleep(poll_s)
 
 
 CRASH = 6
@@ -79,7 +70,7 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
     trainer = _trainer(store_url, redis_url, tlog, *extra, env={CRASH_ENV: spec} if crash else None)
     actor = None
     try:
-        _wait(lambda: r.hget(RunKeys(RUN).trainer, "head") is not None, trainer, tlog, "v0")
+        wait_until(lambda: r.hget(RunKeys(RUN).trainer, "head") is not None, "v0", timeout=300, interval=0.1, processes={"the Trainer": trainer}, logs=[tlog])
         actor = subprocess.Popen(
             [sys.executable, "-m", "aurora_tools.cli", "actor", "--store", store_url, "--redis", redis_url, "--run", RUN, "--id", "a0"],
             env=_env(), stdout=open(alog, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
@@ -96,7 +87,7 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
                 h = head()
                 return h >= 3 and h % 2 == 1 and max(list_checkpoints(store), default=-1) < h
 
-            _wait(past_checkpoint, trainer, tlog, "an odd version after a checkpoint", poll_s=0.01)
+            wait_until(past_checkpoint, "an odd version after a checkpoint", timeout=300, interval=0.01, processes={"the Trainer": trainer}, logs=[tlog])
             trainer.send_signal(signal.SIGKILL)
             assert trainer.wait(timeout=30) == -signal.SIGKILL
         else:
@@ -165,16 +156,16 @@ def test_an_old_epoch_trainer_woken_after_a_resume_is_fenced_out(tmp_path: Path,
     old = _trainer(store_url, redis_url, old_log)
     new = actor = None
     try:
-        _wait(lambda: r.hget(RunKeys(RUN).trainer, "head") is not None, old, old_log, "v0")
+        wait_until(lambda: r.hget(RunKeys(RUN).trainer, "head") is not None, "v0", timeout=300, interval=0.1, processes={"the Trainer": old}, logs=[old_log])
         actor = subprocess.Popen(
             [sys.executable, "-m", "aurora_tools.cli", "actor", "--store", store_url, "--redis", redis_url, "--run", RUN, "--id", "a0"],
             env=_env(), stdout=open(alog, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
         )
-        _wait(lambda: (scan_versions(store).latest or 0) >= 2, old, old_log, "v2")
+        wait_until(lambda: (scan_versions(store).latest or 0) >= 2, "v2", timeout=300, interval=0.1, processes={"the Trainer": old}, logs=[old_log])
         old.send_signal(signal.SIGSTOP)  # a partition, a paused VM: it thinks it is still the Trainer
         stopped_at = scan_versions(store).latest or 0
         new = _trainer(store_url, redis_url, new_log, "--resume")
-        _wait(lambda: (scan_versions(store).latest or 0) >= stopped_at + 2, new, new_log, "the resumed Trainer to publish")
+        wait_until(lambda: (scan_versions(store).latest or 0) >= stopped_at + 2, "the resumed Trainer to publish", timeout=300, interval=0.1, processes={"the Trainer": new}, logs=[new_log])
         old.send_signal(signal.SIGCONT)
         rc_old = old.wait(timeout=120)
         assert new.wait(timeout=420) == 0, new_log.read_text(errors="replace")[-3000:]

@@ -25,7 +25,7 @@ from aurora_tools.wan.netns import WanTestbed
 from aurora_tools.wan.profile import LinkProfile
 from aurora_tools.wan.proxy import Address
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.netns]
 
 _REASON = wan_unavailable_reason()
 needs_netns = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")

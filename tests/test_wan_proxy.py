@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import pytest
 
 from aurora_store.errors import ConfigError
+from aurora_store.testing.wait import wait_until
 from aurora_tools.wan.profile import MIB, ImpairmentPlan, LinkProfile, parse_region_spec
 from aurora_tools.wan.proxy import Address, ProxyStats, ProxyThread
 
@@ -101,14 +102,6 @@ def _download(addr: Address, n: int, timeout: float = 30.0) -> bytes:
         while data := c.recv(1 << 20):
             chunks.append(data)
         return b"".join(chunks)
-
-
-def _wait_for(pred: object, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.005)
 
 
 # ---------------------------------------------------------------------------
@@ -202,7 +195,7 @@ def test_bytes_unchanged_both_directions(echo: Address) -> None:
                 got += data
             sender.join()
         assert hashlib.sha256(got).hexdigest() == hashlib.sha256(payload).hexdigest()
-        _wait_for(lambda: p.stats().active == 0)
+        wait_until(lambda: p.stats().active == 0, "no active connection", timeout=5.0, interval=0.005)
         st = p.stats()
     assert (st.bytes_up, st.bytes_down, st.connections, st.resets) == (len(payload), len(payload), 1, 0)
 
@@ -291,7 +284,7 @@ def test_reset_reaches_the_client(source: Address) -> None:
     with ProxyThread(source, prof) as p:
         with pytest.raises(ConnectionError):
             _download(p.address, 4 * MIB)
-        _wait_for(lambda: p.stats().active == 0)
+        wait_until(lambda: p.stats().active == 0, "no active connection", timeout=5.0, interval=0.005)
         st = p.stats()
     assert st.resets == 1 and st.bytes_up + st.bytes_down <= fault.at_bytes
 
@@ -318,7 +311,7 @@ def test_upstream_refused_counts_and_closes() -> None:
         with ProxyThread(dead) as p, socket.create_connection(p.address, timeout=5) as c:
             with contextlib.suppress(ConnectionError):
                 assert c.recv(1) == b""
-            _wait_for(lambda: p.stats().upstream_errors == 1)
+            wait_until(lambda: p.stats().upstream_errors == 1, "one upstream error", timeout=5.0, interval=0.005)
 
 
 @pytest.mark.server

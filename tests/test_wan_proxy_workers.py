@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from aurora_store.errors import ConfigError
+from aurora_store.testing.wait import wait_until
 from aurora_tools.wan.host import wan_unavailable_reason
 from aurora_tools.wan.netns import WanTestbed
 from aurora_tools.wan.profile import MIB, LinkProfile
@@ -77,14 +78,6 @@ def _download(addr: Address, n: int) -> bytes:
         return b"".join(chunks)
 
 
-def _wait_for(pred: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.005)
-
-
 def test_default_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AURORA_WAN_PROXY_WORKERS", "3")
     assert default_workers() == 3
@@ -122,13 +115,13 @@ def test_many_connections_spread_and_counted() -> None:
             t.join()
         want = hashlib.sha256(_pattern(n)).hexdigest()
         assert all(hashlib.sha256(r).hexdigest() == want for r in results)
-        _wait_for(lambda: p.stats().active == 0)
+        wait_until(lambda: p.stats().active == 0, "no active connection", timeout=10.0, interval=0.005)
         st = p.stats()
         assert (st.connections, st.bytes_down, st.bytes_up) == (conns, conns * n, conns * 8)
         pids = p.pids
     # Closed: the workers are gone, and the last counters stay readable.
     for pid in pids:
-        _wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}") or "Z" in _state(pid))
+        wait_until(lambda pid=pid: not os.path.exists(f"/proc/{pid}") or "Z" in _state(pid), "the worker process reaped", timeout=10.0, interval=0.005)
     assert p.stats().bytes_down == conns * n
 
 
@@ -146,7 +139,7 @@ def test_impairments_hold_in_workers() -> None:
     with _source_server() as up, ProxyWorkers(up, prof, workers=2) as p:
         data = _download(p.address, 4 * MIB)
         assert len(data) < MIB and data == _pattern(len(data))
-        _wait_for(lambda: p.stats().truncations == 1)
+        wait_until(lambda: p.stats().truncations == 1, "one truncation", timeout=10.0, interval=0.005)
 
 
 def test_delay_holds_in_workers() -> None:
@@ -169,10 +162,11 @@ def test_workers_exit_with_their_parent() -> None:
     pids = [int(x) for x in out.split()]
     assert len(pids) == 2
     for pid in pids:
-        _wait_for(lambda pid=pid: _state(pid) == "Z" or not os.path.exists(f"/proc/{pid}"))
+        wait_until(lambda pid=pid: _state(pid) == "Z" or not os.path.exists(f"/proc/{pid}"), "the worker process gone", timeout=10.0, interval=0.005)
 
 
 @needs_netns
+@pytest.mark.netns
 def test_netns_testbed_with_workers() -> None:
     n = 2 * MIB
     with _source_server() as up, WanTestbed({"eu": LinkProfile(rate_mbit=400)}, proxy_workers=2) as tb:
@@ -189,10 +183,10 @@ def test_netns_testbed_with_workers() -> None:
             out = tb.run("eu", [sys.executable, "-c", code, host, str(port), str(n)],
                          capture_output=True, text=True, timeout=60, check=True).stdout.split()
             assert (int(out[0]), out[1]) == (n, hashlib.sha256(_pattern(n)).hexdigest())
-        _wait_for(lambda: tb.stats("eu").proxy.active == 0)
+        wait_until(lambda: tb.stats("eu").proxy.active == 0, "no active connection at the eu proxy", timeout=10.0, interval=0.005)
         st = tb.stats("eu")
         assert st.proxy.connections == 3 and st.proxy.bytes_down == 3 * n
         assert st.veth_bytes_down > st.proxy.bytes_down
         pids = tb.proxies("eu")[up].pids  # type: ignore[union-attr]
     for pid in pids:
-        _wait_for(lambda pid=pid: _state(pid) == "Z" or not os.path.exists(f"/proc/{pid}"))
+        wait_until(lambda pid=pid: _state(pid) == "Z" or not os.path.exists(f"/proc/{pid}"), "the worker process gone", timeout=10.0, interval=0.005)

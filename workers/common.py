@@ -9,21 +9,30 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import signal
-import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from aurora_store.coordination.keys import RunKeys
-from aurora_store.coordination.versioned import record_versioned
+from aurora_store.coordination.records import (  # the run's records are theirs; re-exported for the workers
+    DIGEST_LOG_ENV,
+    read_digests,
+    read_expected_state,
+    record_activation,
+    record_digest,
+    record_expected_state,
+)
 from aurora_store.errors import ConfigError, IntegrityError, ObjectNotFound
 from aurora_store.lineage.binding import ModelFile
 from aurora_store.redact import redacted_repr
 from aurora_store.storage import Store
+from workers.process import (  # re-exported for older callers
+    install_stop_handlers,
+    limit_torch_threads,
+    setup_logging,
+)
 
 __all__ = [
     "MODEL_CONFIG_KEY",
@@ -235,137 +244,3 @@ def _is_char_tokenizer(raw: bytes) -> bool:
     except ValueError:
         return False
     return isinstance(d, dict) and d.get("format") == CHAR_FORMAT
-
-
-DIGEST_LOG_ENV = "AURORA_DIGEST_LOG"
-"""A file each worker appends one JSON line ``{"who", "version", "digest"}`` to per digest it
-records, when set: the chaos benchmark compares digests kept outside Redis, which its faults erase."""
-
-_digest_log_failed = False
-
-
-def _append_digest_log(who: str, version: int, digest: str) -> None:
-    """One ``write`` of one line with ``O_APPEND``: lines of concurrent workers never interleave."""
-    global _digest_log_failed
-    path = os.environ.get(DIGEST_LOG_ENV)
-    if not path:
-        return
-    line = (json.dumps({"who": who, "version": int(version), "digest": digest}) + "\n").encode()
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        if not _digest_log_failed:  # a diagnostic aid: say so once, never stop the worker
-            _digest_log_failed = True
-            log.warning("%s=%s: cannot append digests: %s", DIGEST_LOG_ENV, path, e)
-
-
-def record_digest(redis: Any, keys: RunKeys, who: str, version: int, digest: str, keep_versions: int | None = None) -> None:
-    """``who`` is ``trainer`` or an Actor id.
-
-    The hashes keep the newest ``keep_versions`` versions (default
-    ``AURORA_LEDGER_KEEP_VERSIONS``, 1000); with ``AURORA_DIGEST_LOG`` set
-    the digest is also appended to that file (first, so a Redis outage does
-    not lose it there).
-    """
-    _append_digest_log(who, version, digest)
-    if who == "trainer":
-        record_versioned(redis, keys, keys.trainer_digests, str(version), digest, version, keep_versions)
-    else:
-        record_versioned(redis, keys, keys.actor_digests, f"{who}|{version}", digest, version, keep_versions)
-
-
-def record_expected_state(redis: Any, keys: RunKeys, version: int, state: str, keep_versions: int | None = None) -> None:
-    """The Trainer's record of the ``state`` of ``version`` (``state:trainer``), trimmed like the digests.
-
-    Written before the head names the version, so an Actor that stages a
-    version the head reached finds its record.
-    """
-    record_versioned(redis, keys, keys.trainer_states, str(version), state, version, keep_versions)
-
-
-def read_expected_state(redis: Any, keys: RunKeys, version: int) -> str | None:
-    """The state the Trainer recorded for ``version``; None when there is no record
-    (a Trainer of an older release, a Redis that lost its data, a version trimmed away)."""
-    raw = redis.hget(keys.trainer_states, str(version))
-    if raw is None:
-        return None
-    try:
-        return raw.decode("ascii") if isinstance(raw, bytes) else str(raw)
-    except UnicodeDecodeError:
-        return ""  # a record that cannot be a state: matches no manifest
-
-
-def record_activation(
-    redis: Any, keys: RunKeys, who: str, version: int, stage_s: float, activate_s: float, keep_versions: int | None = None
-) -> None:
-    """How long Actor ``who`` took to stage and to activate ``version`` (read by the demo and ``bench e2e``)."""
-    body = json.dumps({"stage_s": stage_s, "activate_s": activate_s})
-    record_versioned(redis, keys, keys.activations, f"{who}|{version}", body, version, keep_versions)
-
-
-def read_digests(redis: Any, keys: RunKeys) -> tuple[dict[int, str], dict[tuple[str, int], str]]:
-    """(trainer digests by version, actor digests by (actor, version)): the newest versions kept."""
-    t = {int(k): v.decode() for k, v in redis.hgetall(keys.trainer_digests).items()}
-    a: dict[tuple[str, int], str] = {}
-    for k, v in redis.hgetall(keys.actor_digests).items():
-        who, _, ver = k.decode().rpartition("|")
-        a[(who, int(ver))] = v.decode()
-    return t, a
-
-
-def install_stop_handlers(stop: threading.Event) -> None:
-    """SIGTERM (a spot preemption notice) and SIGINT set ``stop``: leave gracefully."""
-
-    def handler(signum: int, frame: Any) -> None:
-        log.info("signal %d: stopping gracefully", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-
-
-def limit_torch_threads(default: int = 1) -> None:
-    """Small CPU machines run several workers: one torch thread each unless told otherwise.
-
-    Measured here: two torch threads per process on a busy 2-core machine ran a
-    warm start 6x slower than one. ``AURORA_TORCH_THREADS`` overrides.
-    """
-    n = int(os.environ.get("AURORA_TORCH_THREADS", default))
-    if n > 0:
-        torch.set_num_threads(n)
-
-
-def setup_logging(name: str, verbose: bool = False, debug_loggers: Iterable[str] | None = None) -> logging.Logger:
-    """Configure the root logger for a worker process (never at import time).
-
-    The root stays at INFO; ``verbose`` turns Aurora's own loggers (``aurora.*``,
-    ``aurora_store``, ``workers``) to DEBUG, never a vendor's: botocore's debug
-    lines carry request headers, session tokens among them. A vendor logger
-    goes to DEBUG only when named in ``debug_loggers`` (``--debug-logger``) or
-    ``$AURORA_DEBUG_LOGGERS`` (comma-separated). Every record passes a
-    :class:`~aurora_store.redact.RedactingFilter`: URL passwords and the values
-    of known secrets (AWS secret key and session token, Redis passwords) are
-    masked whatever logger wrote them.
-    """
-    from aurora_store.redact import VENDOR_LOGGERS, install_redaction
-
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s {name} %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    install_redaction()
-    asked = {n.strip() for n in (debug_loggers or ()) if n.strip()}
-    asked |= {n.strip() for n in os.environ.get("AURORA_DEBUG_LOGGERS", "").split(",") if n.strip()}
-    for vendor in VENDOR_LOGGERS:
-        if vendor not in asked:
-            logging.getLogger(vendor).setLevel(logging.INFO)
-    for own in ("aurora", "aurora_store", "workers", "aurora_tools"):
-        logging.getLogger(own).setLevel(logging.DEBUG if verbose else logging.NOTSET)
-    for n in asked:
-        logging.getLogger(n).setLevel(logging.DEBUG)
-    return logging.getLogger(f"aurora.{name}")

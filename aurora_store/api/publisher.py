@@ -43,9 +43,8 @@ from aurora_store.codec.extract import extract, fuse_weights, plan_of, unfuse_we
 from aurora_store.codec.fusion import TIED_HEAD, FusionPlan
 from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus
 from aurora_store.coordination.commit import prepare_commit
-from aurora_store.coordination.keys import RunKeys
+from aurora_store.coordination.records import RunRecords
 from aurora_store.coordination.redisconn import connect
-from aurora_store.coordination.versioned import record_versioned
 from aurora_store.errors import ConfigError
 from aurora_store.format.manifest import Manifest, new_attempt_id
 from aurora_store.format.signing import Signer, signer_from_option
@@ -179,12 +178,14 @@ class Publisher:
         self.signer = signer if signer is not None else signer_from_option(sign_key)
         self._raw_redis: Any = None
         self.bus: Bus | None = bus
+        self._records: RunRecords | None = None
+        """The run's records (head, expected states, digests), written fenced by this Publisher's epoch."""
         if redis is not None:
             self.redis_dep = Dependency("Redis", log, budget)
             self._raw_redis = connect(redis) if isinstance(redis, str) else redis
             if self.bus is None:
                 self.bus = riding(Bus(self._raw_redis, self.run), self.redis_dep, self.stop)
-        self.keys = RunKeys(self.run)
+            self._records = RunRecords(self._raw_redis, self.run)
         self._commit = commit
         if not prepared:
             self._commit = prepare_commit(raw_store, self._raw_redis, self.run, commit_via)
@@ -341,15 +342,20 @@ class Publisher:
         return Published(v, m.state, kind, nbytes, changed, changed / max(1, total), time.perf_counter() - t0, digest, snapshot, snapshot_bytes)
 
     def _announce(self, v: int, state: str, kind: str, nbytes: int, digest: str) -> None:
-        """Redis: the digest and state readers check, the head, the version and its commit (docs/WORKERS.md)."""
-        if self._raw_redis is None or self.bus is None:
+        """Redis: the digest and state readers check, the head, the version and its commit (docs/WORKERS.md).
+
+        The records go through :class:`~aurora_store.coordination.records.RunRecords`, fenced by
+        an epoch this Publisher takes at its first record (one above any stored): a newer writer
+        of the run (a Trainer, another Publisher) fences this one out.
+        """
+        records = self._records
+        if records is None or self.bus is None:
             return
-        r, keys = self._raw_redis, self.keys
 
         def record() -> None:
-            record_versioned(r, keys, keys.trainer_digests, str(v), digest, v)
-            record_versioned(r, keys, keys.trainer_states, str(v), state, v)
-            r.hset(keys.trainer, mapping={"head": v, "head_state": state, "published_ms": int(time.time() * 1000), "status": "running", "commit": v})
+            if records.epoch is None:
+                records.enter_epoch((records.stored_epoch() or 0) + 1)
+            records.record_version(v, state, digest, commit=True)
 
         self.redis_dep.call(record, "record the version", self.stop)
         self.bus.announce(VERSION, v, kind=kind, state=state, bytes=nbytes)

@@ -33,12 +33,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from aurora_store.config import Switch
 from aurora_store.coordination.keys import glob_escape
 from aurora_store.coordination.redisconn import (
     key_prefix,
@@ -65,6 +65,9 @@ log = logging.getLogger("aurora.commit")
 #: Set to 1 when Redis persists its data in a way ``INFO`` / ``CONFIG GET`` cannot show
 #: (a managed service that hides ``CONFIG``): the persistence check then trusts the operator.
 TRUST_PERSISTENCE_ENV = "AURORA_REDIS_PERSISTENT"
+TRUST_PERSISTENCE = Switch(
+    TRUST_PERSISTENCE_ENV, bool, False, "trust that Redis persists its data where INFO and CONFIG GET cannot show it (Redis-commit mode)"
+)
 
 _KINDS = ("delta", "snapshot")
 #: Largest record accepted from Redis (a manifest of a very large model is a few MB).
@@ -95,7 +98,7 @@ def require_persistence(client: Any, run: str | None = None) -> str:
     keep all but the last minutes. ``AURORA_REDIS_PERSISTENT=1`` skips the
     check for a Redis that persists in a way these commands do not show.
     """
-    if os.environ.get(TRUST_PERSISTENCE_ENV, "").strip() in ("1", "true", "yes"):
+    if TRUST_PERSISTENCE.get():
         return "trusted"
     at = on_master_of(client, key_prefix(run)) if run else {}  # on a cluster: the run's master
     with translate_redis_errors("check Redis persistence"):

@@ -94,7 +94,8 @@ class RunKeys:
     # -- workers (docs/WORKERS.md) -----------------------------------------------
     @property
     def trainer(self) -> str:
-        """hash: the Trainer's head, head_state, published_ms, step, commit, status."""
+        """hash: the Trainer's head, head_state, published_ms, step, commit, status, epoch, signed, key_id,
+        unreturned, last_batch; written and read only through :mod:`~aurora_store.coordination.records`."""
         return f"{self.prefix}trainer"
 
     @property

@@ -1,7 +1,7 @@
 """A run at a glance, read from Redis: Trainer head, Relays, Actors, open steps.
 
 :func:`collect_status` reads (never writes) the keys of docs/PROTOCOL.md and
-docs/WORKERS.md into one JSON-able dict; :func:`render` turns it into a few
+docs/WORKERS.md (the Trainer's through :mod:`~aurora_store.coordination.records`) into one JSON-able dict; :func:`render` turns it into a few
 aligned tables. ``aurora status`` is the command-line glue. Actors are those with a record
 (live, or departed within the ledger's ``departed_ttl_s``), never every id
 that ever joined.
@@ -17,6 +17,7 @@ from aurora_store.coordination.decode import as_int, as_str
 from aurora_store.coordination.evals import read_evals
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger, LedgerLost
+from aurora_store.coordination.records import RunRecords, TrainerRecord
 from aurora_store.coordination.redisconn import server_time_ms, translate_redis_errors
 
 __all__ = ["collect_status", "render"]
@@ -36,25 +37,25 @@ def collect_status(redis: Any, run: str, now_ms: int | None = None) -> dict[str,
         now_ms = server_time_ms(redis, keys.fence)
 
     # Trainer
-    th = {as_str(k, "replace"): v for k, v in redis.hgetall(keys.trainer).items()}
+    th = RunRecords(redis, run, ledger).trainer()
     trainer: dict[str, Any] | None = None
-    if th:
-        published = as_int(th.get("published_ms"), lenient=True)
+    if th != TrainerRecord():
+        published = th.published_ms
         trainer = {
-            "head": as_int(th.get("head"), lenient=True),
-            "head_state": as_str(th.get("head_state", b""), "replace"),
+            "head": th.head,
+            "head_state": th.head_state or "",
             "published_ms": published,
             "published_age_s": None if published is None else round((now_ms - published) / 1000.0, 3),
-            "step": as_int(th.get("step"), lenient=True),
-            "status": as_str(th["status"], "replace") if "status" in th else None,
+            "step": th.step,
+            "status": th.status,
         }
         # Present once a Trainer with the recovery features wrote them.
-        if "unreturned" in th:
-            trainer["unreturned"] = as_int(th.get("unreturned"), lenient=True)
+        if th.unreturned is not None:
+            trainer["unreturned"] = th.unreturned
         # Whether the Trainer signs its manifests (FORMAT.md §4.1), and with which key.
-        if "signed" in th:
-            trainer["signed"] = as_int(th.get("signed"), lenient=True) == 1
-            trainer["key_id"] = as_str(th.get("key_id", b""), "replace")[:64] or None
+        if th.signed is not None:
+            trainer["signed"] = th.signed
+            trainer["key_id"] = (th.key_id or "")[:64] or None
         epoch = as_int(redis.get(keys.epoch), lenient=True)
         if epoch is not None:
             trainer["epoch"] = epoch

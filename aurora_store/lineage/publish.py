@@ -22,9 +22,11 @@ the last parameters are still being scanned.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
+import os
 import queue
 import re
 import threading
@@ -38,7 +40,7 @@ import torch
 
 from aurora_store.codec.entries import EncodeOptions
 from aurora_store.codec.extract import ParamDelta, spec_of
-from aurora_store.config import SEGMENT_MIB_ENV, from_env, streams_field
+from aurora_store.config import SEGMENT_MIB_ENV, env_name, from_env, streams_field
 from aurora_store.errors import ConfigError
 from aurora_store.format.checkpoint import DEFAULT_SEGMENT_BYTES, EncodedSegment, encode_segments
 from aurora_store.format.manifest import (
@@ -55,6 +57,8 @@ from aurora_store.lineage.binding import MODEL_FIELD, WEIGHTS_DIGEST_FIELD, Mode
 from aurora_store.version import __version__
 
 __all__ = [
+    "ENCODE_ENV_PREFIX",
+    "encode_options_from_env",
     "PublishConfig",
     "SegmentEvent",
     "publish_delta",
@@ -175,6 +179,20 @@ def estimate_delta_bytes(deltas: Iterable[ParamDelta]) -> int:
     return sum(d.nnz * int(d.new_bits.itemsize) for d in deltas)
 
 
+ENCODE_ENV_PREFIX = "AURORA_"
+"""Prefix of the encoder's variables: ``AURORA_INDEX_ENCODINGS``, ``AURORA_VALUE_MODES``,
+``AURORA_CODECS`` (comma lists) and ``AURORA_ZSTD_LEVEL``."""
+
+
+def encode_options_from_env(environ: Mapping[str, str] | None = None) -> EncodeOptions:
+    """The encodings a publisher may choose from: the defaults, then the ``AURORA_*`` encoder
+    variables (an empty one counts as unset). The codec layer reads no environment: the
+    worker or command that publishes calls this and passes the options in."""
+    env = os.environ if environ is None else environ
+    names = {env_name(f, ENCODE_ENV_PREFIX) for f in dataclasses.fields(EncodeOptions)}
+    return from_env(EncodeOptions, ENCODE_ENV_PREFIX, {k: v for k, v in env.items() if k in names and v != ""})
+
+
 @dataclass(frozen=True, slots=True)
 class PublishConfig:
     """How a version is cut and sent.
@@ -192,7 +210,7 @@ class PublishConfig:
     """Target segment size in bytes; None (the default) adapts it to each delta with
     :func:`segment_bytes_for`. Env ``AURORA_SEGMENT_MIB``, in MiB (fractions allowed)."""
     options: EncodeOptions = field(default_factory=EncodeOptions, metadata={"env": False})
-    """Encodings the encoder may choose from (``EncodeOptions.from_env`` reads their variables)."""
+    """Encodings the encoder may choose from (a worker resolves their variables and passes them in)."""
     shard_bytes: int = field(default=DEFAULT_SHARD_BYTES, metadata={"env": "AURORA_SHARD_MIB", "scale": _MIB})
     """Target snapshot shard size in bytes. Env ``AURORA_SHARD_MIB``, in MiB."""
 

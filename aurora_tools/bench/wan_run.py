@@ -2,10 +2,10 @@
 
 The trainer region is this machine's root namespace: moto's S3 server (a
 child process, objects in memory) and ``redis-server``, both on 127.0.0.1,
-and the Trainer (``aurora trainer --workload synthetic``, a child process).
+and the Trainer (``aurora bench synthetic-trainer``, a child process).
 The Actor region ``r1`` is a network namespace of :class:`~aurora_tools.wan.netns.WanTestbed`
 (or, where namespaces are not permitted, loopback with the same proxies):
-its Relay and Actors (``aurora relay``, ``aurora actor --workload synthetic``)
+its Relay and Actors (``aurora relay``, ``aurora bench synthetic-actor``)
 reach S3 and Redis only through the testbed's proxies (delay, stalls) and
 the htb rate limit on the veth pair. The Relay's mirror is a directory
 (``file://``): intra-region reads cost no link.
@@ -213,11 +213,11 @@ def run_config(
         return f
 
     from aurora_store.coordination.keys import RunKeys
+    from aurora_store.coordination.records import RunRecords
     from aurora_store.coordination.redisconn import redis_child_env
 
     rk = RunKeys(run)
     steps_key = rk.wan("steps")
-    trainer_key = rk.trainer
     tb = WanTestbed(profiles, mode=net_mode)  # type: ignore[arg-type]
     try:
         tb.start()
@@ -233,7 +233,7 @@ def run_config(
             region_env[reg].update(redis_child_env(region_redis[reg]))
         start_counters = _stats(tb, s3_up_port)
         trainer_args = [
-            "trainer", "--workload", "synthetic", "--store", origin, "--run", run,
+            "bench", "synthetic-trainer", "--store", origin, "--run", run,
             "--steps", str(cfg.steps), "--batch", str(batch), "--group", str(wl.group), "--streams", str(S),
             "--transfer", spec.transfer, "--max-lag", str(spec.max_lag), "--split", cfg.split, "--params", str(wl.params),
             "--density", str(wl.density), "--gen-s-per-prompt", f"{per_prompt:.6f}", "--train-s", f"{wl.train(params):.6f}",
@@ -256,7 +256,7 @@ def run_config(
 
         def actor_argv(name: str, reg: str, slow: float, join: int | None = None) -> list[str]:
             a = [
-                "actor", "--workload", "synthetic", "--store", origin, "--run", run, "--region", reg,
+                "bench", "synthetic-actor", "--store", origin, "--run", run, "--region", reg,
                 "--id", name, "--transfer", spec.transfer, "--streams", str(S), "--claim", str(2 * wl.prompts_per_actor),
                 "--slowdown", f"{slow:g}", "--hold-weights", "yes" if hold else "no", "--fetch", cfg.fetch,
                 *(["--digests"] if wl.digests and hold else []),
@@ -272,7 +272,8 @@ def run_config(
             name, reg = f"a{i}", cfg.region_of(i)
             procs[name] = tb.popen(reg, actor_argv(name, reg, slow), env=region_env[reg], stdout=out(name), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
-        while r.hget(trainer_key, "head") is None:
+        records = RunRecords(r, run)
+        while records.head() is None:
             if procs["trainer"].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"trainer did not publish version 0 (see {logdir}/trainer.log)")
             time.sleep(0.1)
@@ -318,9 +319,8 @@ def run_config(
         late = frozenset(n for n in procs if n.startswith("a") and int(n[1:]) >= cfg.actors)
         res = summarize(cfg, steps, published, staged, bytes_at, full_bytes, totals, late, _announcements(r, rk))
         if wl.digests and hold and spec.transfer != "none":
-            tdig = {int(_s(k)): _s(v) for k, v in r.hgetall(rk.trainer_digests).items()}
-            adig = {_s(k): _s(v) for k, v in r.hgetall(rk.actor_digests).items()}
-            pairs = [(d, tdig.get(int(k.rpartition("|")[2]))) for k, d in adig.items()]
+            tdig, adig = records.digests()
+            pairs = [(d, tdig.get(v)) for (_, v), d in adig.items()]
             res["digests_compared"] = len(pairs)
             res["digests_match"] = bool(pairs) and all(a == b for a, b in pairs)
     except Exception as e:  # noqa: BLE001 - one failed configuration must not end the sweep

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from aurora_store.credentials import REDIS_URL_ENV
 from aurora_store.errors import ConfigError
 from aurora_store.options import sign_key_path, storage_options
 from aurora_tools.cli.console import say
@@ -52,9 +53,9 @@ def add_encode_args(p: argparse.ArgumentParser) -> None:
 
 def _publish_config(args: argparse.Namespace) -> Any:
     from aurora_store.codec.entries import PAPER, EncodeOptions
-    from aurora_store.lineage.publish import PublishConfig
+    from aurora_store.lineage.publish import PublishConfig, encode_options_from_env
 
-    opts = EncodeOptions.from_env()
+    opts = encode_options_from_env()
     if args.paper:
         opts = PAPER
     else:
@@ -113,9 +114,9 @@ def _commit(args: argparse.Namespace, store: Any) -> tuple[Any, Any]:
         return None, None
     if args.run is None:
         raise ConfigError("--commit-via redis needs --run NAME (the commit records live under the run's Redis keys)")
-    url = getattr(args, "redis", None) or os.environ.get("AURORA_REDIS_URL")
+    url = getattr(args, "redis", None) or os.environ.get(REDIS_URL_ENV)
     if not url:
-        raise ConfigError("--commit-via redis needs --redis URL (or AURORA_REDIS_URL)")
+        raise ConfigError(f"--commit-via redis needs --redis URL (or {REDIS_URL_ENV})")
     from aurora_store.coordination.commit import RedisCommitLog, prepare_commit
     from aurora_store.coordination.redisconn import connect
 

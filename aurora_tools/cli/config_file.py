@@ -380,7 +380,7 @@ def render(worker: str, options: Mapping[str, Any], source: str | None = None) -
 
 def _worker_id(worker: str, args: argparse.Namespace) -> str:
     if worker == "actor":
-        return str(getattr(args, "actor_id", None) or os.environ.get("AURORA_ACTOR_ID") or "")
+        return str(getattr(args, "actor_id", None) or "")  # chosen before the record (aurora_tools.cli.run_cmds)
     if worker == "relay":
         return str(getattr(args, "region", "") or "")
     return str(getattr(args, "run", "") or "")

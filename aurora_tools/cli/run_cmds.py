@@ -1,7 +1,8 @@
 """``aurora trainer|actor|relay|status|testbed|demo``: the processes of a run and the tools around them.
 
 The options of ``trainer``, ``actor``, ``relay`` and ``demo`` are declared
-by the workers (and the synthetic workload) themselves; the ``add_*``
+by the workers themselves (``bench synthetic-trainer|synthetic-actor``: the
+workers' and the synthetic workload's); the ``add_*``
 functions here import them, so :mod:`aurora_tools.cli.main` calls them only
 for the subcommand being run.
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aurora_store.errors import ConfigError, CoordinationError
+from aurora_store.options import resolve as resolve_options
 from aurora_store.options import storage_options
 from aurora_tools.cli.console import say
 
@@ -25,7 +27,11 @@ __all__ = [
     "add_relay_arguments",
     "add_demo_arguments",
     "add_follow_arguments",
+    "add_synthetic_trainer_arguments",
+    "add_synthetic_actor_arguments",
     "cmd_trainer",
+    "cmd_synthetic_trainer",
+    "cmd_synthetic_actor",
     "cmd_actor",
     "cmd_relay",
     "cmd_follow",
@@ -35,13 +41,11 @@ __all__ = [
 ]
 
 
-# -- trainer and actor: the GRPO workers, or the synthetic workload of ``aurora bench wan`` --
+# -- trainer and actor: the GRPO workers --
 def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
-    from aurora_tools.synthetic.args import add_trainer_arguments as add_synthetic
     from workers.trainer import add_arguments
 
     add_arguments(p)
-    add_synthetic(p)
 
 
 def _announce(
@@ -71,40 +75,68 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
         from workers.trainer import config_from_args
 
-        grpo = args.workload != "synthetic"
-        _announce("trainer", args, add_trainer_arguments, options, config_from_args if grpo else None)
-    if args.workload == "synthetic":
-        from aurora_tools.synthetic.trainer import trainer_main
-
-        return trainer_main(args, options)
+        _announce("trainer", args, add_trainer_arguments, options, config_from_args)
     from workers.trainer import main
 
     return main(args, options)
 
 
 def add_actor_arguments(p: argparse.ArgumentParser) -> None:
-    from aurora_tools.synthetic.args import add_actor_arguments as add_synthetic
     from workers.actor import add_arguments
 
     add_arguments(p)
-    add_synthetic(p)
+
+
+def _choose_actor_id(args: argparse.Namespace) -> None:
+    """A random Actor id chosen now, unless given, so the start's record names this Actor."""
+    from workers.actor.config import ENV_PREFIX, ActorConfig
+
+    if not args.actor_id:
+        args.actor_id = resolve_options(ActorConfig, ENV_PREFIX).actor_id
 
 
 def cmd_actor(args: argparse.Namespace) -> int:
     options = storage_options(args.storage_option)
     from workers.actor.cli import config_from_args
-    from workers.actor.config import ActorConfig
 
-    if not args.actor_id and not os.environ.get("AURORA_ACTOR_ID"):
-        args.actor_id = ActorConfig().actor_id  # a random one, chosen now so the record names this Actor
-    _announce("actor", args, add_actor_arguments, options, config_from_args if args.workload != "synthetic" else None)
-    if args.workload == "synthetic":
-        from aurora_tools.synthetic.actor import actor_main
-
-        return actor_main(args, options)
+    _choose_actor_id(args)
+    _announce("actor", args, add_actor_arguments, options, config_from_args)
     from workers.actor import main
 
     return main(args, options)
+
+
+# -- the synthetic workload of ``aurora bench wan``: the real workers with simulated compute --
+def add_synthetic_trainer_arguments(p: argparse.ArgumentParser) -> None:
+    from aurora_tools.synthetic.args import add_trainer_arguments as add_synthetic
+
+    add_trainer_arguments(p)
+    add_synthetic(p)
+
+
+def cmd_synthetic_trainer(args: argparse.Namespace) -> int:
+    from aurora_tools.synthetic.args import synthetic_trainer_config
+    from aurora_tools.synthetic.trainer import trainer_main
+
+    options = storage_options(args.storage_option)
+    _announce("trainer", args, add_synthetic_trainer_arguments, options, synthetic_trainer_config)
+    return trainer_main(args, options)
+
+
+def add_synthetic_actor_arguments(p: argparse.ArgumentParser) -> None:
+    from aurora_tools.synthetic.args import add_actor_arguments as add_synthetic
+
+    add_actor_arguments(p)
+    add_synthetic(p)
+
+
+def cmd_synthetic_actor(args: argparse.Namespace) -> int:
+    from aurora_tools.synthetic.actor import actor_main
+
+    options = storage_options(args.storage_option)
+    _choose_actor_id(args)
+    _announce("actor", args, add_synthetic_actor_arguments, options)
+    return actor_main(args, options)
 
 
 # -- relay --

@@ -7,6 +7,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from aurora_store.credentials import REDIS_URL_ENV
 from aurora_store.errors import ConfigError
 from aurora_store.options import add_storage_option, storage_options, trust_key_paths
 from aurora_tools.cli.console import say
@@ -47,7 +48,7 @@ def commits_of(args: argparse.Namespace, store: Any) -> Any:
 
     url, run = getattr(args, "redis", None), getattr(args, "run", None)
     if run is not None and url is None:
-        url = os.environ.get("AURORA_REDIS_URL") or None
+        url = os.environ.get(REDIS_URL_ENV) or None
     if (url is None) != (run is None):
         raise ConfigError("--redis URL and --run NAME go together")
     marker = read_commit_marker(store)

@@ -27,10 +27,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aurora_store.coordination.records import RunRecords
 from aurora_store.coordination.redisconn import connect, redis_child_env, resolve_redis_url
+from aurora_store.credentials import REDIS_PASSWORD_FILE_ENV, REDIS_URL_ENV
 from aurora_store.redact import install_redaction, redact_url, redacted_repr
 from aurora_store.storage import Store, open_store
-from workers.common import Endpoints, RunKeys, read_digests
+from workers.common import Endpoints
 from workers.trainer import TrainerConfig
 from workers.trainer.trainer import StepLog, Trainer
 
@@ -238,7 +240,7 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
             mirror_url = f"file://{os.path.abspath(os.path.join(workdir, 'mirror-eu'))}"
         say(f"store  {origin_url}\nredis  {redact_url(redis_url)}\nlogs   {logdir}")
         r = connect(redis_url)
-        keys = RunKeys(cfg.run)
+        records = RunRecords(r, cfg.run)
         procs = _Procs(env, logdir)
         kill_at = cfg.steps // 3 if cfg.kill_at is None else cfg.kill_at
         join_at = 2 * cfg.steps // 3 if cfg.join_at is None else cfg.join_at
@@ -328,13 +330,12 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
             shutil.rmtree(local, ignore_errors=True)
             _copy_run(trainer.store, open_store(f"file://{local}"))
             say(f"run copied to {local} (aurora lineage {local}; notebooks/lineage.ipynb)")
-        tdig, adig = read_digests(r, keys)
+        tdig, adig = records.digests()
         mismatches = [(a, v) for (a, v), d in sorted(adig.items()) if tdig.get(v) != d]
-        acts = {}
-        for k, v in r.hgetall(keys.activations).items():
-            who, _, ver = k.decode().rpartition("|")
-            acts[(who, int(ver))] = json.loads(v)
+        acts = records.activations()
         lost = sum(max(0, trainer.cfg.batch - sum(lg.by_actor.values()) - lg.rejected_payloads) for lg in trainer.logs)
+        policy = trainer.grpo
+        assert policy is not None  # the demo trains for real
         return DemoResult(
             logs=trainer.logs,
             bit_identical=not mismatches and bool(adig) and cfg.weight_transfer,
@@ -347,10 +348,10 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
             accepted_wrong_version=trainer.accepted_wrong_version,
             activations=acts,
             wall_s=time.perf_counter() - t_start,
-            model_family=str(getattr(trainer.model.config, "model_type", "")),
-            tokenizer_vocab_size=int(trainer.tokenizer.vocab_size),
+            model_family=str(getattr(policy.model.config, "model_type", "")),
+            tokenizer_vocab_size=int(policy.tokenizer.vocab_size),
             # The Trainer's held-out scores by version (an older Trainer has none).
-            eval_accuracy={int(v): float(a) for v, a in dict(getattr(trainer, "eval_accuracy", {})).items()},
+            eval_accuracy=dict(trainer.eval_accuracy),
             stopped_hard=list(procs.stopped_hard),
         )
     finally:
@@ -366,11 +367,11 @@ def _live_line(cfg: DemoConfig, redis: Any, trainer_thread: threading.Thread) ->
     from aurora_store.coordination.ledger import Ledger, LedgerLost
 
     ledger = Ledger(redis, cfg.run)
-    keys = RunKeys(cfg.run)
+    records = RunRecords(redis, cfg.run)
     while trainer_thread.is_alive():
         try:
-            step = redis.hget(keys.trainer, "step")
-            head = redis.hget(keys.trainer, "head")
+            t = records.trainer()
+            step, head = t.step, t.head
             parts = []
             if step is not None:
                 try:
@@ -459,8 +460,8 @@ def main(args: argparse.Namespace) -> int:
         import_vllm()  # before any server starts: a missing vLLM is one clear line
     cfg = DemoConfig(
         steps=args.steps, batch=args.batch, store=args.store, run=args.run,
-        redis=args.redis or os.environ.get("AURORA_REDIS_URL") or None,
-        redis_password_file=args.redis_password_file or os.environ.get("AURORA_REDIS_PASSWORD_FILE") or None,
+        redis=args.redis or os.environ.get(REDIS_URL_ENV) or None,
+        redis_password_file=args.redis_password_file or os.environ.get(REDIS_PASSWORD_FILE_ENV) or None,
         workdir=os.path.abspath(args.dir), display=not args.json, relay=not args.no_relay,
         kill_at=args.kill_at, join_at=args.join_at, engine=args.engine, seed=args.seed,
         model=args.model, task=args.task, data=args.data, eval_data=args.eval_data, eval_every=args.eval_every,

@@ -1,4 +1,20 @@
-"""The synthetic workload's Actor: the real Actor with the synthetic engine; full and none transfer."""
+"""The synthetic workload's Actor: the real Actor with the synthetic engine; full and none transfer.
+
+The real :class:`~workers.actor.Actor`, with parts plugged in through its
+Protocols (nothing of it overridden):
+
+- :class:`SyntheticBoot` (a :class:`~workers.actor.boot.Boot`): the engine
+  from the run's :class:`SyntheticSpec`, and its base as version 0; the
+  Actor still registers, releases a previous incarnation's work and rides
+  out outages as always;
+- ``transfer``: ``delta`` is the Actor's own staging; ``full`` stages every
+  newer snapshot (:class:`SnapshotStaging`), ``none`` stages versions that
+  move no bytes (:class:`AnnouncedStaging`);
+- :class:`WanRecorder` (a :class:`~workers.actor.staging.StagedObserver`):
+  when each version was staged, from where, and what crossed from origin.
+
+:func:`run_synthetic_actor` is the entry point (``aurora bench synthetic-actor``).
+"""
 
 from __future__ import annotations
 
@@ -11,13 +27,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-from aurora_store.format.checkpoint import StagedDelta
+from aurora_store.storage import Store
 from aurora_tools.synthetic.engine import StagedAnnouncement, StagedSnapshot, SyntheticEngine
 from aurora_tools.synthetic.workload import SyntheticSpec, wan_key
 from workers.actor import Actor, ActorConfig, config_from_args
+from workers.actor.context import ActorContext
+from workers.actor.holding import Staged
+from workers.actor.polled import Polled
+from workers.actor.staging import StagingStrategy
+from workers.common import Endpoints
 from workers.trainer import unshipped_state
 
-__all__ = ["SyntheticActorOptions", "SyntheticActor", "actor_main"]
+__all__ = [
+    "AnnouncedStaging",
+    "SnapshotStaging",
+    "SyntheticActorOptions",
+    "SyntheticBoot",
+    "WanRecorder",
+    "actor_main",
+    "run_synthetic_actor",
+    "synthetic_actor",
+]
 
 log = logging.getLogger("aurora.synthetic")
 
@@ -25,7 +55,7 @@ log = logging.getLogger("aurora.synthetic")
 class _CountingStore:
     """A store that counts the bytes it read (what crossed from origin into the Actor's region)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Store) -> None:
         self._inner = inner
         self._lock = threading.Lock()
         self.bytes_read = 0
@@ -34,13 +64,13 @@ class _CountingStore:
         data = self._inner.get(key)
         with self._lock:
             self.bytes_read += len(data)
-        return cast(bytes, data)
+        return data
 
     def get_range(self, key: str, start: int, stop: int) -> bytes:
         data = self._inner.get_range(key, start, stop)
         with self._lock:
             self.bytes_read += len(data)
-        return cast(bytes, data)
+        return data
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -48,115 +78,157 @@ class _CountingStore:
 
 @dataclass(frozen=True, slots=True)
 class SyntheticActorOptions:
+    """The synthetic workload's options of an Actor."""
+
     transfer: str = "delta"
+    """``delta`` (the Actor's own staging), ``full`` (every newer snapshot) or ``none`` (no bytes)."""
     hold: bool = True
+    """Hold real weights and write every version into them."""
     digests: bool = False
+    """Hash the held weights for every digest (else a placeholder)."""
 
 
-class SyntheticActor(Actor):
-    """An Actor with the synthetic engine; ``full`` and ``none`` transfer stage snapshots or announcements."""
+class SyntheticBoot:
+    """The engine from the run's synthetic spec, and its base weights as version 0."""
 
-    def __init__(self, ep: Any, cfg: ActorConfig, opts: SyntheticActorOptions | None = None) -> None:
-        super().__init__(ep, cfg)
-        self.opts = opts or SyntheticActorOptions()
-        self.counter = _CountingStore(self.origin)
-        self.origin = cast(Any, self.counter)
+    def __init__(self, ctx: ActorContext, opts: SyntheticActorOptions) -> None:
+        self.ctx = ctx
+        self.opts = opts
+        self.spec: SyntheticSpec | None = None
+        self.engine: SyntheticEngine | None = None
+
+    @property
+    def waited_for_run(self) -> bool:
+        return False
 
     def prepare(self) -> None:
         from aurora_store.errors import ObjectNotFound
         from workers.common import MODEL_CONFIG_KEY
 
         # Started alongside the Trainer: wait for the description it writes before version 0.
+        c = self.ctx
         while True:
             try:
-                raw = self.origin.get(MODEL_CONFIG_KEY)
+                raw = c.store_call(lambda: c.origin.get(MODEL_CONFIG_KEY), "read the synthetic spec")
                 break
             except ObjectNotFound:
-                if self.stop.wait(0.2):
-                    raise SystemExit(0) from None
+                if c.stop.wait(0.2):
+                    return
         self.spec = SyntheticSpec.from_json(raw)
-        self.synthetic = SyntheticEngine(self.spec, hold=self.opts.hold, digests=self.opts.digests)
-        self.engine = cast(Any, self.synthetic)
+        self.engine = SyntheticEngine(self.spec, hold=self.opts.hold, digests=self.opts.digests)
+        c.set_engine(self.engine)
 
-    def bootstrap(self) -> None:
-        from workers.common import record_digest
-
-        if not hasattr(self, "engine"):
-            self.prepare()
+    def reach(self) -> tuple[int, str] | None:
         from aurora_store.codec.kernels import warm_up
 
+        assert self.spec is not None and self.engine is not None, "prepare() first"
         t0 = time.perf_counter()
         warm_up()  # compile or load the codec kernels now, not inside the first activation
-        self.synthetic.load_base()
-        self.active = self.staged_version = 0
-        self.active_state = self.staged_state = self.spec.base_state
-        record_digest(self.redis, self.keys, self.cfg.actor_id, 0, self.engine.digest())
-        log.info("%s: base loaded in %.2fs (hold=%s)", self.cfg.actor_id, time.perf_counter() - t0, self.opts.hold)
-        self.ledger.register(self.cfg.actor_id, self.cfg.region, self.cfg.engine)
-        self._heartbeat()
+        self.engine.load_base()
+        log.info("%s: base loaded in %.2fs (hold=%s)", self.ctx.cfg.actor_id, time.perf_counter() - t0, self.opts.hold)
+        return 0, self.spec.base_state
 
-    def _stage_available(self, polled: tuple[str | None, int | None] | None = None) -> None:
-        if self.opts.transfer == "delta":
-            super()._stage_available(polled)
-        elif self.opts.transfer == "none":
-            head = self.redis.hget(self.keys.trainer, "head")
-            for v in range(self.staged_version + 1, (int(head) if head is not None else -1) + 1):
-                state = unshipped_state(v)
-                self._push(StagedAnnouncement(v, v - 1), state, 0.0, v)
-                self._on_staged(v, 0, 0.0, False)
-        else:
-            self._stage_snapshots()
 
-    def _push(self, staged: Any, state: str, seconds: float, v: int) -> None:
-        with self.lock:
-            self.staged.append((cast(StagedDelta, staged), state, seconds))
-            self.staged_version, self.staged_state = v, state
+class WanRecorder:
+    """Records when each version was staged, its bytes and source, and what crossed from origin (``aurora bench wan``)."""
 
-    def _stage_snapshots(self) -> None:
-        """``full`` transfer: fetch, verify and decode every newer snapshot, oldest first."""
+    def __init__(self, ctx: ActorContext, counter: _CountingStore) -> None:
+        self.ctx = ctx
+        self.counter = counter
+
+    def staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
+        c = self.ctx
+        record = {"t_ms": time.time() * 1000, "stage_s": seconds, "bytes": nbytes, "mirror": from_mirror, "origin_bytes": self.counter.bytes_read}
+        c.redis_call(lambda: c.redis.hset(wan_key(c.ep.run, "staged"), f"{c.cfg.actor_id}|{version}", json.dumps(record)), "record a staged version")
+
+
+class AnnouncedStaging:
+    """``none`` transfer: every version up to the head is staged at once, moving no bytes."""
+
+    def __init__(self, ctx: ActorContext, recorder: WanRecorder) -> None:
+        self.ctx = ctx
+        self.recorder = recorder
+
+    def stage_available(self, polled: Polled) -> None:
+        h = self.ctx.holding
+        for v in range(h.staged_version + 1, (polled.head if polled.head is not None else -1) + 1):
+            h.stage(Staged(StagedAnnouncement(v, v - 1), unshipped_state(v), 0.0))
+            self.recorder.staged(v, 0, 0.0, False)
+
+
+class SnapshotStaging:
+    """``full`` transfer: fetch, verify and decode every newer snapshot, oldest first."""
+
+    def __init__(self, ctx: ActorContext, opts: SyntheticActorOptions, counter: _CountingStore, recorder: WanRecorder) -> None:
+        self.ctx = ctx
+        self.opts = opts
+        self.counter = counter
+        self.recorder = recorder
+
+    def stage_available(self, polled: Polled) -> None:
         from safetensors.torch import load
 
         from aurora_store.errors import AuroraError
         from aurora_store.lineage.fetch import fetch_objects, fetch_snapshot, read_manifest
         from aurora_store.lineage.plan import scan_versions
+        from aurora_store.outage import is_transient
 
-        for v in sorted(s for s in scan_versions(self.origin).snapshots if s > self.staged_version):
-            if self.stop.is_set():
+        c, h = self.ctx, self.ctx.holding
+        for v in sorted(s for s in scan_versions(c.origin).snapshots if s > h.staged_version):
+            if c.stop.is_set():
                 return
             # Never stage far ahead of what runs: each staged full version is a model's worth of memory.
-            while self.staged_version > self.active + 1 and not self.stop.is_set():
-                self.stop.wait(0.05)
+            while h.staged_version > h.active + 1 and not c.stop.is_set():
+                c.stop.wait(0.05)
             t0 = time.perf_counter()
             before = self.counter.bytes_read
             try:
                 if self.opts.hold:
-                    m, tensors = fetch_snapshot(self.origin, v, self.cfg.streams)
-                    staged = StagedSnapshot(v, self.staged_version, tensors)
+                    m, tensors = fetch_snapshot(c.origin, v, c.cfg.streams)
+                    staged = StagedSnapshot(v, h.staged_version, tensors)
                 else:
-                    m = read_manifest(self.origin, "snapshot", v)
-                    fetch_objects(self.origin, m, self.cfg.streams, lambda where, data: len(load(data)))
-                    staged = StagedSnapshot(v, self.staged_version, None)
+                    m = read_manifest(c.origin, "snapshot", v)
+                    fetch_objects(c.origin, m, c.cfg.streams, lambda where, data: len(load(data)))
+                    staged = StagedSnapshot(v, h.staged_version, None)
             except AuroraError as e:
+                if is_transient(e):
+                    raise  # the stager loop waits it out
                 # Deleted by retention while we were behind: the next listing finds a newer one.
                 log.warning("stage snapshot v%d failed: %s", v, e)
                 return
-            self._push(staged, m.state, time.perf_counter() - t0, v)
-            self._on_staged(v, self.counter.bytes_read - before, time.perf_counter() - t0, False)
+            h.stage(Staged(staged, m.state, time.perf_counter() - t0))
+            self.recorder.staged(v, self.counter.bytes_read - before, time.perf_counter() - t0, False)
 
-    def _on_staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
-        self.redis.hset(
-            wan_key(self.ep.run, "staged"), f"{self.cfg.actor_id}|{version}",
-            json.dumps({"t_ms": time.time() * 1000, "stage_s": seconds, "bytes": nbytes, "mirror": from_mirror, "origin_bytes": self.counter.bytes_read}),
-        )
+
+def synthetic_actor(ep: Endpoints, cfg: ActorConfig, opts: SyntheticActorOptions | None = None) -> Actor:
+    """The real Actor with the synthetic workload's parts (see the module docstring)."""
+    from aurora_store.storage import open_store
+
+    opts = opts or SyntheticActorOptions()
+    counter = _CountingStore(open_store(ep.store, dict(ep.storage_options)))
+    ctx = ActorContext.connect(ep, cfg, origin=cast(Store, counter))
+    recorder = WanRecorder(ctx, counter)
+    staging: StagingStrategy | None = None  # delta: the Actor's own, which tells the recorder
+    if opts.transfer == "none":
+        staging = AnnouncedStaging(ctx, recorder)
+    elif opts.transfer != "delta":
+        staging = SnapshotStaging(ctx, opts, counter, recorder)
+    return Actor(ctx, boot=SyntheticBoot(ctx, opts), staging=staging, observers=[recorder])
+
+
+def run_synthetic_actor(ep: Endpoints, cfg: ActorConfig, opts: SyntheticActorOptions, join_at_version: int | None = None) -> int:
+    """Run a synthetic Actor in this process until SIGTERM/SIGINT (as ``aurora actor`` runs the real one)."""
+    from workers.actor import run_until_stopped
+
+    return run_until_stopped(synthetic_actor(ep, cfg, opts), join_at_version)
 
 
 def actor_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
-    from workers.actor import run_until_stopped
-    from workers.common import Endpoints, limit_torch_threads, setup_logging
+    """``aurora bench synthetic-actor``: logging, then :func:`run_synthetic_actor` from the parsed options."""
+    from workers.common import limit_torch_threads, setup_logging
 
     setup_logging(f"actor[{args.actor_id or ''}]")
     limit_torch_threads()
     cfg = config_from_args(args, engine="synthetic")
     opts = SyntheticActorOptions(args.transfer, args.hold_weights == "yes", args.digests)
-    return run_until_stopped(SyntheticActor(Endpoints(args.store, args.redis, args.run, storage_options), cfg, opts), args.join_at_version)
-
+    return run_synthetic_actor(Endpoints(args.store, args.redis, args.run, storage_options), cfg, opts, args.join_at_version)

@@ -143,3 +143,6 @@ class SyntheticEngine:
     def param_specs(self) -> dict[str, ParamSpec]:
         return self._plan.specs()
 
+    def close(self) -> None:
+        """Nothing to end: everything lives in this process."""
+

@@ -1,4 +1,13 @@
-"""The synthetic workload's Trainer: a sparse update on real bf16 weights instead of training."""
+"""The synthetic workload's Trainer: the real Trainer, with a sparse update on real bf16 weights instead of training.
+
+:class:`SyntheticWorkload` is the Trainer's step source and weights source
+(:mod:`workers.trainer.sources`): a seeded base every Actor builds itself is
+version 0, each step changes ``density`` of its elements and waits out the
+simulated training time. Everything else (epochs, batches and their
+scheduling, settlement, extraction, publishing, the run's records,
+announcements) is :class:`~workers.trainer.trainer.Trainer`'s own code.
+:class:`WanRecorder` keeps when each version was shipped for ``aurora bench wan``.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +15,17 @@ import argparse
 import dataclasses
 import json
 import logging
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
+from aurora_store.codec.fusion import FusionPlan
+from aurora_store.coordination.ledger import AcceptedResult
+from aurora_store.storage import Store
 from aurora_tools.synthetic.shapes import shape_for_params
 from aurora_tools.synthetic.workload import (
     PAPER_GEN_WINDOW_S,
@@ -23,10 +36,13 @@ from aurora_tools.synthetic.workload import (
     sparse_update,
     wan_key,
 )
+from workers.common import Endpoints
 from workers.trainer import TrainerConfig
-from workers.trainer.trainer import Trainer
+from workers.trainer.sources import FirstVersion, Rollouts
+from workers.trainer.trainer import StepLog, Trainer
+from workers.trainer.versions import VersionEvent
 
-__all__ = ["SyntheticTrainerOptions", "SyntheticTrainer", "trainer_main"]
+__all__ = ["SyntheticTrainerOptions", "SyntheticWorkload", "WanRecorder", "synthetic_trainer", "trainer_main"]
 
 log = logging.getLogger("aurora.synthetic")
 
@@ -36,108 +52,104 @@ class SyntheticTrainerOptions:
     train_s: float = 0.0
     """Simulated training time per step (the sparse update's own time counts towards it)."""
     digests: bool = False
-    """Record the weights digest of every version (costs a sha256 over the weights)."""
+    """Kept for the command line: the Trainer records the digest of every version it publishes."""
     shard_bytes: int = 64 << 20
     """Snapshot shard size (``full`` transfer)."""
     keep_snapshots: int = 6
     """``full`` transfer: snapshots older than this many versions are deleted (memory of the S3 server)."""
 
 
-class SyntheticTrainer(Trainer):
-    """The Trainer with simulated training on a synthetic model (see the module doc).
+class SyntheticWorkload:
+    """The synthetic model's weights and steps (see the module's docstring); ``stop`` ends a simulated step early."""
 
-    Everything after the update (extraction, publishing, announcements,
-    scheduling, settlement) is :class:`~workers.trainer.trainer.Trainer`'s own code.
-    """
-
-    def __init__(
-        self, ep: Any, cfg: TrainerConfig, spec: SyntheticSpec, opts: SyntheticTrainerOptions | None = None, on_step: Any = None
-    ) -> None:
-        super().__init__(ep, cfg, on_step)
+    def __init__(self, spec: SyntheticSpec, transfer: str, batch: int, train_s: float, stop: threading.Event) -> None:
         self.spec = spec
-        self.opts = opts or SyntheticTrainerOptions()
+        self.transfer = transfer
+        self.batch = batch
+        self.train_s = train_s
+        self.stop = stop
+        self._buffers: list[dict[str, torch.Tensor]] = []
+        """Deltas: two buffers, the newest version and the one being made (extraction compares them)."""
+        self._current: dict[str, torch.Tensor] = {}
+        """The newest weights (the base until the first step)."""
+        self._made = 0
+        """Versions made so far."""
 
-    def setup(self) -> None:
+    def first_version(self, store: Store) -> FirstVersion:
+        """The seeded base every Actor builds (nothing of it is written but the description)."""
         from aurora_store.codec.extract import plan_of
-        from aurora_store.lineage.plan import scan_versions
+        from aurora_store.codec.kernels import warm_up
         from workers.common import write_model_description
 
-        if scan_versions(self.store).latest is not None:
-            raise RuntimeError(f"{self.store.url} already holds versions; use a fresh run root")
-        from aurora_store.codec.kernels import warm_up
-
-        t0 = time.perf_counter()
         warm_up()
         w = base_weights(self.spec.shape, self.spec.seed)
-        self.published = w
-        self._buffers: list[dict[str, torch.Tensor]] = [w]
-        self.versions_bf16 = {0: w}
-        self.plan = plan_of(w, self.spec.shape.tied)
-        write_model_description(self.store, self.spec.to_json(), "{}")
-        self.states[0] = self.spec.base_state
-        self.full_bytes = sum(x.numel() * x.element_size() for x in w.values())
-        self._after_publish(0, self.spec.base_state, "base", 0)
-        self.publisher = self._new_publisher()
-        self.publisher.continue_from(0, self.spec.base_state, w, owned=True)  # every Actor builds the same base
-        log.info("synthetic base ready: %.3g params, %d bytes, in %.1fs", self.spec.params, self.full_bytes, time.perf_counter() - t0)
-        for b in range(self.cfg.max_lag + 1):
-            self._create_batch(b, 0)
+        self._buffers, self._current = [w], w
+        plan: FusionPlan = plan_of(w, self.spec.shape.tied)
+        write_model_description(store, self.spec.to_json(), "{}")
+        log.info("synthetic base: %.3g params", self.spec.params)
+        return FirstVersion(w, plan, None, base_state=self.spec.base_state)
 
-    def _pub_cfg(self) -> Any:
-        from aurora_store.lineage.publish import PublishConfig
+    def prompts(self, step: int) -> list[tuple[str, bytes]]:
+        return [(f"b{step}-{i}", json.dumps({"id": f"b{step}-{i}", "ids": [1, 2, 3]}).encode()) for i in range(self.batch)]
 
-        return PublishConfig(streams=self.cfg.streams, segment_bytes=self.cfg.segment_bytes, options=self.cfg.options, shard_bytes=self.opts.shard_bytes)
-
-    def _batch_prompts(self, b: int) -> list[tuple[str, bytes]]:
-        return [(f"b{b}-{i}", json.dumps({"id": f"b{b}-{i}", "ids": [1, 2, 3]}).encode()) for i in range(self.cfg.batch)]
-
-    def _rollouts(self, b: int) -> tuple[list[list[int]], list[list[int]], list[float], list[int], int, dict[str, int], int]:
-        tokens = bad = 0
-        by_actor: dict[str, int] = {}
-        gen_s: dict[str, float] = {}
-        gen_tok: dict[str, int] = {}
-        for r in self.collected[b].values():
+    def rollouts(self, results: Mapping[str, AcceptedResult]) -> Rollouts:
+        """Tokens and generation time each Actor reports (there is nothing to reward)."""
+        out = Rollouts()
+        for r in results.values():
             try:
                 body = json.loads(r.payload)
                 n = int(body["new_tokens"])
+                gen_s = max(1e-3, float(body.get("gen_s", 0.0)))
             except (ValueError, KeyError, TypeError):
-                bad += 1
+                out.bad += 1
                 continue
-            by_actor[r.actor] = by_actor.get(r.actor, 0) + 1
-            tokens += n
-            gen_tok[r.actor] = gen_tok.get(r.actor, 0) + n
-            gen_s[r.actor] = gen_s.get(r.actor, 0.0) + max(1e-3, float(body.get("gen_s", 0.0)))
-        self._update_tau(gen_tok, gen_s)
-        return [], [], [], [], tokens, by_actor, bad
+            out.by_actor[r.actor] = out.by_actor.get(r.actor, 0) + 1
+            out.tokens += n
+            out.gen_tokens[r.actor] = out.gen_tokens.get(r.actor, 0) + n
+            out.gen_s[r.actor] = out.gen_s.get(r.actor, 0.0) + gen_s
+        return out
 
-    def _grpo(self, prompts: Any, comps: Any, rewards: Any, gen_version: int) -> None:
-        """The simulated optimizer step: a sparse update of a copy (delta) or in place, then sleep out ``train_s``."""
+    def train(self, rollouts: Rollouts, behaviour: Mapping[str, torch.Tensor]) -> None:
+        """The simulated optimizer step: a sparse update of a copy (delta) or in place, then wait out ``train_s``."""
         t0 = time.perf_counter()
-        v = len(self.logs) + 1
-        if self.cfg.transfer == "delta":
-            # Two buffers: the published version and the one being made (extraction compares them).
+        v = self._made + 1
+        if self.transfer == "delta":
             if len(self._buffers) == 1:
-                self._buffers.append({n: x.clone() for n, x in self.published.items()})
-            new = self._buffers[1] if self._buffers[0] is self.published else self._buffers[0]
+                self._buffers.append({n: x.clone() for n, x in self._current.items()})
+            new = self._buffers[1] if self._buffers[0] is self._current else self._buffers[0]
             for n, x in new.items():
-                x.copy_(self.published[n])
+                x.copy_(self._current[n])
         else:
-            new = self.published
+            new = self._current
         sparse_update(new, self.spec.density, self.spec.seed, v)
-        self._new = new
-        left = self.opts.train_s - (time.perf_counter() - t0)
+        self._current, self._made = new, v
+        left = self.train_s - (time.perf_counter() - t0)
         if left > 0:
             self.stop.wait(left)
 
-    def _bf16_weights(self) -> dict[str, torch.Tensor]:
-        return cast(dict[str, torch.Tensor], cast(Any, self)._new)
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self._current
 
-    def _publish_version(self, v: int, b: int, new: dict[str, torch.Tensor]) -> tuple[int, int]:
-        self._pub_t0_ms = time.time() * 1000
-        out = super()._publish_version(v, b, new)
-        if self.cfg.transfer == "full":
-            self._drop_snapshots_before(v - self.opts.keep_snapshots + 1)
-        return out
+
+class WanRecorder:
+    """Keeps when each version was shipped (``wan:published``); with ``full`` transfer, drops old snapshots.
+
+    ``aurora bench wan`` runs an S3 server in memory: a run of full
+    snapshots would fill it, so versions older than ``keep_snapshots`` go.
+    """
+
+    def __init__(self, redis: Any, run: str, store: Store, transfer: str, keep_snapshots: int) -> None:
+        self.redis = redis
+        self.run = run
+        self.store = store
+        self.transfer = transfer
+        self.keep_snapshots = keep_snapshots
+
+    def __call__(self, ev: VersionEvent) -> None:
+        body = {"start_ms": ev.started_ms, "end_ms": ev.recorded_ms, "bytes": ev.nbytes, "kind": ev.kind}
+        self.redis.hset(wan_key(self.run, "published"), str(ev.version), json.dumps(body))
+        if self.transfer == "full" and ev.version > 0:
+            self._drop_snapshots_before(ev.version - self.keep_snapshots + 1)
 
     def _drop_snapshots_before(self, oldest_kept: int) -> None:
         from aurora_store.format.manifest import manifest_key, version_dir
@@ -148,49 +160,46 @@ class SyntheticTrainer(Trainer):
             for k in sorted(keys, key=lambda k: k != man):  # the manifest first: the version disappears before its objects
                 self.store.delete(k)
 
-    def _after_publish(self, v: int, state: str, kind: str, nbytes: int, digest: str | None = None) -> None:
-        from aurora_store.coordination.bus import VERSION
-        from workers.common import record_digest
 
-        if self.opts.digests:
-            from aurora_store.apply.sink import weights_digest
+def synthetic_trainer(
+    ep: Endpoints, cfg: TrainerConfig, spec: SyntheticSpec, opts: SyntheticTrainerOptions | None = None,
+    on_step: Callable[[StepLog], None] | None = None,
+) -> Trainer:
+    """The real :class:`~workers.trainer.trainer.Trainer` running the synthetic workload (``run()`` it)."""
+    from aurora_store.coordination.redisconn import connect
+    from aurora_store.storage import open_store
 
-            record_digest(self.redis, self.keys, "trainer", v, weights_digest(self.published, self.plan))
-        now_ms = time.time() * 1000
-        self.redis.hset(self.keys.trainer, mapping={"head": v, "head_state": state, "published_ms": int(now_ms), "status": "running"})
-        self.redis.hset(
-            wan_key(self.ep.run, "published"), str(v),
-            json.dumps({"start_ms": getattr(self, "_pub_t0_ms", now_ms), "end_ms": now_ms, "bytes": nbytes, "kind": kind}),
-        )
-        self.bus.announce(VERSION, v, kind=kind, state=state, bytes=nbytes)
+    opts = opts or SyntheticTrainerOptions()
+    stop = threading.Event()
+    work = SyntheticWorkload(spec, cfg.transfer, cfg.batch, opts.train_s, stop)
+    recorder = WanRecorder(connect(ep.redis), ep.run, open_store(ep.store, dict(ep.storage_options)), cfg.transfer, opts.keep_snapshots)
+    return Trainer(
+        ep, cfg, on_step, steps=work, weights=work, publish_config=cfg.publish_config(shard_bytes=opts.shard_bytes), on_version=recorder, stop=stop,
+    )
 
 
 def trainer_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
+    """``aurora bench synthetic-trainer``: the synthetic Trainer of ``aurora bench wan`` from its options, run to the end."""
     from aurora_store.coordination.redisconn import connect
-    from aurora_store.coordination.scheduler import SchedulerConfig
+    from aurora_tools.synthetic.args import synthetic_trainer_config
     from workers.common import Endpoints, install_stop_handlers, limit_torch_threads, setup_logging
 
     setup_logging("trainer")
     limit_torch_threads()
+    # The Trainer's options as `aurora trainer` resolves them; no held-out evaluation (no task to score).
+    cfg = synthetic_trainer_config(args)
     shape = shape_for_params(args.params)
     per_prompt = args.gen_s_per_prompt if args.gen_s_per_prompt is not None else default_gen_s_per_prompt(shape.params, 16)
-    spec = SyntheticSpec(shape, args.seed, args.density, per_prompt, args.tokens)
+    spec = SyntheticSpec(shape, cfg.seed, args.density, per_prompt, args.tokens)
     train_s = args.train_s if args.train_s is not None else 0.3 * PAPER_GEN_WINDOW_S * shape.params / PAPER_PARAMS
-    cfg = TrainerConfig(
-        # No held-out evaluation: the synthetic model has no task to score (and no behaviour copy).
-        steps=args.steps, batch=args.batch, group=args.group, snapshot_every=0, checkpoint_every=0, eval_every=0, streams=args.streams, seed=args.seed,
-        segment_bytes=args.segment_bytes, heartbeat_timeout_s=args.heartbeat_timeout, transfer=args.transfer, max_lag=args.max_lag,
-        scheduler=SchedulerConfig(split=args.split, min_lease_ms=int(1000 * args.min_lease_s)),
-        # Redis-commit mode (a store without conditional writes, e.g. rclone serve s3): as the real Trainer.
-        commit_via=getattr(args, "commit_via", None) or "store",
-    )
     ep = Endpoints(args.store, args.redis, args.run, storage_options)
     r = connect(args.redis)
 
     def on_step(lg: Any) -> None:
         r.rpush(wan_key(args.run, "steps"), json.dumps({**dataclasses.asdict(lg), "t_ms": time.time() * 1000}))
 
-    tr = SyntheticTrainer(ep, cfg, spec, SyntheticTrainerOptions(train_s=train_s, digests=args.digests, shard_bytes=args.shard_bytes, keep_snapshots=args.keep_snapshots or 6), on_step)
+    opts = SyntheticTrainerOptions(train_s=train_s, digests=args.digests, shard_bytes=args.shard_bytes, keep_snapshots=args.keep_snapshots or 6)
+    tr = synthetic_trainer(ep, cfg, spec, opts, on_step)
     install_stop_handlers(tr.stop)
     try:
         tr.run()

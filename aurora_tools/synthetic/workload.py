@@ -6,7 +6,8 @@ machine can train or sample. It runs the real workers, ledger, store, bus
 and Relays, and replaces only the two things a CPU box cannot do at 1B
 parameters:
 
-- **training**: :class:`SyntheticTrainer` takes an RL-like step on real bf16
+- **training**: :class:`~aurora_tools.synthetic.trainer.SyntheticWorkload` (the real Trainer's step and
+  weights source) takes an RL-like step on real bf16
   weights with :func:`sparse_update` (about 1% of the elements move by one
   unit in the last place, the statistics of ``aurora_tools.synthetic.shapes``'s
   Adam-sized step at lr 2e-7, at a few tenths of a second per billion
@@ -36,7 +37,7 @@ description, the base weights, the update); the parts are
 :mod:`~aurora_tools.synthetic.engine`, :mod:`~aurora_tools.synthetic.trainer`
 (with ``trainer_main``), :mod:`~aurora_tools.synthetic.actor` (with
 ``actor_main``) and :mod:`~aurora_tools.synthetic.args` (the options of
-``aurora trainer|actor --workload synthetic``).
+``aurora bench synthetic-trainer|synthetic-actor``).
 """
 
 
@@ -51,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aurora_store.config import Switch
 from aurora_tools.synthetic.shapes import Qwen3Shape, make_weights
 
 __all__ = [
@@ -117,8 +119,11 @@ class SyntheticSpec:
         return cls(Qwen3Shape(**d["shape"]), int(d["seed"]), float(d["density"]), float(d["gen_s_per_prompt"]), int(d["tokens"]))
 
 
+SYNTHETIC_CACHE = Switch("AURORA_SYNTHETIC_CACHE", str, "/tmp/aurora-synthetic", "folder of the synthetic workload's cached base weights")
+
+
 def _cache_dir() -> str:
-    return os.environ.get("AURORA_SYNTHETIC_CACHE") or "/tmp/aurora-synthetic"
+    return str(SYNTHETIC_CACHE.get())
 
 
 def base_weights(shape: Qwen3Shape, seed: int = 0, cache: bool = True) -> dict[str, torch.Tensor]:

@@ -27,16 +27,15 @@ import shutil
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from aurora_store.coordination.bus import Event
+from aurora_store.coordination.records import RunRecords
 from aurora_store.format.manifest import Manifest, version_dir
 from aurora_store.format.signing import TrustKeys
 from aurora_store.lineage.fetch import Held, fetch_objects, read_manifest
 from aurora_store.lineage.interfaces import CommitRecords
 from aurora_store.lineage.prefetch import Prefetcher
 from aurora_store.storage import Store, open_store
-from workers.common import RunKeys, read_expected_state
 
 __all__ = ["AnnouncedFetch"]
 
@@ -46,10 +45,9 @@ log = logging.getLogger("aurora.actor")
 class AnnouncedFetch:
     """Reads started by announcements, for one Actor's stager (one thread announces; fetches take)."""
 
-    def __init__(self, streams: int, max_held_bytes: int, redis: Any, keys: RunKeys) -> None:
+    def __init__(self, streams: int, max_held_bytes: int, records: RunRecords) -> None:
         self.prefetch = Prefetcher(streams, max_held_bytes)
-        self._redis = redis
-        self._keys = keys
+        self._records = records
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="aurora-announced")
         self._early: tuple[int, Store, Future[Manifest]] | None = None
         # Kept apart from the manifest read: the stager checks the state after the fetch is done
@@ -97,7 +95,7 @@ class AnnouncedFetch:
         found the version by polling before its announcement arrived); once is enough."""
         e = self._state
         if e is None or e[0] != version:
-            self._state = (version, self._pool.submit(read_expected_state, self._redis, self._keys, version))
+            self._state = (version, self._pool.submit(self._records.expected_state, version))
 
     def expected_state(self, version: int) -> tuple[bool, str | None]:
         """``(True, state or None)`` when the Trainer's record of ``version`` was read early; ``(False, None)`` otherwise.

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aurora_store.config import Backoff, from_env, streams_field
+from aurora_store.config import DEFAULT_STREAMS, STREAMS_ENV, Backoff, from_env, option
 from aurora_store.errors import ConfigError
 from aurora_store.format.signing import TrustKeys
 from aurora_store.lineage.prefetch import DEFAULT_MAX_HELD_BYTES, FETCH_MODES
@@ -31,11 +31,16 @@ def _random_id() -> str:
 class ActorConfig:
     """How an Actor works, where it reads versions from, and how it waits."""
 
-    actor_id: str = field(default_factory=_random_id, metadata={"env": "AURORA_ACTOR_ID"})
+    actor_id: str = option(
+        help="Actor id, its name in the ledger", flag="--id", env="AURORA_ACTOR_ID", default_factory=_random_id,
+        default_text="actor- and 8 random hex digits",
+    )
     """Name in the ledger (default: ``actor-`` and 8 random hex digits)."""
-    region: str = "default"
+    region: str = option("default", help="region name; the Actor uses its Relay's mirror (--mirror) while that Relay is alive")
     """Region: the Actor stages from its Relay's mirror while that Relay heartbeats."""
-    mirror: str | None = None
+    mirror: str | None = option(
+        None, metavar="URL", help="run root of the region's mirror, the only one this Actor reads", default_text="none: origin only"
+    )
     """Run root of the region's mirror (``--mirror``, env ``AURORA_ACTOR_MIRROR``): the only
     mirror this Actor reads, and only while the region's Relay heartbeats with this URL. The
     Relay's key in Redis says whether the mirror is alive, never where it is: whoever can
@@ -49,57 +54,75 @@ class ActorConfig:
     """Accept only versions signed by these keys (FORMAT.md §4.1; ``--trust-key``, env
     ``AURORA_TRUST_KEYS``): an unsigned, untrusted or badly signed manifest, from origin or
     the mirror, is refused before any of its segments is read, and quarantined. None: no check."""
-    engine: str = "torch"
+    engine: str = option("torch", choices=("torch", "vllm"), help="inference engine; vllm: pip install 'aurora-store[vllm]' (docs/WORKERS.md)")
     """Inference engine (``torch``, ``vllm``; see :func:`workers.engine.make_engine`)."""
-    device: str | None = field(default=None, metadata={"env": False})
+    device: str | None = option(
+        None, env=False, metavar="DEV", help="torch engine only: cpu, cuda or cuda:N", default_text="$AURORA_ENGINE_DEVICE, else cpu"
+    )
     """Device of the torch engine (``--device``: ``cpu``, ``cuda``, ``cuda:N``); None: the
     engine's own setting (env ``AURORA_ENGINE_DEVICE``, else cpu)."""
-    claim: int = 8
+    claim: int = option(8, metavar="N", help="prompts per generation batch (one claim)")
     """Prompts leased per claim (one generation batch)."""
-    max_new_tokens: int = 14
+    max_new_tokens: int = option(14, flag=None, help="longest completion sampled")
     """Longest completion sampled."""
-    temperature: float = 1.0
+    temperature: float = option(1.0, flag=None, help="sampling temperature (0: greedy)")
     """Sampling temperature (0: greedy)."""
-    seed: int = 0
+    seed: int = option(0, metavar="N", help="mixed with each lease's token into the sampling seed")
     """Mixed with each lease's token into the sampling seed."""
-    heartbeat_s: float = 1.0
+    heartbeat_s: float = option(1.0, flag=None, help="period of the ledger heartbeat (seconds)")
     """Period of the ledger heartbeat (active and staged versions)."""
     idle: Backoff = field(
         default_factory=lambda: Backoff(initial_s=0.05, max_s=0.25, factor=1.5, jitter=0.0), metadata={"env": False}
     )
     """Pauses between looks for work while there is none: idle Actors polling Redis steal CPU
     from whoever shares the machine."""
-    slowdown: float = 1.0
+    slowdown: float = option(1.0, metavar="X", help="run X times slower (heterogeneity experiments)")
     """>1 makes this Actor that many times slower (heterogeneity experiments)."""
-    streams: int = streams_field()
+    streams: int = option(
+        DEFAULT_STREAMS, env=STREAMS_ENV, metavar="S", help="parallel connections per fetched version (shared with every worker)"
+    )
     """Parallel segment fetches per staged version (env ``AURORA_STREAMS``)."""
-    fetch: str = "announced"
+    fetch: str = option(
+        "announced", choices=FETCH_MODES,
+        help="announced: fetch each segment from its announcement, before the manifest (held until the manifest lists it); "
+        "manifest-first: read the manifest, then its segments",
+    )
     """How a delta's segments are fetched (``--fetch``): ``announced``, each from its
     announcement on the stream while the manifest is still to come (held, bounded by
     ``max_prefetch_bytes``, and decoded only once the manifest, trusted, lists it with that
     sha256: :mod:`aurora_store.lineage.prefetch`); ``manifest-first``, the manifest and then
     the segments it lists (the path before prefetching, kept to measure against)."""
-    max_prefetch_bytes: int = field(default=DEFAULT_MAX_HELD_BYTES, metadata={"env": "AURORA_ACTOR_MAX_PREFETCH_MIB", "scale": _MIB})
+    max_prefetch_bytes: int = option(
+        DEFAULT_MAX_HELD_BYTES, flag=None, env="AURORA_ACTOR_MAX_PREFETCH_MIB", scale=_MIB,
+        help="most MiB of announced segments held before their manifest is read",
+    )
     """Most bytes of announced segments held before their manifest is read (env
     ``AURORA_ACTOR_MAX_PREFETCH_MIB``, in MiB); announcements past it are fetched after the manifest."""
-    mirror_grace_s: float = 2.0
+    mirror_grace_s: float = option(
+        2.0, metavar="S", help="with the region's Relay alive, wait this long for its mirror to have a version before reading origin"
+    )
     """While the region's Relay is alive, a version its mirror lacks is read from origin only
     once it has been missing this long: otherwise every Actor races the Relay's cut-through
     copy and the region pays for the version once per Actor. Each segment of the version the
     Relay announces restarts the wait: a Relay that is copying it is worth waiting for."""
-    relay_wait_s: float = 0.0
+    relay_wait_s: float = option(
+        0.0, metavar="S", help="at start, wait up to S seconds for the region's Relay before staging from origin (0: do not wait)"
+    )
     """At start, wait up to this long for the region's Relay to heartbeat before staging from
     origin (for regions deployed with a Relay: Actors started with it would otherwise all
     read the first versions across the region boundary)."""
-    join_poll_s: float = 0.1
+    join_poll_s: float = option(0.1, flag=None, help="how often to look for the run's head (--join-at-version) and the region's Relay")
     """How often the Actor looks for the run's head (``--join-at-version``) and, during
     ``relay_wait_s``, for the region's Relay."""
-    stage_block_ms: int = 500
+    stage_block_ms: int = option(500, flag=None, help="longest blocking read of the announcement stream (ms)")
     """Longest blocking read of the announcement stream by the stager."""
-    run_poll_s: float = 1.0
+    run_poll_s: float = option(1.0, flag=None, help="how often an Actor started before the Trainer looks for the run")
     """How often an Actor started before the Trainer looks for the run to appear (its model
     description, its first version): Actors and the Trainer start in any order."""
-    outage_budget_s: float = field(default=DEFAULT_OUTAGE_BUDGET_S, metadata={"env": OUTAGE_BUDGET_ENV})
+    outage_budget_s: float = option(
+        DEFAULT_OUTAGE_BUDGET_S, env=OUTAGE_BUDGET_ENV, metavar="S",
+        help="give up (exit 1, one line) once Redis or the store has been unreachable this long",
+    )
     """How long Redis or the store may stay unreachable before the Actor gives up (exits
     non-zero); ``--outage-budget-s``, env ``AURORA_OUTAGE_BUDGET_S``, shared with every worker."""
     outage_backoff: Backoff = field(
@@ -107,7 +130,10 @@ class ActorConfig:
     )
     """Pauses between attempts to reach Redis or the store while one is away (exponential with
     jitter: many Actors do not come back in step and knock together)."""
-    max_staged_bytes: int = field(default=1 << 30, metadata={"env": "AURORA_ACTOR_MAX_STAGED_MIB", "scale": _MIB})
+    max_staged_bytes: int = option(
+        1 << 30, flag="--max-staged-mib", env="AURORA_ACTOR_MAX_STAGED_MIB", scale=_MIB, metavar="MIB",
+        help="most staged data (MiB) held beside the active weights",
+    )
     """Most staged data (decoded deltas, or a whole version for a catch-up) the Actor holds
     beside its active weights; the stager fetches no further until activation frees room
     (one version always fits). Env ``AURORA_ACTOR_MAX_STAGED_MIB``, in MiB."""

@@ -15,17 +15,18 @@ mirror: read from origin instead), quarantined at origin.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from aurora_store.errors import ChainError, IntegrityError
+from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import Manifest
+from workers.engine import RemoteStaged
 
 __all__ = ["check_chain", "check_reached", "check_staged"]
 
 
-def check_staged(version: int, checked: Manifest, reported: Manifest, staged: Any) -> None:
+def check_staged(version: int, checked: Manifest, reported: Manifest, staged: RemoteStaged | StagedDelta) -> None:
     """Refuse a delta the engine staged under another manifest or state than the one checked here."""
-    state = getattr(staged, "state", None)  # a RemoteStaged carries the workers' state; a StagedDelta none
+    state = staged.state if isinstance(staged, RemoteStaged) else None  # the workers' state; a StagedDelta carries none
     if reported.state != checked.state or (state is not None and state != checked.state) or staged.version != version:
         raise IntegrityError(
             f"delta {version}: the engine staged v{staged.version} with state {state or reported.state}, "

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from aurora_store.errors import ConfigError
-from workers.engine.protocol import TokenCodec
+from workers.engine.protocol import LoadingEngine, TokenCodec
 
 __all__ = ["ENGINES", "make_engine"]
 
@@ -13,7 +11,7 @@ ENGINES = ("torch", "vllm")
 """The names :func:`make_engine` knows."""
 
 
-def make_engine(name: str, tokenizer: TokenCodec, device: str | None = None) -> Any:
+def make_engine(name: str, tokenizer: TokenCodec, device: str | None = None) -> LoadingEngine:
     """An unloaded engine by name: ``torch`` (:class:`~workers.engine.torch_engine.TorchEngine`,
     configured from ``AURORA_ENGINE_*``, ``device`` over ``AURORA_ENGINE_DEVICE``) or ``vllm``
     (:class:`~workers.engine.vllm_engine.VLLMEngine`, configured from ``AURORA_VLLM_*``; it

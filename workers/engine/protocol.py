@@ -1,15 +1,24 @@
 """What an Actor needs of an inference engine, and the values engines hand back.
 
-An Actor needs exactly five things from an engine: sample completions,
+An Actor needs exactly these things from an engine: sample completions,
 overwrite a full version (bootstrap from a snapshot), apply a staged delta
 in place, say which parameters it holds (so a fetcher validates a delta
-against *this* model before staging it), and digest its weights (so it can
-prove to the ledger what it generated with). :class:`Engine` is that and no
-more, so the vLLM engine (:mod:`workers.engine.vllm_engine`) fits behind it
-as well as the torch one (:mod:`workers.engine.torch_engine`).
+against *this* model before staging it), digest its weights (so it can
+prove to the ledger what it generated with), say which version it holds,
+and close. :class:`Engine` is that and no more, so the vLLM engine
+(:mod:`workers.engine.vllm_engine`) fits behind it as well as the torch one
+(:mod:`workers.engine.torch_engine`).
 
-An engine that generates in processes of its own also implements
-:class:`StoreStaging`: its workers read versions from the store themselves.
+Capabilities beyond it are Protocols of their own, which the Actor tests with
+``isinstance`` (all are runtime-checkable):
+
+- :class:`LoadingEngine`: built empty, then given a model (``load``): what
+  :func:`~workers.engine.factory.make_engine` returns;
+- :class:`PreparingEngine`: prepares a staged delta before the safe point
+  (per segment as it is decoded, then as a whole);
+- :class:`PredictingEngine`: predicted the digest of a prepared delta's
+  result, and checks the real weights against it afterwards;
+- :class:`StoreStaging`: its workers read versions from the store themselves.
 
 This module imports no engine, and neither torch nor vLLM at run time.
 """
@@ -37,6 +46,9 @@ __all__ = [
     "Engine",
     "EvalResult",
     "Generation",
+    "LoadingEngine",
+    "PredictingEngine",
+    "PreparingEngine",
     "RemoteStaged",
     "StoreStaging",
     "TextCodec",
@@ -101,7 +113,10 @@ class Engine(Protocol):
     ``param_specs``/``fusion_plan`` let a fetcher validate a delta against
     this model while it is staged, before activation; ``digest`` lets the
     Actor prove which bits it generated with; ``version`` is what it reports
-    with each rollout. How the model is built or held is left to each engine.
+    with each rollout, and what the Actor checks after a refused activation;
+    ``close`` ends what the engine runs of its own (vLLM's processes; a no-op
+    for an engine in this process). How the model is built or held is left
+    to each engine.
     """
 
     @property
@@ -120,8 +135,12 @@ class Engine(Protocol):
         """``group`` samples per prompt; the same seed and weights give the same samples."""
         ...
 
-    def apply(self, staged: StagedDelta) -> None:
-        """Overwrite the changed elements in place; a delta that does not fit changes nothing."""
+    def apply(self, staged: Any) -> None:
+        """Overwrite the changed elements in place; a delta that does not fit changes nothing.
+
+        ``staged``: a :class:`~aurora_store.format.checkpoint.StagedDelta`, or
+        what this engine's ``prepare`` or ``stage_from_store`` returned for one.
+        """
         ...
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> None:
@@ -138,6 +157,57 @@ class Engine(Protocol):
 
     def param_specs(self) -> Mapping[str, ParamSpec]:
         """Fused name -> spec: what deltas for this engine must match."""
+        ...
+
+    def close(self) -> None:
+        """End what the engine runs of its own (processes, threads); idempotent."""
+        ...
+
+
+@runtime_checkable
+class LoadingEngine(Engine, Protocol):
+    """An engine built empty and then given its model: what :func:`~workers.engine.factory.make_engine` returns.
+
+    Why: an Actor reads the model description from the run's store and
+    builds the model before any weights exist; the engine takes it over.
+    """
+
+    def load(self, model: Any, version: int | None = None) -> None:
+        """Take ``model`` over (its weights are overwritten by the first version loaded)."""
+        ...
+
+
+@runtime_checkable
+class PreparingEngine(Protocol):
+    """An engine that does the work of ``apply`` but the write before the safe point.
+
+    Why: the safe point is on the critical path of every Actor; checking,
+    splitting and sorting a delta's writes can happen in the stager while
+    the engine generates. ``prepare_segment`` runs in a download thread for
+    each segment as it is decoded; ``prepare`` finishes the delta, and its
+    result goes to ``apply`` in place of the delta.
+    """
+
+    def prepare_segment(self, seg: Any) -> Any:
+        """The per-entry part of ``prepare`` for one decoded segment (``fetch_delta(prepare=...)``)."""
+        ...
+
+    def prepare(self, staged: StagedDelta) -> Any:
+        """``staged`` made ready for ``apply``; raises what ``apply`` would have refused it with."""
+        ...
+
+
+@runtime_checkable
+class PredictingEngine(Protocol):
+    """An engine that predicted the digest its weights have after a prepared delta is applied.
+
+    Why: the Actor records that digest at activation without hashing the
+    weights on the critical path; it checks the real weights against it
+    later, in the stager (a mismatch is a broken write: the Actor stops).
+    """
+
+    def verify_predicted(self) -> bool | None:
+        """Whether the held weights have the digest predicted for them; None when nothing was predicted."""
         ...
 
 

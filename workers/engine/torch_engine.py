@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -39,74 +38,18 @@ from aurora_store.codec.encodings import DTYPES
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.extract import spec_of
 from aurora_store.codec.fusion import FusionPlan
-from aurora_store.config import from_env
-from aurora_store.errors import ChainError, ConfigError, ModelMismatchError
+from aurora_store.errors import ChainError, ModelMismatchError
 from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.segment import Segment
 from workers.engine.protocol import Completion, Generation, TokenCodec
 from workers.engine.spare import SpareWeights, swap_fits
+from workers.engine.torch_config import DTYPES_BY_NAME, ENV_PREFIX, EngineConfig
+from workers.engine.torch_sampling import sample_rows
 from workers.model import fusion_plan_for, hf_weights
 
 __all__ = ["ENV_PREFIX", "EngineConfig", "TorchEngine"]
 
-ENV_PREFIX = "AURORA_ENGINE_"
-"""Prefix of :class:`EngineConfig`'s environment variables."""
-
 log = logging.getLogger("aurora.engine")
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """How a :class:`TorchEngine` holds and runs its model."""
-
-    device: str = "cpu"
-    """``cpu``, ``cuda`` or ``cuda:N`` (env ``AURORA_ENGINE_DEVICE``)."""
-    dtype: str = "bfloat16"
-    """Dtype the weights are held, generated with, and patched in (env ``AURORA_ENGINE_DTYPE``).
-    bf16 is what RL deltas are cut in; on CPU it samples at about 60% of float32's speed."""
-    max_batch_rows: int = 256
-    """Most sequences (prompts x group) in one forward pass; more are run in turns
-    (env ``AURORA_ENGINE_MAX_BATCH_ROWS``)."""
-    predict_digest: bool = True
-    """:meth:`TorchEngine.prepare` also computes the weights digest the delta will give, while
-    generating, so the safe point does not hash every weight (env ``AURORA_ENGINE_PREDICT_DIGEST``).
-    Costs one read of the weights per prepared version, off the critical path."""
-    activation: str = "in-place"
-    """How a prepared delta lands at the safe point (env ``AURORA_ENGINE_ACTIVATION``):
-    ``in-place`` writes it into the weights (one sorted pass per tensor); ``swap`` writes it
-    into a spare copy while generating and swaps the copy in (the safe point then costs a
-    pointer swap per parameter, the spare costs a model's worth of memory); ``auto`` keeps a
-    spare when, after it, as much memory as the weights is still free (decided at the first
-    delta). See :mod:`workers.engine.spare`."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ConfigError(
-                f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
-            )
-        try:
-            dev = torch.device(self.device)
-        except (RuntimeError, TypeError):
-            raise ConfigError(
-                f"EngineConfig.device: {self.device!r} is not a torch device"
-            ) from None
-        if dev.type not in ("cpu", "cuda"):
-            raise ConfigError(f"EngineConfig.device must be cpu or cuda, got {self.device!r}")
-        if self.max_batch_rows < 1:
-            raise ConfigError(
-                f"EngineConfig.max_batch_rows must be >= 1, got {self.max_batch_rows}"
-            )
-        if self.activation not in ("in-place", "swap", "auto"):
-            raise ConfigError(
-                f"EngineConfig.activation must be in-place, swap or auto, got {self.activation!r}"
-            )
-
-    @classmethod
-    def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> EngineConfig:
-        """Defaults, then ``AURORA_ENGINE_DEVICE``/``_DTYPE``/``_MAX_BATCH_ROWS``, then ``overrides``."""
-        return from_env(cls, prefix, **overrides)
 
 
 # ---------------------------------------------------------------------------
@@ -124,7 +67,7 @@ class TorchEngine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.device = torch.device(self.config.device)
-        self.dtype = _DTYPES[self.config.dtype]
+        self.dtype = DTYPES_BY_NAME[self.config.dtype]
         self._lock = threading.RLock()
         self._model: torch.nn.Module | None = None
         self._weights: dict[str, torch.Tensor] = {}
@@ -490,72 +433,14 @@ class TorchEngine:
         with torch.inference_mode():
             for lo in range(0, len(rows), step):
                 out.extend(
-                    self._sample(model, rows[lo : lo + step], max_new_tokens, temperature, gen)
+                    sample_rows(model, self.tokenizer, self.device, rows[lo : lo + step], max_new_tokens, temperature, gen)
                 )
         seconds = time.perf_counter() - t0
         done = tuple(tuple(out[i * group : (i + 1) * group]) for i in range(len(prompts)))
         return Generation(done, sum(len(c.token_ids) for c in out), seconds)
 
-    def _sample(
-        self,
-        model: torch.nn.Module,
-        rows: list[list[int]],
-        max_new_tokens: int,
-        temperature: float,
-        gen: torch.Generator,
-    ) -> list[Completion]:
-        dev, pad = self.device, self.tokenizer.pad_id
-        # Every end-of-sequence id of the generation config (Qwen3 and Llama 3 have several).
-        stops = torch.tensor(list(getattr(self.tokenizer, "stop_ids", (self.tokenizer.eos_id,))), dtype=torch.long, device=dev)
-        b, width = len(rows), max(len(r) for r in rows)
-        ids = torch.full((b, width), pad, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            attn[i, width - len(r) :] = 1
-        ids, attn = ids.to(dev), attn.to(dev)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = model(
-            input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1
-        )
-        next_pos = pos[:, -1:] + 1
-        finished = torch.zeros(b, dtype=torch.bool, device=dev)
-        lengths = torch.zeros(b, dtype=torch.long, device=dev)
-        ones = torch.ones((b, 1), dtype=attn.dtype, device=dev)
-        steps: list[torch.Tensor] = []
-        for t in range(max_new_tokens):
-            logits = out.logits[:, -1, :].float()
-            if temperature == 0.0:
-                nxt = logits.argmax(-1)
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-            nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
-            lengths += (~finished).long()
-            finished |= torch.isin(nxt, stops)
-            steps.append(nxt)
-            # One host sync per token; it ends the batch as soon as every row stopped.
-            if t == max_new_tokens - 1 or bool(finished.all()):
-                break
-            attn = torch.cat([attn, ones], dim=-1)
-            out = model(
-                input_ids=nxt.unsqueeze(-1),
-                attention_mask=attn,
-                position_ids=next_pos,
-                past_key_values=out.past_key_values,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            next_pos = next_pos + 1
-        toks = torch.stack(steps, dim=1).cpu().tolist()
-        lens = lengths.cpu().tolist()
-        fin = finished.cpu().tolist()
-        return [
-            Completion(
-                tuple(toks[i][: lens[i]]), self.tokenizer.decode(toks[i][: lens[i]]), bool(fin[i])
-            )
-            for i in range(b)
-        ]
+    def close(self) -> None:
+        """Nothing to end: the model lives in this process (the Engine protocol's ``close``)."""
 
     # -- helpers -----------------------------------------------------------
     def _need(self) -> tuple[torch.nn.Module, FusionPlan]:

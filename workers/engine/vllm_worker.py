@@ -46,6 +46,7 @@ from aurora_store.apply.prepared import (
 )
 from aurora_store.apply.sink import apply_delta, weights_digest
 from aurora_store.codec.extract import spec_of
+from aurora_store.config import Switch
 from aurora_store.errors import ChainError, ConfigError, IntegrityError, ModelMismatchError
 from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import Manifest
@@ -375,6 +376,9 @@ def _bootstrap_checked(h: Held, store: Any, chain: list[Manifest], streams: int)
     _sync()
 
 
+VLLM_PREPARE = Switch("AURORA_VLLM_PREPARE", bool, True, "off: the vLLM workers apply the decoded delta instead of a prepared one (to measure both)")
+
+
 def _fetch_prepared(h: Held, store: Any, version: int, streams: int, base_state: str | None, m: Manifest | None) -> tuple[Manifest, Any]:
     """Fetch, verify and decode delta ``version``, then prepare it for this rank's shards while the
     engine generates (aurora_store.apply.prepared), so activation only writes (the checks and block
@@ -382,7 +386,7 @@ def _fetch_prepared(h: Held, store: Any, version: int, streams: int, base_state:
     ``AURORA_VLLM_PREPARE=0``: the decoded delta, applied as before (to measure both). Column-split
     shards (tensor parallelism) always keep the decoded delta."""
     layout = layout_of_shards(h.sink.layouts)
-    if layout is None or os.environ.get("AURORA_VLLM_PREPARE", "1") == "0":
+    if layout is None or not VLLM_PREPARE.get():
         return fetch_delta(store, version, h.sink.specs(), streams, base_state, m)
     specs = h.sink.specs()
     # Each segment prepared in its download thread as it is decoded; the join is what is left.

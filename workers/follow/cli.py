@@ -62,7 +62,7 @@ def config_from_args(args: argparse.Namespace, storage_options: Mapping[str, Any
 
 def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
     """``aurora follow``: 0 at ``--until`` or after SIGTERM/SIGINT; errors propagate (one line, exit 1)."""
-    from workers.common import install_stop_handlers, limit_torch_threads, setup_logging
+    from workers.process import install_stop_handlers, limit_torch_threads, setup_logging
 
     setup_logging("follow", debug_loggers=getattr(args, "debug_logger", None))
     limit_torch_threads()

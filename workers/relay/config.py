@@ -7,13 +7,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aurora_store.config import Backoff, from_env, streams_field
+from aurora_store.config import DEFAULT_STREAMS, STREAMS_ENV, Backoff, from_env, option
 from aurora_store.coordination.keys import validate_run_name
 from aurora_store.errors import ConfigError
 from aurora_store.format.signing import TrustKeys
 from aurora_store.lineage.gc import DEFAULT_GRACE_S
 from aurora_store.lineage.prefetch import FETCH_MODES
-from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S
+from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV
 from aurora_store.redact import redacted_repr
 
 __all__ = ["ENV_PREFIX", "RelayConfig", "RelayStats", "VersionId", "relay_config_from_env"]
@@ -48,42 +48,51 @@ class RelayConfig:
     """fsspec storage options of the origin (may hold credentials: never logged)."""
     mirror_options: Mapping[str, Any] = field(default_factory=dict, repr=False, metadata={"env": False})
     """fsspec storage options of the mirror (may hold credentials: never logged)."""
-    heartbeat_s: float = 2.0
+    heartbeat_s: float = option(2.0, metavar="S", help="period of the heartbeat (seconds)")
     """Period of the heartbeat ``SET``."""
-    ttl_s: float = 6.0
+    ttl_s: float = option(6.0, metavar="S", help="heartbeat key TTL: how long Actors keep using a silent Relay's mirror")
     """TTL of the heartbeat key: how long Actors keep using a silent Relay's mirror."""
-    block_ms: int = 1000
+    block_ms: int = option(1000, metavar="MS", help="longest blocking stream read (ms)")
     """Longest blocking stream read; also bounds how long a stop takes to be noticed."""
-    # PublishConfig's default too; not imported from there, which would load torch into the Relay.
-    streams: int = streams_field()
+    streams: int = option(DEFAULT_STREAMS, env=STREAMS_ENV, metavar="S", help="concurrent copies (connections to each store)")
     """Concurrent object copies (connections to each store); env ``AURORA_STREAMS``."""
-    resync_s: float = 60.0
+    resync_s: float = option(60.0, metavar="S", help="list origin this often even without a gap; 0: never")
     """Period of a full listing of origin even without a gap (0: only on gaps and failures)."""
-    retry_s: float = 5.0
+    retry_s: float = option(5.0, flag=None, help="delay before listing again after a version could not be mirrored")
     """Delay before listing again after a version could not be mirrored (or while the run has not
     appeared at origin); also the first wait of a quarantined version."""
     backoff: Backoff = field(default_factory=Backoff, metadata={"env": False})
     """First and longest delay between attempts to reach Redis or a store while it is away."""
-    outage_budget_s: float = DEFAULT_OUTAGE_BUDGET_S
+    outage_budget_s: float = option(
+        DEFAULT_OUTAGE_BUDGET_S, env=OUTAGE_BUDGET_ENV, metavar="S",
+        help="give up (exit 1, one line) once Redis, origin or the mirror has been unreachable this long",
+    )
     """How long Redis, origin or the mirror may stay unreachable before the Relay gives up
-    (``--outage-budget-s``; the CLI also reads ``AURORA_OUTAGE_BUDGET_S``)."""
-    quarantine_max_s: float = 600.0
+    (``--outage-budget-s``, env ``AURORA_OUTAGE_BUDGET_S``, shared with every worker)."""
+    quarantine_max_s: float = option(600.0, flag=None, help="longest wait between attempts at a version that failed verification")
     """Longest wait between attempts at a version that failed verification (the first is ``retry_s``, then doubling)."""
-    keep_snapshots: int = 2
+    keep_snapshots: int = option(
+        2, metavar="K",
+        help="mirror retention: keep the newest K snapshots and everything after the oldest, plus what the region's live Actors hold; 0: keep everything",
+    )
     """Mirror retention: keep the newest N snapshots and every version after the oldest of them,
     plus what the region's live Actors hold; older versions are not copied. 0: keep and copy every version."""
-    gc_every_s: float = 300.0
+    gc_every_s: float = option(300.0, metavar="S", help="clean the mirror this often; 0: never")
     """Period of the mirror's retention (0: never clean it)."""
-    grace_s: float = DEFAULT_GRACE_S
+    grace_s: float = option(DEFAULT_GRACE_S, metavar="S", help="spare mirror orphans and temporary files younger than this")
     """Orphans and temporary files in the mirror younger than this are spared (a copy in flight)."""
     trust: TrustKeys | None = field(default=None, metadata={"env": False})
     """Mirror only versions signed by these keys (FORMAT.md §4.1; ``--trust-key``, env
     ``AURORA_TRUST_KEYS``): public keys only, a Relay never needs the private one. An
     unsigned, untrusted or badly signed manifest is quarantined and never written to the
     mirror (segments announced before it may already be copied: bytes, never decoded). None: no check."""
-    actor_timeout_s: float = 60.0
+    actor_timeout_s: float = option(60.0, flag=None, help="a region Actor silent this long holds nothing the mirror must keep")
     """A region Actor silent for longer than this holds nothing the mirror must keep."""
-    fetch: str = "announced"
+    fetch: str = option(
+        "announced", choices=FETCH_MODES,
+        help="announced: copy each segment when origin announces it, before its manifest; "
+        "manifest-first: copy only what a manifest lists, once it is read",
+    )
     """``announced``: copy each segment the moment origin announces it (cut-through, before its
     manifest; verified against the announcement, and a version is mirrored only once its
     manifest lists every object with that sha256); ``manifest-first``: copy only what a

@@ -11,19 +11,19 @@ from typing import TYPE_CHECKING, Any
 from aurora_store.options import (
     add_config_arg,
     add_debug_logger_arg,
+    add_declared,
     add_metrics_args,
-    add_outage_budget_arg,
     add_redis_args,
-    add_sign_key_args,
     add_store_args,
+    resolve,
 )
 from workers.common import Endpoints
-from workers.trainer.config import OPTIMIZERS, TrainerConfig
+from workers.trainer.config import ENV_PREFIX, TrainerConfig, encode_options_from_env
 
 if TYPE_CHECKING:
     from workers.trainer.fsdp import DistContext
 
-__all__ = ["add_arguments", "config_from_args", "main"]
+__all__ = ["TASK_OPTIONS", "TRAINING_OPTIONS", "RECOVERY_OPTIONS", "add_arguments", "config_from_args", "main"]
 
 log = logging.getLogger("aurora.trainer")
 
@@ -31,96 +31,47 @@ log = logging.getLogger("aurora.trainer")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``aurora trainer`` (the GRPO run), grouped by concern for ``--help``.
 
-    Flags that default to None leave the value to ``AURORA_TRAINER_*`` (or the
-    shared variable named in their help), then to :class:`TrainerConfig`'s default.
+    The Trainer's own options are declared on :class:`TrainerConfig`; their
+    flags have no default, so the environment and a ``--config`` file are not overridden.
     """
-    d = TrainerConfig()
     where = p.add_argument_group("where the run lives")
     add_store_args(where, store_help="run root (s3://bucket/prefix/run, file:///path)")
     add_redis_args(where, run_help="run name (Redis namespace)")
-
     task = p.add_argument_group("model and task")
-    task.add_argument("--model", default=None, metavar="DIR", help="local Hugging Face causal-LM directory: version 0 is that checkpoint (default: the built-in tiny model)")
-    task.add_argument("--task", default=None, metavar="NAME", help=f"arithmetic, gsm8k, math or package.module:factory (default {d.task})")
-    task.add_argument("--data", default=None, metavar="FILE", help="training problems: JSON lines or Parquet, local or s3:// (gsm8k and math need it)")
-    task.add_argument("--eval-data", default=None, metavar="FILE", help="held-out problems (default: a held-out slice of --data)")
-    task.add_argument("--eval-every", type=int, default=None, metavar="N", help=f"score the held-out set every N versions, 0 never (default {d.eval_every})")
-    task.add_argument("--eval-size", type=int, default=None, metavar="N", help=f"held-out problems per evaluation (default {d.eval_size})")
-    task.add_argument("--reward-timeout-s", type=float, default=None, metavar="S", help=f"bound on one reward call; slower answers score 0 (default {d.reward_timeout_s:g})")
-    task.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help=f"longest completion an Actor may return (default {d.max_new_tokens})")
-
+    add_declared(task, TrainerConfig, ENV_PREFIX, *TASK_OPTIONS)
     train = p.add_argument_group("training")
-    train.add_argument("--steps", type=int, default=d.steps, metavar="N", help="optimizer steps: versions published after v0 (default %(default)s)")
-    train.add_argument("--batch", type=int, default=d.batch, metavar="N", help="prompts per step (default %(default)s)")
-    train.add_argument("--group", type=int, default=d.group, metavar="N", help="completions per prompt, the GRPO group (default %(default)s)")
-    train.add_argument("--optimizer", default=None, choices=OPTIMIZERS, help=f"sgd (with momentum) or adamw (default {d.optimizer})")
-    train.add_argument("--lr", type=float, default=d.lr, metavar="LR", help="learning rate of --optimizer (default %(default)s)")
-    train.add_argument("--kl-coef", type=float, default=d.kl_coef, metavar="C", help="weight of the KL to the reference model, 0: none kept (default %(default)s)")
-    train.add_argument("--seed", type=int, default=d.seed, metavar="N", help="seeds the model, the problems and every batch's sampling (default %(default)s)")
-    train.add_argument("--min-actors", type=int, default=None, metavar="N",
-                       help="hold the first batch until N Actors are alive (default 0: start at once)")
-    train.add_argument("--device", default=None, metavar="DEV", help=f"cpu, cuda or cuda:N, single-process Trainer (default $AURORA_TRAINER_DEVICE, else {d.device})")
-
+    add_declared(train, TrainerConfig, ENV_PREFIX, *TRAINING_OPTIONS)
     pub = p.add_argument_group("publishing")
-    pub.add_argument("--snapshot-every", type=int, default=d.snapshot_every, metavar="N", help="a full snapshot every N versions, for late joiners (default %(default)s)")
-    pub.add_argument("--streams", type=int, default=d.streams, metavar="S", help="concurrent uploads per published version (default %(default)s)")
-    pub.add_argument(
-        "--commit-via", choices=("store", "redis"), default=None,
-        help="store (default): commit each version by its create-only manifest write, after checking that the "
-        "store honours create-only writes; redis: commit by a Redis record (FORMAT.md §1), for S3-compatible "
-        "servers that ignore conditional writes (Redis must persist its data: appendonly or save rules)",
-    )
-    add_sign_key_args(pub)
-
+    add_declared(pub, TrainerConfig, ENV_PREFIX, "snapshot_every", "streams", "commit_via", "sign_key", "sign_key_id")
     rec = p.add_argument_group("recovery")
-    rec.add_argument(
-        "--resume", action="store_true",
-        help="continue the run in --store from its newest checkpoint (a fresh run if it holds no version yet); "
-        "the resumed Trainer takes a new epoch and fences out any older one",
-    )
-    rec.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help=f"save a Trainer checkpoint every N steps, 0 never (default {d.checkpoint_every})")
-    rec.add_argument("--keep-checkpoints", type=int, default=None, metavar="N", help=f"checkpoints kept (default {d.keep_checkpoints})")
-    rec.add_argument(
-        "--keep-snapshots", type=int, default=None, metavar="K",
-        help=f"retention: keep the newest K snapshots and what follows them, 0 keeps everything (default {d.keep_snapshots})",
-    )
-    add_outage_budget_arg(rec, "Redis or the store")
-    rec.add_argument(
-        "--min-batch-fraction", type=float, default=None, metavar="F",
-        help="close a batch with this fraction of its prompts in once --batch-deadline-s passed (default 1.0: every prompt)",
-    )
-    rec.add_argument("--batch-deadline-s", type=float, default=None, metavar="S", help="seconds after which a batch may close short (default: none)")
-
+    add_declared(rec, TrainerConfig, ENV_PREFIX, *RECOVERY_OPTIONS)
     par = p.add_argument_group("parallelism")
     par.add_argument(
         "--nproc", type=int, default=1, metavar="N",
         help="train with N processes sharding the weights with FSDP2 (one per GPU; gloo on CPU). "
         "Under torchrun (WORLD_SIZE set) this is ignored: torchrun made the processes",
     )
-
     conf = p.add_argument_group("config and logging")
     add_config_arg(conf)
     add_debug_logger_arg(conf)
     add_metrics_args(conf)
 
 
-def config_from_args(args: argparse.Namespace) -> TrainerConfig:
-    """The flags (and ``--config`` file) over ``AURORA_TRAINER_*`` over the defaults."""
-    return TrainerConfig.from_env(
-        steps=args.steps, batch=args.batch, group=args.group, lr=args.lr, kl_coef=args.kl_coef, optimizer=getattr(args, "optimizer", None),
-        snapshot_every=args.snapshot_every, streams=args.streams, seed=args.seed,
-        resume=getattr(args, "resume", False) or None, checkpoint_every=getattr(args, "checkpoint_every", None),
-        keep_checkpoints=getattr(args, "keep_checkpoints", None), keep_snapshots=getattr(args, "keep_snapshots", None),
-        outage_budget_s=getattr(args, "outage_budget_s", None), min_batch_fraction=getattr(args, "min_batch_fraction", None),
-        batch_deadline_s=getattr(args, "batch_deadline_s", None),
-        commit_via=getattr(args, "commit_via", None),
-        sign_key=getattr(args, "sign_key", None), sign_key_id=getattr(args, "key_id", None),
-        model=getattr(args, "model", None), task=getattr(args, "task", None), data=getattr(args, "data", None),
-        eval_data=getattr(args, "eval_data", None), eval_every=getattr(args, "eval_every", None),
-        eval_size=getattr(args, "eval_size", None), reward_timeout_s=getattr(args, "reward_timeout_s", None),
-        device=getattr(args, "device", None), max_new_tokens=getattr(args, "max_new_tokens", None),
-        min_actors=getattr(args, "min_actors", None), max_lag=getattr(args, "max_lag", None),
-    )
+TASK_OPTIONS = ("model", "task", "data", "eval_data", "eval_every", "eval_size", "reward_timeout_s", "max_new_tokens")
+"""The options of ``--help``'s "model and task" group, in order."""
+TRAINING_OPTIONS = ("steps", "batch", "group", "optimizer", "lr", "kl_coef", "seed", "min_actors", "max_lag", "device")
+"""The options of the "training" group."""
+RECOVERY_OPTIONS = (
+    "resume", "checkpoint_every", "keep_checkpoints", "keep_snapshots", "outage_budget_s", "min_batch_fraction", "batch_deadline_s",
+)
+"""The options of the "recovery" group."""
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None, **fixed: Any) -> TrainerConfig:
+    """Defaults < ``AURORA_TRAINER_*`` (and the shared variables) < the ``--config`` file < the flags < ``fixed``
+    (what a command sets itself: the synthetic workload's transfer, scheduler…)."""
+    env = os.environ if environ is None else environ
+    return resolve(TrainerConfig, ENV_PREFIX, args, env, options=encode_options_from_env(env), **fixed)
 
 
 def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace, storage_options: Mapping[str, Any]) -> None:
@@ -170,7 +121,7 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
 
 def _run(args: argparse.Namespace, storage_options: Mapping[str, Any], ctx: DistContext) -> int:
     from aurora_store.metrics import serve_from_args
-    from workers.common import install_stop_handlers, limit_torch_threads, setup_logging
+    from workers.process import install_stop_handlers, limit_torch_threads, setup_logging
     from workers.trainer.trainer import Trainer, follow
 
     setup_logging("trainer" if ctx.leader else f"trainer-rank{ctx.rank}", debug_loggers=getattr(args, "debug_logger", None))

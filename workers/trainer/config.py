@@ -7,10 +7,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aurora_store.codec.entries import EncodeOptions
-from aurora_store.config import SEGMENT_MIB_ENV, from_env, streams_field
+from aurora_store.config import (
+    DEFAULT_STREAMS,
+    SEGMENT_MIB_ENV,
+    STREAMS_ENV,
+    from_env,
+    option,
+)
 from aurora_store.coordination.scheduler import SchedulerConfig
 from aurora_store.errors import ConfigError
-from aurora_store.lineage.publish import PublishConfig
+from aurora_store.lineage.publish import ENCODE_ENV_PREFIX, PublishConfig, encode_options_from_env
 from aurora_store.options import SIGN_KEY_ENV
 from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV
 from aurora_store.storage.probe import COMMIT_VIA
@@ -18,7 +24,7 @@ from aurora_store.storage.probe import COMMIT_VIA
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ENV_PREFIX", "OPTIMIZERS", "TRANSFERS", "TrainerConfig"]
+__all__ = ["ENV_PREFIX", "ENCODE_ENV_PREFIX", "OPTIMIZERS", "TRANSFERS", "TrainerConfig", "encode_options_from_env"]
 
 ENV_PREFIX = "AURORA_TRAINER_"
 """Prefix of the Trainer's environment variables (``AURORA_TRAINER_STEPS`` …);
@@ -35,126 +41,158 @@ OPTIMIZERS = ("sgd", "adamw")
 class TrainerConfig:
     """Knobs of a training run (defaults: the CPU demo)."""
 
-    steps: int = 20
+    steps: int = option(20, metavar="N", help="optimizer steps: versions published after v0")
     """Optimizer steps (versions published after v0)."""
-    batch: int = 32
+    batch: int = option(32, metavar="N", help="prompts per step")
     """Prompts per batch."""
-    group: int = 8
+    group: int = option(8, metavar="N", help="completions per prompt, the GRPO group")
     """Completions per prompt (GRPO group)."""
-    max_new_tokens: int = 16
+    max_new_tokens: int = option(16, metavar="N", help="longest completion an Actor may return")
     """Longest completion an Actor may return; longer ones are rejected as malformed. 16 fits the
     arithmetic task's worked answer to a two-digit sum (" 9+8=17\\n#### 17" and ``eos``)."""
-    optimizer: str = "sgd"
+    optimizer: str = option("sgd", choices=OPTIMIZERS, help="sgd (with momentum) or adamw")
     """``sgd`` (with :attr:`momentum`) or ``adamw``. SGD's step scales with the gradient, so the
     many elements with small gradients stay on their bf16 value and a delta stays sparse; AdamW
     moves every element by about ``lr`` per step, which on the tiny model crosses a bf16
     rounding boundary almost everywhere unless ``lr`` is too small to learn (docs/BENCHMARKS.md,
     "The demo's regime")."""
-    lr: float = 2e-2
+    lr: float = option(2e-2, metavar="LR", help="learning rate of --optimizer")
     """Learning rate of :attr:`optimizer`."""
-    momentum: float = 0.7
+    momentum: float = option(0.7, flag=None, help="SGD momentum (ignored by AdamW)")
     """SGD momentum (ignored by AdamW)."""
-    clip: float = 0.2
+    clip: float = option(0.2, flag=None, help="PPO-style ratio clip")
     """PPO-style ratio clip."""
-    epochs: int = 2
+    epochs: int = option(2, flag=None, help="passes over each batch")
     """Passes over each batch (the ratio moves away from 1 after the first)."""
-    kl_coef: float = 0.0
+    kl_coef: float = option(0.0, metavar="C", help="weight of the KL to the reference model, 0: none kept")
     """Weight of the KL to the warm-started reference (0: no reference kept)."""
-    snapshot_every: int = 10
+    snapshot_every: int = option(10, metavar="N", help="a full snapshot every N versions, for late joiners")
     """Write a full snapshot every N versions (late joiners start there)."""
-    warm_start_steps: int = 85
+    warm_start_steps: int = option(85, flag=None, help="supervised steps before RL (the built-in tiny model)")
     """Supervised steps before RL: enough for some rewarded samples (about a third of the
     sampled answers on the demo's model), not more."""
-    difficulty: int = 1
+    difficulty: int = option(1, flag=None, help="difficulty of the generated arithmetic problems")
     """Difficulty of the generated problems (:func:`workers.task.make_problems`)."""
-    tiny_hidden: int = 64
+    tiny_hidden: int = option(64, flag=None, help="width of the built-in tiny model")
     """Width of the built-in tiny model (no ``--model``); ``aurora demo`` trains 256 (1.3 M parameters)."""
-    tiny_intermediate: int = 192
+    tiny_intermediate: int = option(192, flag=None, help="MLP width of the built-in tiny model")
     """MLP width of the built-in tiny model; ``aurora demo`` trains 768."""
-    head_dim: int = 16
+    head_dim: int = option(16, flag=None, help="attention head size of the built-in tiny model")
     """Attention head size of the tiny policy model; vLLM's CPU attention needs >= 32 (``aurora demo --engine vllm``)."""
-    seed: int = 0
+    seed: int = option(0, metavar="N", help="seeds the model, the problems and every batch's sampling")
     """Seeds the model, the problems and the sampling of every batch."""
-    model: str | None = None
+    model: str | None = option(
+        None, metavar="DIR", help="local Hugging Face causal-LM directory: version 0 is that checkpoint",
+        default_text="the built-in tiny model",
+    )
     """A local Hugging Face causal-LM directory (config, safetensors weights, tokenizer files,
     generation config) of a family the fusion map supports (Llama, Qwen2, Qwen3, Mistral):
     version 0 is that checkpoint, bit for bit. None: the built-in tiny Qwen3 and its character
     tokenizer (the demo's), warm-started on the arithmetic task."""
-    task: str = "arithmetic"
+    task: str = option("arithmetic", metavar="NAME", help="arithmetic, gsm8k, math or package.module:factory")
     """The task (prompts and rewards): ``arithmetic``, ``gsm8k``, ``math``, or a custom
     ``package.module:factory`` (:mod:`workers.task`)."""
-    data: str | None = None
+    data: str | None = option(
+        None, metavar="FILE", help="training problems: JSON lines or Parquet, local or s3:// (gsm8k and math need it)"
+    )
     """Training problems of the task: a JSON-lines or Parquet file, local or an ``s3://`` URL
     (required by ``gsm8k`` and ``math``; ``arithmetic`` generates its own)."""
-    eval_data: str | None = None
+    eval_data: str | None = option(
+        None, metavar="FILE", help="held-out problems", default_text="a held-out slice of --data"
+    )
     """Held-out problems scored by :attr:`eval_every`; None: a held-out slice of :attr:`data`
     (``eval_size`` problems, never trained on), or generated ones for ``arithmetic``."""
-    eval_every: int = 5
+    eval_every: int = option(5, metavar="N", help="score the held-out set every N versions, 0 never")
     """Score the held-out set (greedy, one completion per prompt) every N versions, and version
     0; the accuracy is recorded with the version it was measured on. 0: never."""
-    eval_size: int = 64
+    eval_size: int = option(64, metavar="N", help="held-out problems per evaluation")
     """Held-out problems scored at each evaluation (the first ones of the set)."""
-    reward_timeout_s: float = 5.0
+    reward_timeout_s: float = option(5.0, metavar="S", help="bound on one reward call; slower answers score 0")
     """Wall-clock bound of one reward call (off the main thread); an answer that takes longer scores 0."""
-    min_actors: int = 0
+    min_actors: int = option(0, metavar="N", help="hold the first batch until N Actors are alive (0: start at once)")
     """Before the first batch, wait until this many Actors are alive in the ledger (a fleet whose
     engines take a minute to start, vLLM's, gets the run from its first step); 0: start at once."""
-    device: str = "cpu"
+    device: str = option("cpu", metavar="DEV", help="cpu, cuda or cuda:N, single-process Trainer")
     """Where the single-process Trainer holds its weights and trains: ``cpu``, ``cuda`` or
     ``cuda:N`` (env ``AURORA_TRAINER_DEVICE``). Sharded runs (``--nproc``, ``torchrun``) use
     one device per rank instead."""
-    streams: int = streams_field()
+    streams: int = option(DEFAULT_STREAMS, env=STREAMS_ENV, metavar="S", help="concurrent uploads per published version")
     """Concurrent uploads per published version (env ``AURORA_STREAMS``)."""
-    segment_bytes: int | None = field(default=None, metadata={"env": SEGMENT_MIB_ENV, "scale": 1 << 20})
+    segment_bytes: int | None = option(
+        None, flag=None, env=SEGMENT_MIB_ENV, scale=1 << 20, help="target segment size of a delta, in MiB", default_text="adaptive"
+    )
     """Target segment size of a published delta; None (the default, as for every publisher)
     adapts it to each delta (:func:`aurora_store.lineage.publish.segment_bytes_for`).
     Env ``AURORA_SEGMENT_MIB``, in MiB."""
-    heartbeat_timeout_s: float = 8.0
+    heartbeat_timeout_s: float = option(8.0, flag=None, help="an Actor silent this long is marked gone and its work released")
     """An Actor silent this long is marked gone and its work released."""
-    progress_s: float = 30.0
+    progress_s: float = option(30.0, flag=None, help="while a batch is not complete, log its progress this often")
     """While a batch is not complete, log its progress this often (the Trainer waits as long as it
     takes: leases expire back to the pool and live Actors redo the work)."""
-    poll_s: float = 0.05
+    poll_s: float = option(0.05, flag=None, help="pause between two reads of a batch's results")
     """Pause between two reads of a batch's results while it is not complete."""
-    weight_transfer: bool = True
+    weight_transfer: bool = option(True, flag=None, help="off: versions are trained but never shipped (aurora bench e2e's ideal)")
     """False: the "ideal" baseline of ``aurora bench e2e``: versions are trained but never
     shipped, every batch is generated on v0, so the weight path costs nothing."""
-    transfer: str = "delta"
+    transfer: str = option("delta", flag=None, choices=TRANSFERS, help="how each version is shipped: delta, full or none (benchmark baselines)")
     """How each version is shipped (``aurora bench wan`` baselines): ``delta`` (sparse delta,
     Aurora), ``full`` (a full snapshot every version), ``none`` (nothing moves: the version
     and its state are only announced; Actors of the synthetic workload advance for free)."""
-    max_lag: int = 1
+    max_lag: int = option(1, metavar="K", help="batch b is generated on version b-K; 0: synchronous training")
     """Lag bound K: batch b is generated on version max(0, b - K). 1 is one-step asynchrony;
     2 and 4 are the full-broadcast baselines that hide transfer behind K batches; 0 is
     synchronous (on-policy) training, each batch generated on the version just published:
     the parity baseline of ``aurora bench e2e --parity``."""
-    resume: bool = False
+    resume: bool = option(
+        False,
+        help="continue the run in --store from its newest checkpoint (a fresh run if it holds no version yet); "
+        "the resumed Trainer takes a new epoch and fences out any older one",
+    )
     """Continue the run in the store from its newest checkpoint (a fresh run if it holds
     no version yet): ``aurora trainer --resume``, safe to pass on every start."""
-    checkpoint_every: int = 5
+    checkpoint_every: int = option(5, metavar="N", help="save a Trainer checkpoint every N steps, 0 never")
     """Save a Trainer checkpoint (master weights, optimizer, RNG, scheduler estimates) to the
     run root every N steps, and before step 0; 0 never (a run that cannot be resumed)."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = option(2, metavar="N", help="checkpoints kept")
     """Checkpoints kept; older ones are deleted after each new one."""
-    keep_snapshots: int = 3
+    keep_snapshots: int = option(
+        3, metavar="K", help="retention: keep the newest K snapshots and what follows them, 0 keeps everything"
+    )
     """Retention run by the Trainer after each snapshot: keep the newest K snapshots and every
     version after the oldest of them (and whatever live Actors and Relays hold); 0 keeps all."""
-    outage_budget_s: float = field(default=DEFAULT_OUTAGE_BUDGET_S, metadata={"env": OUTAGE_BUDGET_ENV})
+    outage_budget_s: float = option(
+        DEFAULT_OUTAGE_BUDGET_S, env=OUTAGE_BUDGET_ENV, metavar="S",
+        help="give up (exit 1, one line) once Redis or the store has been unreachable this long",
+    )
     """How long Redis or the store may be unreachable before the Trainer gives up (env
     ``AURORA_OUTAGE_BUDGET_S``, shared by every worker)."""
-    min_batch_fraction: float = 1.0
+    min_batch_fraction: float = option(
+        1.0, metavar="F", help="close a batch with this fraction of its prompts in once --batch-deadline-s passed"
+    )
     """A batch may close once this fraction of its prompts is in and ``batch_deadline_s`` has
     passed; 1.0 (the default) waits for every prompt (expired leases go back to the pool)."""
-    batch_deadline_s: float | None = None
+    batch_deadline_s: float | None = option(None, metavar="S", help="seconds after which a batch may close short")
     """Seconds after a batch's creation from which it may close with ``min_batch_fraction``
     of its prompts in; None: no deadline. Late results are refused (reason ``closed``)."""
-    sign_key: str | None = field(default=None, metadata={"env": SIGN_KEY_ENV})
+    sign_key: str | None = option(
+        None, env=SIGN_KEY_ENV, metavar="FILE",
+        help="sign every manifest with this key: Ed25519 private key PEM (aurora keygen) or an hmac-sha256 secret file of >= 32 bytes",
+        default_text="none: unsigned",
+    )
     """Sign every manifest with this key file (FORMAT.md §4.1): an Ed25519 private key PEM
     (``aurora keygen``) or an hmac-sha256 secret of >= 32 bytes. None: unsigned. Env ``AURORA_SIGN_KEY``.
     A resumed Trainer may sign with a new key once readers trust both."""
-    sign_key_id: str | None = field(default=None, metadata={"env": False})
+    sign_key_id: str | None = option(
+        None, flag="--key-id", env=False, metavar="NAME", help="key id of an hmac-sha256 --sign-key",
+        default_text="first 16 hex digits of the secret's sha256",
+    )
     """Key id of an hmac-sha256 ``sign_key`` (default: derived from the secret)."""
-    commit_via: str = "store"
+    commit_via: str = option(
+        "store", choices=COMMIT_VIA,
+        help="store: commit each version by its create-only manifest write, after checking that the store honours "
+        "create-only writes; redis: commit by a Redis record (FORMAT.md section 1), for S3-compatible servers that ignore "
+        "conditional writes (Redis must persist its data: appendonly or save rules)",
+    )
     """How versions are committed (FORMAT.md §1): ``store``, the create-only manifest write (the
     Trainer first checks that the store honours create-only writes and refuses to start where
     it does not); ``redis``, a Redis record per version (Redis-commit mode, for S3-compatible
@@ -218,3 +256,4 @@ class TrainerConfig:
     def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> TrainerConfig:
         """Defaults, then ``AURORA_TRAINER_*`` (and ``AURORA_STREAMS``), then ``overrides``."""
         return from_env(cls, prefix, **overrides)
+

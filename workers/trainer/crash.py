@@ -21,9 +21,12 @@ import logging
 import os
 import signal
 
-__all__ = ["CRASH_ENV", "POINTS", "crash_point"]
+from aurora_store.config import Switch
+
+__all__ = ["CRASH_AT", "CRASH_ENV", "POINTS", "crash_point"]
 
 CRASH_ENV = "AURORA_CRASH_AT"
+CRASH_AT = Switch(CRASH_ENV, str | None, None, "point@version[,…]: the Trainer SIGKILLs itself there (crash tests; points: segment, manifest, closed)")
 POINTS = ("segment", "manifest", "closed")
 
 log = logging.getLogger("aurora.trainer")
@@ -31,7 +34,7 @@ log = logging.getLogger("aurora.trainer")
 
 def crash_point(point: str, version: int) -> None:
     """SIGKILL this process if :data:`CRASH_ENV` names ``point@version``."""
-    spec = os.environ.get(CRASH_ENV)
+    spec = CRASH_AT.get()
     if not spec:
         return
     for item in spec.split(","):

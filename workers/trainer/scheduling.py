@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from aurora_store.clock import Clock
 from aurora_store.coordination.ledger import AcceptedResult, Ledger, LedgerLost
+from aurora_store.coordination.records import RunRecords
 from aurora_store.coordination.scheduler import (
     ActorView,
     SchedulerConfig,
@@ -29,15 +30,11 @@ from aurora_store.coordination.scheduler import (
 from aurora_store.errors import ConfigError
 from workers.task import Problem, Task
 
-
-class PromptRenderer(Protocol):
-    """What batches need of a tokenizer: the ids a prompt is generated from."""
-
-    def render_prompt(self, text: str) -> list[int]: ...
-
 __all__ = [
     "BatchClose",
     "Collected",
+    "PromptRenderer",
+    "Prompts",
     "actor_views",
     "batch_prompts",
     "collect_batch",
@@ -51,6 +48,12 @@ log = logging.getLogger("aurora.trainer")
 
 Prompts = list[tuple[str, bytes]]
 """(prompt id, payload) of one batch, in order."""
+
+
+class PromptRenderer(Protocol):
+    """What batches need of a tokenizer: the ids a prompt is generated from."""
+
+    def render_prompt(self, text: str) -> list[int]: ...
 
 
 def batch_prompts(
@@ -297,5 +300,5 @@ def _close(
     counts.last = done
     if unreturned:
         log.info("step %d: closed with %d/%d results (%s); %d prompt(s) unreturned", b, len(collected), need, reason, unreturned)
-    ledger.fenced_hset(ledger.keys.trainer, {"unreturned": counts.unreturned, "last_batch": done.as_json()}, epoch=epoch)
+    RunRecords(ledger.r, ledger.run, ledger, epoch).record_batch_close(counts.unreturned, done.as_json())
     return done

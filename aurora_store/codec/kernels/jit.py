@@ -19,14 +19,16 @@ change paths with an environment variable.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from aurora_store.config import Switch
+
 __all__ = [
     "JIT_ENV",
+    "NO_JIT",
     "jit_available",
     "jit_enabled",
     "path",
@@ -39,6 +41,9 @@ __all__ = [
 
 #: Set to ``1`` to use the numpy twins even where numba is installed.
 JIT_ENV = "AURORA_NO_JIT"
+#: The switch itself: a process-wide debugging and measurement aid, not a run's option, so an
+#: environment switch (declared, and listed in docs/OPTIONS.md) rather than a worker's flag.
+NO_JIT = Switch(JIT_ENV, bool, False, "use the numpy twins of the compiled codec kernels even where numba is installed")
 
 
 @functools.cache
@@ -61,7 +66,7 @@ def jit_enabled() -> bool:
     can switch paths with an environment variable."""
     # Not a config dataclass: a per-call switch between two exact twins,
     # which the tests flip with monkeypatch.setenv between examples.
-    if os.environ.get(JIT_ENV, "").strip() not in ("", "0"):
+    if NO_JIT.get():
         return False
     return jit_available()
 

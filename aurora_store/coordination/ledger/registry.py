@@ -70,6 +70,15 @@ class ActorRegistry(LedgerCore):
             args += [k, v]
         return bool(int(self._scripts.mark_actor(keys=[self.k_actor(actor)], args=args)))
 
+    @translate_redis_errors("Ledger.report")
+    def report(self, actor: str, field: str, value: str) -> bool:
+        """Write one field of ``actor``'s record (``quarantined``, ...); False when the record is gone.
+
+        Never creates a record (:data:`~aurora_store.coordination.ledger.actor_scripts.MARK_ACTOR`):
+        an Actor reaped or expired registers again and then reports everything anew.
+        """
+        return bool(int(self._scripts.mark_actor(keys=[self.k_actor(actor)], args=["", "", field, value])))
+
     @translate_redis_errors("Ledger.lease_counts")
     def lease_counts(self) -> dict[str, int]:
         """Leases held per Actor across open steps, counted from the lease hashes.

@@ -28,14 +28,13 @@ VERSIONS = 3
 REGION = "r1"
 
 
-class SourceRecorder(Actor):
-    """An Actor that records, for each version it stages, whether it came from its mirror."""
+class SourceRecorder:
+    """Records, for each version an Actor stages, whether it came from its mirror (a ``StagedObserver``)."""
 
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
+    def __init__(self) -> None:
         self.sources: list[tuple[int, bool]] = []
 
-    def _on_staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
+    def staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
         self.sources.append((version, from_mirror))
 
 
@@ -139,54 +138,63 @@ def _mirror_run(ctx: Context) -> dict[str, Any]:
     return res
 
 
-def mirror_actor(run: dict[str, Any], relay_url: str | None, record_states: bool = True, **cfg: Any) -> SourceRecorder:
+def mirror_actor(
+    run: dict[str, Any], relay_url: str | None, record_states: bool = True, engine: Callable[[Any], Any] | None = None,
+    mirror_store: Any = None, **cfg: Any,
+) -> tuple[Actor, SourceRecorder]:
     """A fresh Actor (on the synthetic engine, at v0) of a fresh run name over ``run``
     (:func:`publish_mirror_run` plus ``redis`` and ``client``): the Trainer's head at
     VERSIONS, its expected states recorded unless told not to, the region's Relay key
-    naming ``relay_url``; ``cfg`` goes to :class:`ActorConfig`."""
+    naming ``relay_url``; ``cfg`` goes to :class:`ActorConfig`. ``engine`` wraps the synthetic
+    engine; ``mirror_store`` is the store the Actor opens as its mirror. Returns the Actor and what
+    records where each version came from."""
+    from aurora_store.coordination.records import RunRecords
     from aurora_store.testing.clock import ManualClock
     from aurora_tools.synthetic.engine import SyntheticEngine
     from workers.actor import ActorConfig
-    from workers.common import Endpoints, RunKeys, record_expected_state
+    from workers.common import Endpoints, RunKeys
 
     name = f"hostile{time.monotonic_ns()}"
-    a = SourceRecorder(Endpoints(f"file://{run['tmp']}/origin", run["redis"], name), ActorConfig(actor_id="a", region=REGION, **cfg), clock=ManualClock())
-    eng = SyntheticEngine(run["spec"], hold=True, digests=True)
+    eng: Any = SyntheticEngine(run["spec"], hold=True, digests=True)
     eng.load_base()
-    a.engine = eng
-    a.active = a.staged_version = 0
-    a.active_state = a.staged_state = run["spec"].base_state
+    rec = SourceRecorder()
+    a = Actor.from_endpoints(
+        Endpoints(f"file://{run['tmp']}/origin", run["redis"], name), ActorConfig(actor_id="a", region=REGION, **cfg), ManualClock(),
+        engine=engine(eng) if engine is not None else eng, open_mirror=(lambda: mirror_store) if mirror_store is not None else None, observers=[rec],
+    )
+    a.holding.start_at(0, run["spec"].base_state)
     keys = RunKeys(name)
+    records = RunRecords(run["client"], name)
     if record_states:
         for v, st in run["states"].items():  # what the Trainer records as it commits each version
-            record_expected_state(run["client"], keys, v, st)
-    run["client"].hset(keys.trainer, mapping={"head": VERSIONS})
+            records.record_expected_state(v, st)
+    records.record_head(VERSIONS)
     if relay_url is not None:
         run["client"].set(keys.relay(REGION), relay_url)
-    return a
+    return a, rec
 
 
-def _judge(res: Result, run: dict[str, Any], a: Any, want_sources: list[tuple[int, bool]] | None, how: str) -> None:
+def _judge(res: Result, run: dict[str, Any], a: Actor, rec: SourceRecorder, want_sources: list[tuple[int, bool]] | None, how: str) -> None:
     """Refused (or, for a control, accepted) when the Actor staged exactly the true chain."""
-    staged_states = [s for _, s, _ in a.staged]
+    staged_states = [e.state for e in a.staged]
     true_chain = staged_states == [run["states"][v] for v in range(1, VERSIONS + 1)]
     res.applied = run["forged_state"] in staged_states or a.active_state == run["forged_state"]
-    ok_sources = want_sources is None or a.sources == want_sources
+    ok_sources = want_sources is None or rec.sources == want_sources
     if res.applied:
         res.outcome, res.how = "applied", "the forged state was staged"
     elif true_chain and ok_sources:
         res.outcome = "accepted" if res.expected == "accept" else "refused"
         res.how = how
     else:
-        res.outcome, res.how = "failed", f"staged {len(staged_states)} versions, sources {a.sources}"
+        res.outcome, res.how = "failed", f"staged {len(staged_states)} versions, sources {rec.sources}"
 
 
 def _planted_url(ctx: Context, res: Result) -> None:
     run = _mirror_run(ctx)
     tmp = run["tmp"]
-    a = mirror_actor(run, f"file://{tmp}/evil", mirror=f"file://{tmp}/mirror")
-    a._stage_available()
-    _judge(res, run, a, [(v, False) for v in range(1, VERSIONS + 1)], "planted URL ignored; read origin")
+    a, rec = mirror_actor(run, f"file://{tmp}/evil", mirror=f"file://{tmp}/mirror")
+    a.stager.stage_once()
+    _judge(res, run, a, rec, [(v, False) for v in range(1, VERSIONS + 1)], "planted URL ignored; read origin")
 
 
 def _two_faced(ctx: Context, res: Result) -> None:
@@ -195,14 +203,14 @@ def _two_faced(ctx: Context, res: Result) -> None:
 
     run = _mirror_run(ctx)
     url = f"file://{run['tmp']}/mirror"
-    a = mirror_actor(run, url, mirror=url)
-    a.engine = eng = StoreStagingEngine(a.engine, reread=True)
     store = TwoFacedStore(open_store(url), manifest_key("delta", 1), run["forged_manifest"])
-    a._mirror = (url, store)  # type: ignore[assignment]  # a Store in all it is asked
-    a._stage_available()
-    _judge(res, run, a, None, "second answer refused; v1 read from origin")
-    if res.outcome == "refused" and (store.reads < 2 or a.sources[0] != (1, False)):
-        res.outcome, res.how = "failed", f"mirror read {store.reads} times, sources {a.sources}"
+    a, rec = mirror_actor(run, url, engine=lambda e: StoreStagingEngine(e, reread=True), mirror_store=store, mirror=url)
+    eng = a.engine
+    assert isinstance(eng, StoreStagingEngine)
+    a.stager.stage_once()
+    _judge(res, run, a, rec, None, "second answer refused; v1 read from origin")
+    if res.outcome == "refused" and (store.reads < 2 or rec.sources[0] != (1, False)):
+        res.outcome, res.how = "failed", f"mirror read {store.reads} times, sources {rec.sources}"
     if run["forged_state"] in {s for s, _ in eng.held.values()}:
         res.applied, res.outcome = True, "applied"
 
@@ -210,11 +218,11 @@ def _two_faced(ctx: Context, res: Result) -> None:
 def _forged_chain(ctx: Context, res: Result) -> None:
     run = _mirror_run(ctx)
     url = f"file://{run['tmp']}/forged-mirror"
-    a = mirror_actor(run, url, mirror=url)
-    a._stage_available()
-    _judge(res, run, a, None, "forged v1 refused; read from origin")
-    if res.outcome == "refused" and a.sources[0] != (1, False):
-        res.outcome, res.how = "failed", f"sources {a.sources}"
+    a, rec = mirror_actor(run, url, mirror=url)
+    a.stager.stage_once()
+    _judge(res, run, a, rec, None, "forged v1 refused; read from origin")
+    if res.outcome == "refused" and rec.sources[0] != (1, False):
+        res.outcome, res.how = "failed", f"sources {rec.sources}"
 
 
 def _valid_mirror(ctx: Context, res: Result) -> None:
@@ -223,9 +231,9 @@ def _valid_mirror(ctx: Context, res: Result) -> None:
     if not (tmp / "true-mirror").exists():
         shutil.copytree(tmp / "origin", tmp / "true-mirror")
     url = f"file://{tmp}/true-mirror"
-    a = mirror_actor(run, url, mirror=url)
-    a._stage_available()
-    _judge(res, run, a, [(v, True) for v in range(1, VERSIONS + 1)], "every version read from the mirror")
+    a, rec = mirror_actor(run, url, mirror=url)
+    a.stager.stage_once()
+    _judge(res, run, a, rec, [(v, True) for v in range(1, VERSIONS + 1)], "every version read from the mirror")
 
 
 def _case(name: str, expected: str, fn: Callable[[Context, Result], None], quick: bool = False) -> Case:

@@ -38,6 +38,7 @@ import sys
 import threading
 from typing import Any
 
+from aurora_store.config import Switch
 from aurora_store.errors import ConfigError
 from aurora_tools.wan.profile import LinkProfile
 from aurora_tools.wan.proxy.tcp import Address, ProxyStats
@@ -49,6 +50,9 @@ _ROW = len(_FIELDS)
 _MAX_WORKERS = 64
 
 
+PROXY_WORKERS = Switch("AURORA_WAN_PROXY_WORKERS", int | None, None, "worker processes per WAN-emulation proxy (default: half the usable cores, 1..8)")
+
+
 def default_workers() -> int:
     """Worker processes per proxy when not told: ``AURORA_WAN_PROXY_WORKERS``, else half the usable cores (1..8).
 
@@ -56,15 +60,11 @@ def default_workers() -> int:
     this 2-core machine one loop forwards faster than two workers (docs/WAN.md, measured),
     and 1 means the single-loop proxy in the testbed's own process.
     """
-    env = os.environ.get("AURORA_WAN_PROXY_WORKERS", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise ConfigError(f"AURORA_WAN_PROXY_WORKERS={env!r}: expected an integer >= 1") from None
+    n = PROXY_WORKERS.get()
+    if n is not None:
         if not 1 <= n <= _MAX_WORKERS:
-            raise ConfigError(f"AURORA_WAN_PROXY_WORKERS={n}: must be in 1..{_MAX_WORKERS}")
-        return n
+            raise ConfigError(f"{PROXY_WORKERS.env}={n}: must be in 1..{_MAX_WORKERS}")
+        return int(n)
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -1,0 +1,109 @@
+"""The Actor's work: claim leases of a step on the active version, generate, settle.
+
+A lease is claimed only for a step generated on the active version whose
+state is the one this Actor holds; completions are settled with (active
+version, its state), idempotently per (Actor, lease token).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aurora_store import metrics
+from aurora_store.coordination.ledger import Lease
+from aurora_store.outage import riding
+from workers.actor.context import ActorContext
+
+__all__ = ["MAX_NEW_TOKENS_LIMIT", "WorkLoop"]
+
+log = logging.getLogger("aurora.actor")
+
+MAX_NEW_TOKENS_LIMIT = 32768
+"""Most tokens per completion an Actor generates, whatever a prompt's payload asks (Redis is not trusted)."""
+
+
+class WorkLoop:
+    """Claims, generation and settlement for one Actor (the main thread's work between safe points).
+
+    ``heartbeat`` reports at once (a claim refused because the ledger no
+    longer knows this Actor registers it again).
+    """
+
+    def __init__(self, ctx: ActorContext, heartbeat: Callable[[], None]) -> None:
+        self.ctx = ctx
+        self.heartbeat = heartbeat
+        self._state_refused: tuple[int, int] | None = None
+        """(step, active version) last refused for its state: logged once."""
+
+    def work_once(self) -> bool:
+        """Claim leases of one open step on the active version, generate and settle them; False when there was none."""
+        c, h = self.ctx, self.ctx.holding
+        ledger = riding(c.ledger, c.redis_dep, c.stop)
+        for s, sv, _ in ledger.open_step_info():
+            if sv != h.active or not self.step_state_held(s):
+                continue
+            status, leases = ledger.claim(c.cfg.actor_id, s, c.cfg.claim)
+            metrics.active().claimed(c.cfg.actor_id, c.cfg.region, len(leases))
+            if status == "not_alive":
+                c.redis_call(self.heartbeat, "heartbeat")
+                return False
+            if leases:
+                self.generate_and_settle(leases)
+                return True
+        return False
+
+    def step_state_held(self, step: int) -> bool:
+        """Whether step ``step`` asks for the state this Actor holds: never claim a lease for another one."""
+        c, h = self.ctx, self.ctx.holding
+        raw = c.redis_call(lambda: c.redis.hget(c.keys.step(step), "state"), "read a step's state")
+        want = raw.decode("ascii", "replace") if isinstance(raw, bytes) else raw
+        if want is None or want == h.active_state:
+            return True
+        if self._state_refused != (step, h.active):
+            self._state_refused = (step, h.active)
+            log.error(
+                "%s: step %d asks for state %s… on v%d, this Actor holds %s…: not claiming",
+                c.cfg.actor_id, step, str(want)[:19], h.active, h.active_state[:19],
+            )
+        return False
+
+    def generate_and_settle(self, leases: list[Lease]) -> None:
+        c, h, cfg = self.ctx, self.ctx.holding, self.ctx.cfg
+        bodies = [json.loads(le.payload) for le in leases]
+        prompts = [b["ids"] for b in bodies]
+        group = leases[0].group
+        t0 = time.perf_counter()
+        gen = c.engine.generate(prompts, group, max_new_tokens(bodies, cfg.max_new_tokens), seed=cfg.seed ^ leases[0].token, temperature=cfg.temperature)
+        if cfg.slowdown > 1:
+            c.clock.wait(c.stop, gen.seconds * (cfg.slowdown - 1))
+        gen_s = time.perf_counter() - t0
+        items = []
+        for le, comps in zip(leases, gen.completions, strict=True):
+            body = {
+                "completions": [list(x.token_ids) for x in comps],
+                "texts": [x.text for x in comps],
+                "new_tokens": sum(len(x.token_ids) for x in comps),
+                "gen_s": gen_s / len(leases),
+            }
+            items.append((le, h.active, h.active_state, json.dumps(body).encode()))
+        # Settling is idempotent per (Actor, lease token): a retry after a lost answer
+        # reads ``duplicate`` for what the first attempt already settled.
+        for st in c.redis_call(lambda: c.ledger.settle_many(cfg.actor_id, items), "settle"):
+            metrics.active().settled(cfg.actor_id, cfg.region, st.reason)
+            if st.accepted or st.reason == "duplicate":
+                c.stats.settled += 1
+            else:
+                c.stats.rejected[st.reason] = c.stats.rejected.get(st.reason, 0) + 1
+        c.stats.tokens += gen.new_tokens
+        metrics.active().generated(cfg.actor_id, cfg.region, len(leases), gen.new_tokens, gen_s)
+
+
+def max_new_tokens(bodies: list[Any], default: int) -> int:
+    """The completion length the Trainer accepts, as its payloads say (the smallest, bounded); ``default`` when they say none."""
+    asked = [b.get("max_new_tokens") for b in bodies if isinstance(b, dict)]
+    ok = [int(n) for n in asked if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_NEW_TOKENS_LIMIT]
+    return min(ok) if ok and len(ok) == len(bodies) else default

@@ -1,0 +1,284 @@
+"""How a Trainer starts: a fresh run's version 0, or resume from its newest checkpoint; and the checkpoints.
+
+A fresh run takes the next epoch, makes version 0 (published as a snapshot,
+or a base every Actor builds), issues the first ``max_lag + 1`` batches on
+it and saves the first checkpoint. A resumed one takes an epoch above any
+before it, restores the GRPO policy from the checkpoint, continues the chain
+after the newest committed version (materialized from the store: the chain
+neither forks nor gaps) and reuses the batches the ledger still holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from aurora_store.apply.sink import weights_digest
+from aurora_store.clock import Clock
+from aurora_store.codec.extract import unfuse_weights
+from aurora_store.coordination.bus import COMMIT, Bus
+from aurora_store.coordination.ledger import Ledger
+from aurora_store.coordination.records import RunRecords
+from aurora_store.errors import ChainError, ConfigError
+from aurora_store.format.signing import Signer
+from aurora_store.lineage.fetch import materialize, read_manifest
+from aurora_store.lineage.plan import scan_versions
+from aurora_store.storage import Store
+from workers.common import model_files_listed
+from workers.trainer.batches import BatchBook
+from workers.trainer.checkpoint import (
+    Checkpoint,
+    load_latest_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from workers.trainer.config import TrainerConfig
+from workers.trainer.fsdp import DistContext
+from workers.trainer.policy import GrpoPolicy
+from workers.trainer.sources import WeightsSource
+from workers.trainer.versions import VersionPublisher
+
+__all__ = ["Bootstrap"]
+
+log = logging.getLogger("aurora.trainer")
+
+
+class Bootstrap:
+    """Starts a Trainer's run (fresh or resumed) over its parts, and saves its checkpoints.
+
+    ``grpo``: the GRPO workload, None under another one (which neither
+    resumes nor checkpoints); ``evaluate(v)`` scores version ``v`` when due.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        cfg: TrainerConfig,
+        ctx: DistContext,
+        run: str,
+        ledger: Ledger,
+        bus: Bus,
+        records: RunRecords,
+        versions: VersionPublisher,
+        batches: BatchBook,
+        weights_source: WeightsSource,
+        grpo: GrpoPolicy | None,
+        signer: Signer | None,
+        evaluate: Callable[[int], None],
+        stop: threading.Event,
+        clock: Clock,
+    ) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.ctx = ctx
+        self.run = run
+        self.ledger = ledger
+        self.bus = bus
+        self.records = records
+        self.versions = versions
+        self.batches = batches
+        self.weights_source = weights_source
+        self.grpo = grpo
+        self.signer = signer
+        self.evaluate = evaluate
+        self.stop = stop
+        self.clock = clock
+        self.resumed_from: int | None = None
+        """Step of the checkpoint the run resumed from (None: a fresh run)."""
+
+    @property
+    def epoch(self) -> int:
+        return self.records.epoch or 0
+
+    def producer(self, step: int) -> dict[str, Any]:
+        """``producer`` of the manifests the Trainer writes: the step and the epoch (FORMAT.md §4)."""
+        return {"step": step, "epoch": self.epoch}
+
+    # -- epochs: one Trainer at a time ---------------------------------------------
+    def enter_epoch(self, epoch: int) -> None:
+        """Take ``epoch`` in Redis; a newer Trainer holding a higher one fences this one out."""
+        self.records.enter_epoch(epoch)
+        # `aurora status` says whether the run is signed, and by which key (a resumed
+        # Trainer may sign with a new one).
+        self.records.record_identity(self.signer is not None, self.signer.key_id if self.signer else "")
+
+    def check_redis(self) -> None:
+        """Refuse a Redis that may evict the ledger's keys (its message says how to fix it)."""
+        if self.ledger.check_memory_policy() == "unknown":
+            log.warning("Redis does not say its maxmemory-policy (INFO refused): make sure it is noeviction, or steps and leases may vanish")
+
+    def wait_for_actors(self) -> None:
+        """Hold the first batch until ``min_actors`` Actors are alive (their engines may take minutes to start)."""
+        want = self.cfg.min_actors
+        if want <= 0:
+            return
+        t0 = time.perf_counter()
+        said = 0.0
+        while not self.stop.is_set():
+            alive = sum(a.status == "alive" for a in self.ledger.actors())
+            if alive >= want:
+                log.info("%d Actor(s) alive after %.1fs: the first batch goes out", alive, time.perf_counter() - t0)
+                return
+            if time.perf_counter() - said >= self.cfg.progress_s:
+                log.info("waiting for %d Actor(s) before the first batch (%d alive)", want, alive)
+                said = time.perf_counter()
+            self.clock.wait(self.stop, self.cfg.poll_s * 4)
+
+    # -- start ----------------------------------------------------------------------
+    def start_fresh(self) -> None:
+        """A fresh run: the next epoch, version 0, the first batches, the first checkpoint."""
+        if scan_versions(self.store).latest is not None:
+            raise ConfigError(f"{self.store.url} already holds versions of a run: pass --resume to continue it, or use a fresh run root")
+        self.check_redis()
+        # A fresh run root; a Redis that still holds an epoch for this run name (an older run
+        # of the same name) is outranked, not obeyed: this Trainer is the run now.
+        self.enter_epoch((self.ledger.stored_epoch() or 0) + 1)
+        t0 = time.perf_counter()
+        first = self.weights_source.first_version(self.store)
+        self.records.forget_states()  # expected states an older run of this name left are not ours
+        self.versions.start(first.plan, first.model_files)
+        if first.base_state is None:
+            nbytes = self.versions.publish_first(first.weights, self.producer(0))
+            log.info("v0 snapshot published (%d bytes) in %.1fs total setup", nbytes, time.perf_counter() - t0)
+        else:
+            self.versions.full_bytes = sum(x.numel() * x.element_size() for x in first.weights.values())
+            self.versions.continue_from(0, first.base_state, first.weights, "base", weights_digest(first.weights, first.plan))
+            log.info("v0: a base every Actor builds (%d bytes), ready in %.1fs", self.versions.full_bytes, time.perf_counter() - t0)
+        self.evaluate(0)
+        self.wait_for_actors()
+        for b in range(self.cfg.max_lag + 1):
+            self.batches.create(b, 0)
+        self.checkpoint(0)
+
+    def _policy(self, what: str) -> GrpoPolicy:
+        if self.grpo is None:
+            raise ConfigError(f"{what} needs the GRPO workload (this Trainer runs another)")
+        return self.grpo
+
+    def identity(self) -> dict[str, Any]:
+        """The knobs a resumed run must share with the one it continues."""
+        c = self.cfg
+        family = self.grpo.family if self.grpo is not None else "built-in"
+        return {"seed": c.seed, "batch": c.batch, "group": c.group, "head_dim": c.head_dim, "max_lag": c.max_lag, "difficulty": c.difficulty, "transfer": c.transfer, "task": c.task,
+                "model": family, "tiny": [c.tiny_hidden, c.tiny_intermediate]}
+
+    def checkpoint(self, step: int) -> None:
+        """Save what a restarted Trainer needs to run ``step`` next (docs/WORKERS.md), when one is due."""
+        every = self.cfg.checkpoint_every
+        if every <= 0 or step % every != 0 or self.ctx.sharded or self.grpo is None:
+            return
+        t0 = time.perf_counter()
+        tensors, opt_meta = self.grpo.checkpoint_tensors()
+        book = self.batches
+        meta = {
+            "run": self.run,
+            "config": self.identity(),
+            "optimizer": opt_meta,
+            "lr": self.cfg.lr,
+            "rng": _jsonable(self.grpo.rng.getstate()),
+            "tau": book.tau,
+            "completion_ms": book.completion_ms[-200:],
+            "accepted_twice": book.counts.accepted_twice,
+            "accepted_wrong_version": book.counts.accepted_wrong_version,
+            "unreturned": book.counts.unreturned,
+            "full_bytes": self.versions.full_bytes,
+        }
+        nbytes = save_checkpoint(self.store, Checkpoint(step=step, epoch=self.epoch, tensors=tensors, meta=meta))
+        gone = prune_checkpoints(self.store, self.cfg.keep_checkpoints)
+        log.info("checkpoint before step %d: %d bytes in %.2fs%s", step, nbytes, time.perf_counter() - t0, f", pruned {gone}" if gone else "")
+
+    def resume(self) -> int:
+        """Continue the run in the store from its newest checkpoint; returns the step to run next.
+
+        The master weights and optimizer come from the checkpoint; versions
+        published after it already exist, so the next version is a delta
+        against the newest committed one, materialized from the store (the
+        chain neither forks nor gaps). Open steps are reused (their settled
+        results count); missing ones are created again.
+        """
+        index = scan_versions(self.store)
+        if index.latest is None:
+            log.info("--resume: %s holds no version yet; starting a fresh run", self.store.url)
+            self.start_fresh()
+            return 0
+        pol = self._policy("--resume")
+        ck = load_latest_checkpoint(self.store)
+        if ck is None:
+            raise ConfigError(f"{self.store.url} holds versions but no usable Trainer checkpoint: it cannot be resumed")
+        if self.ctx.sharded:
+            raise ConfigError("--resume with several processes (--nproc, torchrun) is not supported yet: resume with one process")
+        made = dict(ck.meta.get("config") or {})
+        made.setdefault("task", "arithmetic")  # checkpoints of releases before tasks were pluggable
+        made.setdefault("model", "built-in")
+        made.setdefault("tiny", [64, 192])
+        if made != self.identity():
+            raise ConfigError(f"--resume: the run was made with {made}, this Trainer has {self.identity()}; use the same settings")
+        self.check_redis()
+        head = index.latest
+        stored = self.ledger.stored_epoch() or 0
+        self.enter_epoch(max(ck.epoch, _manifest_epoch(self.store, head), stored) + 1)
+        t0 = time.perf_counter()
+        pol.restore(ck)
+        pol.rng.setstate(_tuples(ck.meta["rng"]))
+        book = self.batches
+        book.tau = {str(k): float(v) for k, v in dict(ck.meta.get("tau", {})).items()}
+        book.completion_ms = [float(x) for x in ck.meta.get("completion_ms", [])]
+        book.counts.accepted_twice = int(ck.meta.get("accepted_twice", 0))
+        book.counts.accepted_wrong_version = int(ck.meta.get("accepted_wrong_version", 0))
+        book.counts.unreturned = int(ck.meta.get("unreturned", 0))
+        self.versions.full_bytes = int(ck.meta.get("full_bytes", 0))
+        # The versions batches still open were generated on, from the store.
+        K = self.cfg.max_lag
+        plan = pol.plan
+        assert plan is not None
+        for v in range(max(0, head - K), head + 1):
+            fused, state = materialize(self.store, v, self.cfg.streams)
+            self.versions.hold(v, state, {n: t.to(torch.bfloat16) for n, t in unfuse_weights(fused, plan).items()})
+        published = self.versions.held[head]
+        listed, _ = model_files_listed(self.store)
+        model_files = list(listed.values()) if listed is not None else None
+        digest = weights_digest(published, plan)
+        if head == ck.step and weights_digest(pol.bf16_weights(), plan) != digest:
+            raise ChainError(f"the checkpoint before step {ck.step} does not match version {head} in the store")
+        self.resumed_from = ck.step
+        self.versions.start(plan, model_files)
+        self.versions.continue_from(head, self.versions.states[head], published, "delta" if head in index.deltas else "snapshot", digest)
+        # Steps: reuse what the ledger still holds, create what it lost, drop what is done.
+        for b in self.ledger.open_steps():
+            if b < head:
+                self.ledger.close_step(b, epoch=self.epoch)
+        for b in range(head, min(head + K + 1, self.cfg.steps)):
+            book.reopen(b, self.ledger.step_version(b), self.versions.held, head)
+        if head >= 1:
+            self.bus.announce(COMMIT, head)
+            self.records.record_commit(head)
+        log.info(
+            "resumed epoch %d from the checkpoint before step %d; head v%d (%d version(s) since it) in %.1fs",
+            self.epoch, ck.step, head, head - ck.step, time.perf_counter() - t0,
+        )
+        return head
+
+
+def _manifest_epoch(store: Store, v: int) -> int:
+    """The epoch of the Trainer that wrote version ``v`` (0: unknown)."""
+    for kind in ("delta", "snapshot"):
+        try:
+            return int(read_manifest(store, kind, v).producer.get("epoch", 0) or 0)
+        except Exception:  # noqa: BLE001 - a version of the other kind, or an old manifest without an epoch
+            continue
+    return 0
+
+
+def _jsonable(x: Any) -> Any:
+    """Tuples as lists, recursively (``random.Random.getstate()`` for JSON)."""
+    return [_jsonable(i) for i in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tuples(x: Any) -> Any:
+    """The inverse of :func:`_jsonable` for ``random.Random.setstate``."""
+    return tuple(_tuples(i) for i in x) if isinstance(x, list) else x

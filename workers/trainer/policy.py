@@ -1,0 +1,221 @@
+"""The Trainer's real workload: a model trained with GRPO on a task.
+
+:class:`GrpoPolicy` is the Trainer's weights source and step source
+(:mod:`~workers.trainer.sources`): it holds the fp32 master weights (sharded
+with FSDP2 over several processes), the optimizer, the bf16 behaviour copy
+and the optional KL reference, builds each batch's prompts from the task and
+rewards each completion itself (nothing an Actor says about rewards is
+trusted). The model trains in float32 and every version is its bfloat16
+rounding, so the deltas are exactly what an RL run in bf16 inference would ship.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from aurora_store.codec.fusion import FusionPlan
+from aurora_store.coordination.ledger import AcceptedResult
+from aurora_store.errors import ConfigError
+from aurora_store.storage import Store
+from workers.common import write_model_description
+from workers.model import fusion_plan_for, hf_weights, is_tied, logprobs, tiny_qwen3, warm_start
+from workers.pretrained import ModelDir, load_pretrained, read_model_dir
+from workers.task import Problem, RewardRunner, Task, make_task
+from workers.tokenizer import CharTokenizer, HFTokenizer
+from workers.trainer.checkpoint import Checkpoint, load_optimizer, optimizer_tensors
+from workers.trainer.config import TrainerConfig
+from workers.trainer.evaluation import EvalResult, Evaluator
+from workers.trainer.fsdp import (
+    DistContext,
+    broadcast_module,
+    exchange,
+    gather_bf16,
+    grpo_epochs,
+    shard_model,
+)
+from workers.trainer.grpo import Rollouts, grpo_batch, read_rollouts
+from workers.trainer.scheduling import Prompts, batch_prompts
+from workers.trainer.sources import FirstVersion
+
+__all__ = ["GrpoPolicy"]
+
+log = logging.getLogger("aurora.trainer")
+
+
+class GrpoPolicy:
+    """GRPO over ``cfg.task`` with ``cfg.model`` (or the built-in tiny Qwen3); see the module's docstring.
+
+    The model exists once :meth:`first_version` (a fresh run) or
+    :meth:`restore` (a resumed one) ran; ``storage_options`` reach the task's data files.
+    """
+
+    def __init__(self, cfg: TrainerConfig, ctx: DistContext, storage_options: Mapping[str, Any]) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.tokenizer: CharTokenizer | HFTokenizer = CharTokenizer()
+        """The built-in model's; ``--model``'s own once the model is built."""
+        self.model_dir: ModelDir | None = read_model_dir(cfg.model) if cfg.model else None
+        self.task: Task = make_task(
+            cfg.task, cfg.data, cfg.eval_data, seed=cfg.seed, difficulty=cfg.difficulty, storage_options=dict(storage_options), holdout=cfg.eval_size,
+        )
+        if self.model_dir is None and cfg.task in ("gsm8k", "math"):
+            raise ConfigError(f"--task {cfg.task} needs --model DIR: the built-in tiny model's character tokenizer knows only the arithmetic alphabet")
+        self.rewards = RewardRunner(self.task, cfg.reward_timeout_s)
+        """Scores every completion in a child process, each call bounded by ``reward_timeout_s``."""
+        self.rng = random.Random(cfg.seed)
+        """Kept in checkpoints (a resumed run continues its sequence)."""
+        self.problems: dict[str, Problem] = {}
+        """prompt id -> its problem (the answer stays here)."""
+        self.model: Any = None
+        """The fp32 master (a Hugging Face causal LM)."""
+        self.behavior: Any = None
+        """A spare bf16-as-published copy: the policy each batch was sampled from."""
+        self.reference: torch.nn.Module | None = None
+        """The warm-started weights, frozen, for the KL term (``kl_coef`` > 0)."""
+        self.opt: torch.optim.Optimizer | None = None
+        self.plan: FusionPlan | None = None
+        """What is shipped: the bf16 weights' fusion plan."""
+        self.followers_joined = False
+        """Whether the other ranks wait for :func:`~workers.trainer.fsdp.exchange` messages."""
+        self.evaluator: Evaluator | None = None
+
+    @property
+    def family(self) -> str:
+        """The model's family (``built-in`` for the tiny Qwen3), as checkpoints record it."""
+        return self.model_dir.family if self.model_dir is not None else "built-in"
+
+    # -- the model -----------------------------------------------------------------
+    def build_model(self) -> None:
+        """The fp32 master: ``--model``'s checkpoint (its tokenizer with it), or the built-in tiny Qwen3."""
+        md = self.model_dir
+        if md is not None:
+            self.model = load_pretrained(md.path, torch.float32)
+            self.tokenizer = HFTokenizer.from_dir(md.path, model_vocab=int(self.model.config.vocab_size))
+            log.info("model: %s (%s, %.1f M parameters), tokenizer of %d ids%s", md.path, md.family,
+                     sum(p.numel() for p in self.model.parameters()) / 1e6, self.tokenizer.vocab_size,
+                     ", chat template" if self.tokenizer.chat_template else "")
+        else:
+            self.model = tiny_qwen3(
+                self.tokenizer.vocab_size, seed=self.cfg.seed, dtype=torch.float32, head_dim=self.cfg.head_dim,
+                hidden=self.cfg.tiny_hidden, intermediate=self.cfg.tiny_intermediate,
+            )
+        if not self.ctx.sharded:
+            torch.nn.Module.to(self.model, self.ctx.device)
+
+    def prepare_training(self) -> None:
+        """After the master weights are final: the behaviour copy, sharding, the optimizer, the plan."""
+        self.model.train()
+        # The policy each batch was sampled from (bf16, as the Actors ran it),
+        # kept for the two versions a batch can be generated on.
+        self.behavior = copy.deepcopy(self.model).eval().requires_grad_(False)
+        tied = is_tied(hf_weights(self.model))
+        if self.ctx.sharded:
+            torch.nn.Module.to(self.model, self.ctx.device)
+            broadcast_module(self.model)
+            shard_model(self.model, self.ctx)
+        self.opt = self.cfg.make_optimizer(self.model.parameters())
+        self.followers_joined = self.ctx.sharded
+        # The plan describes what is shipped: the bf16 weights (the fp32 master is the Trainer's own).
+        self.plan = fusion_plan_for({n: t.to(torch.bfloat16) for n, t in hf_weights(self.behavior).items()}, tied=tied)
+
+    def bf16_weights(self) -> dict[str, torch.Tensor]:
+        """The bf16 rounding of the master weights, in host memory (gathered one parameter at a time when sharded)."""
+        return gather_bf16(list(self.model.named_parameters(remove_duplicate=False)), self.ctx)
+
+    def _write_model_description(self, store: Store) -> Any:
+        """``model/`` in the run root: what an Actor builds the model and its tokenizer from (FORMAT.md §1)."""
+        md = self.model_dir
+        if md is not None:
+            return write_model_description(store, md.files["config.json"], md.files.get("tokenizer.json"), md.files)
+        assert isinstance(self.tokenizer, CharTokenizer)
+        gen = self.model.generation_config.to_json_string().encode("utf-8")
+        return write_model_description(store, self.model.config.to_json_string(), self.tokenizer.to_json(), {"generation_config.json": gen})
+
+    # -- WeightsSource -------------------------------------------------------------
+    def first_version(self, store: Store) -> FirstVersion:
+        """Warm start (the built-in model starts from random weights), the reference, the optimizer; the description."""
+        self.build_model()
+        warm = self.task.warm_start_problems(2000, seed=self.cfg.seed + 1) if self.model_dir is None else []
+        if warm and self.cfg.warm_start_steps > 0:
+            # A short supervised phase gives GRPO some rewarded samples. A user's checkpoint is version 0 as it is.
+            assert isinstance(self.tokenizer, CharTokenizer)
+            rep = warm_start(self.model, self.tokenizer, warm, steps=self.cfg.warm_start_steps, seed=self.cfg.seed)
+            log.info("warm start: %d steps in %.1fs, loss %.3f -> %.3f", rep.steps, rep.seconds, rep.first_loss, rep.last_loss)
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if self.cfg.kl_coef > 0 else None
+        self.prepare_training()
+        weights = self.bf16_weights()
+        assert self.plan is not None
+        return FirstVersion(weights, self.plan, self._write_model_description(store))
+
+    # -- StepSource ----------------------------------------------------------------
+    def prompts(self, step: int) -> Prompts:
+        """(prompt id, payload) of batch ``step``; the answers stay here."""
+        prompts, problems = batch_prompts(step, self.cfg.batch, self.cfg.seed, self.task, self.tokenizer, self.cfg.max_new_tokens)
+        self.problems.update(problems)
+        return prompts
+
+    def rollouts(self, results: Mapping[str, AcceptedResult]) -> Rollouts:
+        return read_rollouts(results, self.problems, self.tokenizer, self.cfg.group, self.cfg.max_new_tokens, self.rewards)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.bf16_weights()
+
+    def train(self, rollouts: Rollouts, behaviour: Mapping[str, torch.Tensor]) -> None:
+        """One GRPO step: clipped ratio against ``behaviour``, optional KL to the reference."""
+        assert self.opt is not None
+        batch = grpo_batch(
+            rollouts.prompts, rollouts.completions, rollouts.rewards, self.cfg.group, self.tokenizer.pad_id, self.behavior, behaviour, self.reference,
+        )
+        if self.ctx.sharded:
+            exchange(("train", batch) if batch is not None else ("skip", None), self.ctx)
+        if batch is not None:
+            grpo_epochs(self.model, self.opt, batch, self.ctx, self.cfg.epochs, self.cfg.clip, self.cfg.kl_coef, logprobs)
+
+    # -- evaluation, checkpoints -------------------------------------------------------
+    def evaluate(self, v: int, weights: Mapping[str, torch.Tensor]) -> EvalResult:
+        """Held-out accuracy of version ``v`` (its bf16 ``weights``)."""
+        if self.evaluator is None:
+            self.evaluator = Evaluator(
+                self.task, self.tokenizer, self.rewards, self.behavior, self.cfg.eval_size, self.cfg.max_new_tokens, self.ctx.device,
+            )
+        return self.evaluator.run(v, weights)
+
+    def checkpoint_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What a resumed run restores: the master, the optimizer (its metadata apart), the reference, torch's RNG."""
+        assert self.opt is not None
+        tensors = {f"model.{n}": p.detach() for n, p in self.model.state_dict().items()}
+        opt_t, opt_meta = optimizer_tensors(self.opt)
+        tensors.update(opt_t)
+        if self.reference is not None:
+            tensors.update({f"reference.{n}": p.detach() for n, p in self.reference.state_dict().items()})
+        tensors["rng.torch"] = torch.get_rng_state()
+        return tensors, opt_meta
+
+    def restore(self, ck: Checkpoint) -> None:
+        """The master, reference and optimizer of checkpoint ``ck``; ready to train."""
+        self.build_model()
+        self.model.load_state_dict({n[len("model."):]: t for n, t in ck.tensors.items() if n.startswith("model.")})
+        self.reference = None
+        if self.cfg.kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            ref = {n[len("reference."):]: t for n, t in ck.tensors.items() if n.startswith("reference.")}
+            if ref:
+                self.reference.load_state_dict(ref)
+        self.prepare_training()
+        assert self.opt is not None
+        load_optimizer(self.opt, ck.tensors, ck.meta["optimizer"])
+        if "rng.torch" in ck.tensors:
+            torch.set_rng_state(ck.tensors["rng.torch"])
+
+    def close(self) -> None:
+        """Stop the reward runner; release the other ranks (only once they wait for messages:
+        before that they wait in another collective and a message would not match it)."""
+        self.rewards.close()
+        if self.followers_joined:
+            exchange(("stop", None), self.ctx)

@@ -1,0 +1,237 @@
+"""The Trainer's versions: ship each one, then record it in the run's records and announce it.
+
+A version goes through :class:`VersionPublisher` in three moves: the fence
+is checked (only the Trainer of the current epoch publishes), the weights are
+shipped (a delta through the public API's :class:`~aurora_store.Publisher`,
+or a baseline of ``aurora bench wan``: a full snapshot, or nothing), then
+:meth:`VersionPublisher.record` writes the digest, the expected state and the
+head through :class:`~aurora_store.coordination.records.RunRecords` (fenced
+by the epoch) and announces VERSION. Commit comes later, from the Trainer,
+once the batch generated on the version exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aurora_store import metrics
+from aurora_store.api import Publisher
+from aurora_store.apply.sink import weights_digest
+from aurora_store.codec.extract import fuse_weights
+from aurora_store.codec.fusion import FusionPlan
+from aurora_store.coordination.bus import VERSION, Bus
+from aurora_store.coordination.records import RunRecords
+from aurora_store.errors import FencedOut, VersionConflict
+from aurora_store.format.signing import Signer
+from aurora_store.lineage.binding import ModelFile
+from aurora_store.lineage.gc import retain
+from aurora_store.lineage.interfaces import HeldVersions
+from aurora_store.lineage.publish import PublishConfig
+from aurora_store.outage import is_transient
+from aurora_store.storage import Store
+from workers.trainer.config import TrainerConfig
+from workers.trainer.crash import crash_point
+from workers.trainer.publishing import Published, publish_version
+
+__all__ = ["VersionEvent", "VersionObserver", "VersionPublisher"]
+
+log = logging.getLogger("aurora.trainer")
+
+
+@dataclass(frozen=True, slots=True)
+class VersionEvent:
+    """One version shipped and recorded (what a benchmark times)."""
+
+    version: int
+    kind: str
+    """``snapshot``, ``delta``, ``base`` (built by every Actor, nothing written) or ``none``."""
+    nbytes: int
+    """Bytes written to the store."""
+    started_ms: float
+    """When shipping began (wall clock, ms)."""
+    recorded_ms: float
+    """When the head named it (wall clock, ms)."""
+
+
+VersionObserver = Callable[[VersionEvent], None]
+"""Told of every version once it is recorded (``aurora bench wan`` keeps the times)."""
+
+
+class VersionPublisher:
+    """Ships and records the versions of one Trainer; holds the versions batches may still be generated on.
+
+    ``store`` rides outages (the Publisher writes through it); ``raw_store``
+    does not (retention runs best effort on it). ``records`` rides Redis outages.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        raw_store: Store,
+        records: RunRecords,
+        bus: Bus,
+        cfg: TrainerConfig,
+        publish_config: PublishConfig,
+        signer: Signer | None,
+        stop: threading.Event,
+        held_versions: Callable[[], HeldVersions],
+        on_version: VersionObserver | None = None,
+    ) -> None:
+        self.store = store
+        self.raw_store = raw_store
+        self.records = records
+        self.bus = bus
+        self.cfg = cfg
+        self.publish_config = publish_config
+        self.signer = signer
+        self.stop = stop
+        self.held_versions = held_versions
+        """What live Actors and Relays hold or stage (read before a retention round)."""
+        self.on_version = on_version
+        self.commit: Callable[[str, int, bytes], None] | None = None
+        """Redis-commit mode's callback (FORMAT.md §1); None: the store commits."""
+        self.plan: FusionPlan | None = None
+        self.publisher: Publisher | None = None
+        self.states: dict[int, str] = {}
+        """version -> its ``state``, for every version this Trainer published or continued from."""
+        self.held: dict[int, dict[str, torch.Tensor]] = {}
+        """bf16 weights of the newest versions: those a batch may still be generated on."""
+        self.published: dict[str, torch.Tensor] = {}
+        """The newest version's bf16 weights."""
+        self.full_bytes = 0
+        """Bytes of a whole version (version 0's snapshot)."""
+
+    @property
+    def newest(self) -> int:
+        """The newest version published or continued from (-1: none yet)."""
+        return max(self.states, default=-1)
+
+    def start(self, plan: FusionPlan, model_files: list[ModelFile] | None) -> None:
+        """The Publisher over this Trainer's store, stream, signer and commit mode (once the plan is known).
+
+        It extracts, encodes, uploads and announces each segment; the
+        records and the VERSION announcement are :meth:`record`'s.
+        """
+        self.plan = plan
+        snap = self.cfg.snapshot_every if self.cfg.transfer == "delta" else 0
+        self.publisher = Publisher(
+            self.store, run=self.records.run, bus=self.bus, signer=self.signer, model_files=model_files, commit=self.commit, prepared=True,
+            plan=plan, snapshot_every=snap, config=self.publish_config, on_segment=lambda ev: crash_point("segment", ev.version),
+        )
+
+    def _publisher(self) -> tuple[Publisher, FusionPlan]:
+        if self.publisher is None or self.plan is None:
+            raise RuntimeError("VersionPublisher.start() has not run")
+        return self.publisher, self.plan
+
+    def publish_first(self, weights: dict[str, torch.Tensor], producer: dict[str, Any]) -> int:
+        """Version 0 as a snapshot; returns its bytes."""
+        pub, _ = self._publisher()
+        t0 = time.time() * 1000
+        p = pub.publish(weights, producer=producer, owned=True)
+        assert p is not None and p.version == 0
+        self._hold(0, p.state, weights)
+        self.full_bytes = p.bytes
+        self.record(0, "snapshot", p.bytes, p.weights_digest, t0)
+        metrics.active().published(0, "snapshot", p.bytes)
+        return p.bytes
+
+    def continue_from(self, version: int, state: str, weights: dict[str, torch.Tensor], kind: str, digest: str | None = None) -> None:
+        """Continue the chain after ``version`` (its ``state``), whose weights this Trainer holds.
+
+        A resumed run's newest version, or a synthetic base every Actor builds
+        (``kind="base"``); it is recorded again (the head, its expected state).
+        """
+        pub, _ = self._publisher()
+        self._hold(version, state, weights)
+        pub.continue_from(version, state, weights, owned=True)
+        self.record(version, kind, 0, digest, time.time() * 1000)
+
+    def hold(self, version: int, state: str, weights: dict[str, torch.Tensor]) -> None:
+        """Keep ``version`` (already in the store) as one a batch may be generated on."""
+        self.states[version] = state
+        self.held[version] = weights
+
+    def _hold(self, version: int, state: str, weights: dict[str, torch.Tensor]) -> None:
+        self.hold(version, state, weights)
+        self.published = weights
+
+    def publish(self, v: int, new: dict[str, torch.Tensor], producer: dict[str, Any]) -> tuple[int, int]:
+        """Ship version ``v`` as ``cfg.transfer`` says; returns (bytes written, changed elements).
+
+        Only the Trainer of the current epoch publishes: the fence is checked
+        first, and a manifest already at ``v`` with other bytes (a newer
+        Trainer got there first) fences this one out too.
+        """
+        t0 = time.time() * 1000
+        pub, plan = self._publisher()
+        self.records.check_epoch()
+        digest = weights_digest(new, plan)
+        snap_bytes = 0
+        try:
+            if self.cfg.transfer == "delta":
+                # The delta carries the digest of the weights it makes (FORMAT.md §4.1), which
+                # binds a snapshot at the same version (every snapshot_every) to the chain.
+                p = pub.publish(new, producer=producer, owned=True)
+                assert p is not None and p.version == v, (p, v)
+                out = Published(p.state, "delta", p.bytes - p.snapshot_bytes, p.changed)
+                snap_bytes = p.snapshot_bytes if p.snapshot else -1
+            else:  # the broadcast baselines of `aurora bench wan`
+                out = publish_version(
+                    self.store, self.records.run, v, int(producer.get("step", v - 1)), self.cfg.transfer, plan, self.published, new,
+                    self.states[v - 1], self.publish_config, self.bus, lambda w: fuse_weights(w, plan), producer=producer,
+                    weights_digest=digest, signer=self.signer, commit=self.commit,
+                )
+        except VersionConflict as e:
+            raise FencedOut(f"version {v} was published by another Trainer; this one (epoch {self.records.epoch}) stops: {e}") from e
+        crash_point("manifest", v)
+        self._hold(v, out.state, new)
+        self.held.pop(v - 2, None)
+        self.record(v, out.kind, out.nbytes, digest, t0)
+        metrics.active().published(v, out.kind, out.nbytes)
+        if snap_bytes >= 0 and self.cfg.transfer == "delta":
+            metrics.active().published(v, "snapshot", snap_bytes)
+            self.retain()
+        return out.nbytes, out.changed
+
+    def record(self, v: int, kind: str, nbytes: int, digest: str | None, started_ms: float) -> None:
+        """Record version ``v`` (digest, expected state, head) and announce it.
+
+        The state Actors must reach at ``v`` is recorded before the head names
+        ``v``: an Actor refuses to activate a version whose manifest says
+        otherwise (a forged chain).
+        """
+        state = self.states[v]
+        self.records.record_version(v, state, digest)
+        recorded_ms = time.time() * 1000
+        self.bus.announce(VERSION, v, kind=kind, state=state, bytes=nbytes)
+        if self.on_version is not None:
+            self.on_version(VersionEvent(v, kind, nbytes, started_ms, recorded_ms))
+
+    def retain(self) -> None:
+        """Retention after a snapshot: keep the newest ``keep_snapshots`` and everything after the
+        oldest of them, and whatever live Actors and Relays hold or stage (read from Redis first).
+
+        Best effort: with Redis or the store away the round is skipped (never a partial
+        view of who holds what), and the next snapshot tries again.
+        """
+        if self.cfg.keep_snapshots <= 0:
+            return
+        held = self.held_versions()
+        try:
+            plan = retain(self.raw_store, self.cfg.keep_snapshots, held)
+        except Exception as e:  # noqa: BLE001 - sorted right below
+            if not is_transient(e):
+                raise
+            log.warning("retention skipped this round: %s", e)
+            return
+        if plan.versions or plan.orphans:
+            log.info("retention: %s", plan.summary())
+
