@@ -252,7 +252,7 @@ def add_trust_key_arg(p: Options) -> None:
     p.add_argument(
         "--trust-key", action="append", default=None, metavar="[KEY_ID=]FILE",
         help=f"accept only versions signed by this key (repeatable, for a key rotation): an Ed25519 "
-        f"public key PEM, or an hmac-sha256 secret file (KEY_ID= names it) "
+        f"public key PEM, or an hmac-sha256 secret file, named by KEY_ID= "
         f"(default: ${TRUST_KEYS_ENV}, comma-separated; none: signatures are not checked)",
     )
 
@@ -314,7 +314,9 @@ def add_declared(p: Options, cls: type, prefix: str, *names: str) -> None:
         d = by_name[name]
         if d.flag is None:
             raise ValueError(f"{cls.__name__}.{name} is declared without a flag")
-        help = f"{d.help} (default {d.shown_default}" + (f"; ${d.env})" if d.env else ")")
+        said = f"default {d.shown_default}" + (f"; ${d.env}" if d.env else "")
+        # A help that ends in a parenthesis takes the default inside it: "(one claim; default 8; $…)".
+        help = f"{d.help[:-1]}; {said})" if d.help.endswith(")") else f"{d.help} ({said})"
         tp = _flag_type(d)
         if tp is bool:
             p.add_argument(d.flag, dest=name, action="store_true", default=None, help=help)

@@ -13,7 +13,7 @@ value into text goes through this module:
   value this process knows (:func:`register_secret`, plus the environment's);
 - :func:`redacted_repr` is a dataclass ``__repr__`` built from those;
 - :class:`RedactingFilter` applies :func:`redact_text` to every log record
-  (installed by ``workers.common.setup_logging`` on the root handlers).
+  (installed by ``workers.process.setup_logging`` on the root handlers).
 
 Masking is by value as well as by shape because a secret can travel where no
 shape is recognisable: a botocore debug line, an exception's text.

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,18 +22,20 @@ import torch
 
 from aurora_store.apply.sink import weights_digest
 from aurora_store.codec.extract import extract, fuse_weights
+from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger
+from aurora_store.coordination.records import record_expected_state
 from aurora_store.coordination.redisconn import connect
 from aurora_store.format.manifest import Manifest, version_dir
 from aurora_store.lineage.binding import ModelFile
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.storage import Store
 from workers.actor import Actor
-from workers.common import RunKeys, record_expected_state, write_model_description
+from workers.common import write_model_description
 from workers.model import fusion_plan_for, hf_weights, is_tied, tiny_qwen3
 from workers.tokenizer import CharTokenizer
 
-__all__ = ["TinyRun", "running", "wait_for"]
+__all__ = ["Counting", "TinyRun", "running"]
 
 CFG = PublishConfig(streams=2, segment_bytes=16 << 10)
 
@@ -145,15 +146,6 @@ class TinyRun:
 
     def close(self) -> None:
         self.redis.close()
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 60.0, what: str = "condition", poll_s: float = 0.02) -> None:
-    """Wait (on real time) until ``cond()`` holds; fail the test with ``what`` if it never does."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(poll_s)
 
 
 @contextmanager

@@ -11,25 +11,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer_fixtures import FakeTrainer
-
 from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.coordination.bus import Bus, Event
 from aurora_store.storage import Store
-from aurora_store.testing.wait import (
-    wait_until as wait_until,  # tests/test_prefetch.py imports it from here
-)
 from workers.relay import Relay, RelayConfig
 
 REPO = Path(__file__).resolve().parents[1]
 REGION = "eu"
-
-
-def Trainer(store: Store, bus: Bus, run: str, repeat: int = 1) -> FakeTrainer:
-    """The fake Trainer announcing on ``bus`` (tests/test_prefetch.py's spelling; new tests use :class:`FakeTrainer`)."""
-    return FakeTrainer(store, run, bus, repeat=repeat)
-
-
 MODEL_CONFIG = b'{"model_type": "qwen3"}'
 
 

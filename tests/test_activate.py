@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from aurora_store.apply import prepared as prepared_mod
-from aurora_store.apply.prepared import PreparedDelta, write_sorted
+from aurora_store.apply.prepare import prepare_delta
+from aurora_store.apply.prepared_delta import PreparedDelta, layout_of_plan
 from aurora_store.apply.sink import weights_digest
+from aurora_store.apply.write_kernel import write_sorted
 from aurora_store.codec.extract import extract
 from aurora_store.errors import ChainError, ModelMismatchError
 from aurora_store.format.checkpoint import StagedDelta, encode_segments, stage_segments
@@ -233,7 +234,7 @@ def test_write_sorted_refuses_outside_indices() -> None:
         assert write_sorted(flat, 0, idx, bits, 0, 2, True, jit)
         assert flat.tolist() == [0, 5, 0, 6, 0, 0, 0, 0]
         flat[:] = 0
-    assert prepared_mod.layout_of_plan is not None
+    assert layout_of_plan is not None
 
 
 def test_bench_activate_json_at_a_tiny_size() -> None:
@@ -353,7 +354,8 @@ def _sparse(p: PreparedDelta) -> list[tuple[str, bool, bytes, bytes]]:
 def test_segments_prepared_as_they_are_decoded_join_to_the_same_delta() -> None:
     """Per-segment preparation (the stager's download threads) joins into exactly what preparing
     the whole delta at once gives, and lands bit for bit; parts made for another holder are not used."""
-    from aurora_store.apply.prepared import parts_of, prepare_part
+    from aurora_store.apply.prepare import prepare_part
+    from aurora_store.apply.prepared_delta import parts_of
     from aurora_store.format.limits import VersionGuard
     from aurora_store.format.segment import decode_segment
 
@@ -379,13 +381,13 @@ def test_segments_prepared_as_they_are_decoded_join_to_the_same_delta() -> None:
     plan = e.fusion_plan()
     short = dataclasses.replace(whole, parts=staged.parts[:-1])
     with pytest.raises(ValueError, match="do not cover"):
-        prepared_mod.prepare_delta(short, specs, prepared_mod.layout_of_plan(plan), parts=list(short.parts))
+        prepare_delta(short, specs, layout_of_plan(plan), parts=list(short.parts))
     # Two parts writing the same element (one segment's entries twice) are caught in the join.
     first = decoded[0][1]
-    twice = [prepare_part(1, first.entries, specs, prepared_mod.layout_of_plan(plan))] * 2
+    twice = [prepare_part(1, first.entries, specs, layout_of_plan(plan))] * 2
     fake = StagedDelta(1, 0, tuple(first.entries) * 2)
     with pytest.raises(ModelMismatchError, match="out of order or written twice"):
-        prepared_mod.prepare_delta(fake, specs, prepared_mod.layout_of_plan(plan), parts=twice)
+        prepare_delta(fake, specs, layout_of_plan(plan), parts=twice)
 
 
 def test_fetch_prepares_each_segment_in_its_download_thread(tmp_path: pytest.TempPathFactory) -> None:

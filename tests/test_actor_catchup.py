@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 from actor_fixtures import Counting, TinyRun
-from redis_fixtures import redis_client, redis_server, run_name  # noqa: F401
 
 from aurora_store.coordination.status import collect_status, render
 from aurora_store.format.manifest import manifest_key, version_dir
@@ -35,7 +34,7 @@ def origin(tmp_path: Path) -> Store:
 
 
 @pytest.fixture
-def trainer(origin: Store, redis_server: Any, redis_client: Any, run_name: str) -> Any:  # noqa: F811
+def trainer(origin: Store, redis_server: Any, redis_client: Any, run_name: str) -> Any:
     run = TinyRun(origin, redis_server.url, run_name)
     run.start()
     yield run

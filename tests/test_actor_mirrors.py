@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from redis_fixtures import redis_client, redis_server  # noqa: F401
 
 from aurora_store.codec.extract import extract
 from aurora_store.errors import ConfigError
@@ -47,7 +46,7 @@ from workers.model import fusion_plan_for
 pytestmark = pytest.mark.server
 
 @pytest.fixture
-def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any) -> dict[str, Any]:  # noqa: F811
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any) -> dict[str, Any]:
     """Deltas 1..VERSIONS at origin, a true copy in ``mirror``, an ``evil`` copy, and a forged v1 (same base_state)."""
     monkeypatch.setenv("AURORA_SYNTHETIC_CACHE", str(tmp_path / "cache"))
     res = publish_mirror_run(tmp_path)

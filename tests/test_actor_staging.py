@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 from actor_fixtures import Counting
-from redis_fixtures import redis_client, redis_server  # noqa: F401
 
 from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.codec.extract import extract
+from aurora_store.coordination.keys import RunKeys
 from aurora_store.format.manifest import manifest_key, version_dir
 from aurora_store.lineage.publish import PublishConfig, publish_delta
 from aurora_store.storage import open_store
@@ -28,7 +28,7 @@ from aurora_tools.synthetic.engine import SyntheticEngine
 from aurora_tools.synthetic.shapes import QWEN3_TINY
 from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
 from workers.actor import Actor, ActorConfig
-from workers.common import Endpoints, RunKeys
+from workers.common import Endpoints
 from workers.model import fusion_plan_for
 
 pytestmark = pytest.mark.server
@@ -37,7 +37,7 @@ VERSIONS = 4
 
 
 @pytest.fixture
-def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any) -> dict[str, Any]:  # noqa: F811
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any) -> dict[str, Any]:
     monkeypatch.setenv("AURORA_SYNTHETIC_CACHE", str(tmp_path / "cache"))
     spec = SyntheticSpec(QWEN3_TINY, seed=7)
     origin = open_store(f"file://{tmp_path}/origin")

@@ -24,15 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from actor_fixtures import TinyRun, running, wait_for
-from redis_fixtures import dead_redis_url, own_redis_server, redis_client, redis_server, run_name  # noqa: F401
-from server_fixtures import s3_server  # noqa: F401
+from actor_fixtures import TinyRun, running
 
 from aurora_store.clock import SYSTEM_CLOCK
 from aurora_store.config import Backoff
 from aurora_store.errors import OutageTooLong, StoreError
 from aurora_store.storage import Store, open_store
 from aurora_store.testing.servers import RedisServer, S3Server
+from aurora_store.testing.wait import wait_until
 from workers.actor import Actor, ActorConfig
 from workers.common import Endpoints
 from workers.engine.torch_engine import TorchEngine
@@ -66,20 +65,20 @@ def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 
 
 def test_an_actor_started_before_the_trainer_waits_for_the_run(
-    origin: Store, redis_server: RedisServer, redis_client: Any, run_name: str, caplog: pytest.LogCaptureFixture  # noqa: F811
+    origin: Store, redis_server: RedisServer, redis_client: Any, run_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     run = TinyRun(origin, redis_server.url, run_name)  # nothing written yet: no model, no v0, no head
     a = Actor.from_endpoints(Endpoints(origin.url, redis_server.url, run_name), _cfg("early"), clock=SYSTEM_CLOCK)
     with caplog.at_level(logging.INFO, logger="aurora.actor"), running(a) as r:
-        wait_for(lambda: bool(_messages(caplog, "waiting for the run")), what="the Actor to say it waits")
+        wait_until(lambda: bool(_messages(caplog, "waiting for the run")), "the Actor to say it waits", timeout=60)
         run.describe()  # the Trainer warms up: a model description, no version yet
-        wait_for(lambda: a.ctx.has_engine, what="the engine to be built")
+        wait_until(lambda: a.ctx.has_engine, "the engine to be built", timeout=60)
         assert r["error"] is None and r["thread"].is_alive()
         run.publish_v0(announce_head=False)  # v0 in the store, nothing in Redis yet
-        wait_for(lambda: a.active == 0, what="the bootstrap")
+        wait_until(lambda: a.active == 0, "the bootstrap", timeout=60)
         run.set_head(0)
         run.open_step(0, 0, prompts=6)
-        wait_for(lambda: run.settled(0) == 6, what="the first step settled")
+        wait_until(lambda: run.settled(0) == 6, "the first step settled", timeout=60)
         assert r["error"] is None
     assert len(_messages(caplog, "waiting for the run")) == 1
     assert _messages(caplog, "the run appeared")
@@ -88,7 +87,7 @@ def test_an_actor_started_before_the_trainer_waits_for_the_run(
 
 
 def test_redis_paused_longer_than_a_retry_is_ridden_out(
-    origin: Store, own_redis_server: RedisServer, run_name: str, short_redis_timeouts: None, caplog: pytest.LogCaptureFixture  # noqa: F811
+    origin: Store, own_redis_server: RedisServer, run_name: str, short_redis_timeouts: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     run = TinyRun(origin, own_redis_server.url, run_name)
     run.start()
@@ -96,17 +95,17 @@ def test_redis_paused_longer_than_a_retry_is_ridden_out(
     a = Actor.from_endpoints(Endpoints(origin.url, own_redis_server.url, run_name), _cfg(), clock=SYSTEM_CLOCK)
     pid = own_redis_server.proc.pid
     with caplog.at_level(logging.INFO, logger="aurora.actor"), running(a) as r:
-        wait_for(lambda: run.settled(0) >= 4, what="work before the pause")
+        wait_until(lambda: run.settled(0) >= 4, "work before the pause", timeout=60)
         os.kill(pid, signal.SIGSTOP)
         try:
             # Several attempts and back-offs (each attempt times out after 0.3 s).
-            wait_for(lambda: a.ctx.redis_dep.away and a.ctx.redis_dep.away_for_s() > 1.5, what="the Actor to notice the outage")
+            wait_until(lambda: a.ctx.redis_dep.away and a.ctx.redis_dep.away_for_s() > 1.5, "the Actor to notice the outage", timeout=60)
             assert r["error"] is None
         finally:
             os.kill(pid, signal.SIGCONT)
-        wait_for(lambda: not a.ctx.redis_dep.away, what="the end of the outage")
+        wait_until(lambda: not a.ctx.redis_dep.away, "the end of the outage", timeout=60)
         n = run.settled(0)
-        wait_for(lambda: run.settled(0) >= n + 4, what="work after the pause")
+        wait_until(lambda: run.settled(0) >= n + 4, "work after the pause", timeout=60)
         assert r["error"] is None
     # Results settled through the outage were settled once: the Actor's count is the ledger's.
     assert a.stats.settled == run.settled(0)
@@ -118,20 +117,20 @@ def test_redis_paused_longer_than_a_retry_is_ridden_out(
 
 
 def test_redis_restarted_without_its_data_finds_the_actor_registering_again(
-    origin: Store, own_redis_server: RedisServer, run_name: str, short_redis_timeouts: None, caplog: pytest.LogCaptureFixture  # noqa: F811
+    origin: Store, own_redis_server: RedisServer, run_name: str, short_redis_timeouts: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     run = TinyRun(origin, own_redis_server.url, run_name)
     run.start()
     run.open_step(0, 0, prompts=300, group=1)
     a = Actor.from_endpoints(Endpoints(origin.url, own_redis_server.url, run_name), _cfg(), clock=SYSTEM_CLOCK)
     with caplog.at_level(logging.INFO, logger="aurora.actor"), running(a) as r:
-        wait_for(lambda: run.settled(0) >= 4, what="work before the restart")
+        wait_until(lambda: run.settled(0) >= 4, "work before the restart", timeout=60)
         own_redis_server.restart()  # the same port, nothing kept: no actor record, no steps, no head
         run.reconnect()
         # The Trainer notices the loss and re-creates what it needs.
         run.set_head(0)
         run.open_step(1, 0, prompts=6)
-        wait_for(lambda: run.settled(1) == 6, what="the re-created step settled by the re-registered Actor")
+        wait_until(lambda: run.settled(1) == 6, "the re-created step settled by the re-registered Actor", timeout=60)
         rec = run.ledger.actor("a")
         assert rec is not None and rec.status == "alive" and rec.active == 0
         assert r["error"] is None
@@ -149,7 +148,7 @@ def paused_s3() -> Iterator[S3Server]:
 
 @pytest.mark.slow
 def test_the_s3_server_paused_while_staging_is_ridden_out_and_work_goes_on(
-    paused_s3: S3Server, redis_server: RedisServer, redis_client: Any, run_name: str,  # noqa: F811
+    paused_s3: S3Server, redis_server: RedisServer, redis_client: Any, run_name: str,
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     for k, v in {"AURORA_STORE_READ_TIMEOUT_S": "0.5", "AURORA_STORE_CONNECT_TIMEOUT_S": "0.5", "AURORA_STORE_RETRIES": "0"}.items():
@@ -162,21 +161,21 @@ def test_the_s3_server_paused_while_staging_is_ridden_out_and_work_goes_on(
     a = Actor.from_endpoints(Endpoints(url, redis_server.url, run_name, opts), _cfg(), clock=SYSTEM_CLOCK)
     assert paused_s3.pid is not None
     with caplog.at_level(logging.INFO, logger="aurora.actor"), running(a) as r:
-        wait_for(lambda: run.settled(0) >= 2, what="work before the pause")
+        wait_until(lambda: run.settled(0) >= 2, "work before the pause", timeout=60)
         run.step(1, announce_head=False)  # v1 is in the store; the Actor learns of it during the pause
         os.kill(paused_s3.pid, signal.SIGSTOP)
         try:
             run.set_head(1)  # the stager goes for v1, into the outage
-            wait_for(lambda: a.ctx.store_dep.away, what="the stager to notice the store is away")
+            wait_until(lambda: a.ctx.store_dep.away, "the stager to notice the store is away", timeout=60)
             n = run.settled(0)
-            wait_for(lambda: run.settled(0) >= n + 4, what="generation on v0 while the store is away")
+            wait_until(lambda: run.settled(0) >= n + 4, "generation on v0 while the store is away", timeout=60)
             assert a.staged_version == 0 and r["error"] is None
         finally:
             os.kill(paused_s3.pid, signal.SIGCONT)
-        wait_for(lambda: a.staged_version == 1, what="v1 staged once the store is back")
+        wait_until(lambda: a.staged_version == 1, "v1 staged once the store is back", timeout=60)
         run.ledger.close_step(0)  # the Trainer moves on
         run.open_step(1, 1, prompts=4)
-        wait_for(lambda: run.settled(1) == 4, what="work on v1")
+        wait_until(lambda: run.settled(1) == 4, "work on v1", timeout=60)
         assert r["error"] is None
     assert a.engine.digest() == run.digest(1)
     assert len(_messages(caplog, "the store unreachable")) == 1
@@ -185,7 +184,7 @@ def test_the_s3_server_paused_while_staging_is_ridden_out_and_work_goes_on(
 
 
 def test_an_outage_past_the_budget_ends_the_actor_with_outage_too_long(
-    origin: Store, redis_server: RedisServer, redis_client: Any, run_name: str, dead_redis_url: str  # noqa: F811
+    origin: Store, redis_server: RedisServer, redis_client: Any, run_name: str, dead_redis_url: str
 ) -> None:
     run = TinyRun(origin, redis_server.url, run_name)
     run.start()
@@ -197,7 +196,7 @@ def test_an_outage_past_the_budget_ends_the_actor_with_outage_too_long(
 
 
 def test_a_bucket_that_does_not_exist_ends_the_actor_with_one_line(
-    s3_server: S3Server, redis_server: RedisServer, run_name: str  # noqa: F811
+    s3_server: S3Server, redis_server: RedisServer, run_name: str
 ) -> None:
     a = Actor.from_endpoints(Endpoints("s3://no-such-bucket-aurora/run", redis_server.url, run_name, s3_server.storage_options()), _cfg(), clock=SYSTEM_CLOCK)
     with pytest.raises(StoreError, match="bucket 'no-such-bucket-aurora' does not exist") as ei:
@@ -207,7 +206,7 @@ def test_a_bucket_that_does_not_exist_ends_the_actor_with_one_line(
 
 @pytest.mark.slow
 def test_aurora_actor_past_its_outage_budget_exits_non_zero_with_one_line(
-    origin: Store, redis_server: RedisServer, redis_client: Any, run_name: str, dead_redis_url: str  # noqa: F811
+    origin: Store, redis_server: RedisServer, redis_client: Any, run_name: str, dead_redis_url: str
 ) -> None:
     run = TinyRun(origin, redis_server.url, run_name)
     run.start()
@@ -224,7 +223,7 @@ def test_aurora_actor_past_its_outage_budget_exits_non_zero_with_one_line(
 
 
 def test_an_actor_restarted_with_the_same_id_releases_what_its_dead_process_held(
-    origin: Store, redis_server: RedisServer, run_name: str  # noqa: F811
+    origin: Store, redis_server: RedisServer, run_name: str
 ) -> None:
     run = TinyRun(origin, redis_server.url, run_name)
     run.start()
@@ -236,7 +235,7 @@ def test_an_actor_restarted_with_the_same_id_releases_what_its_dead_process_held
     assert status == "ok" and len(leases) == 4
     a = Actor.from_endpoints(Endpoints(origin.url, run.redis_url, run_name), _cfg(), clock=SYSTEM_CLOCK)
     with running(a) as r:
-        wait_for(lambda: run.settled(0) == 6, what="every prompt settled by the new process, its predecessor's leases included")
+        wait_until(lambda: run.settled(0) == 6, "every prompt settled by the new process, its predecessor's leases included", timeout=60)
         assert r["error"] is None
     run.close()
 
@@ -257,7 +256,7 @@ class _BuggyPrepare:
 
 
 def test_a_bug_in_the_stager_ends_the_actor_with_its_error_instead_of_being_retried(
-    origin: Store, redis_server: RedisServer, redis_client: Any, run_name: str, caplog: pytest.LogCaptureFixture  # noqa: F811
+    origin: Store, redis_server: RedisServer, redis_client: Any, run_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     run = TinyRun(origin, redis_server.url, run_name)
     run.start()
@@ -266,9 +265,9 @@ def test_a_bug_in_the_stager_ends_the_actor_with_its_error_instead_of_being_retr
     eng = _BuggyPrepare(inner)
     a = Actor.from_endpoints(Endpoints(origin.url, redis_server.url, run_name), _cfg(), SYSTEM_CLOCK, engine=eng)
     with caplog.at_level(logging.WARNING, logger="aurora.actor"), pytest.raises(TypeError, match="unexpected keyword"), running(a) as r:
-        wait_for(lambda: a.active == 0, what="the bootstrap")
+        wait_until(lambda: a.active == 0, "the bootstrap", timeout=60)
         run.step(1)  # the stager fetches v1 and hands it to the buggy prepare
-        wait_for(lambda: r["error"] is not None, what="the Actor to end with the stager's error")
+        wait_until(lambda: r["error"] is not None, "the Actor to end with the stager's error", timeout=60)
     assert eng.calls == 1, "a bug is not retried like an outage"
     assert not _messages(caplog, "unexpected keyword"), "nor logged as a passing warning"
     run.close()

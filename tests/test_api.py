@@ -39,7 +39,7 @@ def test_the_public_names_are_exported() -> None:
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_a_plain_loop_publishes_ten_versions_and_two_followers_stay_bit_identical(tmp_path: Path, redis_server: Any, run_name: str) -> None:  # noqa: F811
+def test_a_plain_loop_publishes_ten_versions_and_two_followers_stay_bit_identical(tmp_path: Path, redis_server: Any, run_name: str) -> None:
     store = f"file://{tmp_path}/run"
     followers = {"redis": _follower(store, redis_server.url, run_name, VERSIONS), "polling": _follower(store, None, run_name, VERSIONS)}
     model = tiny_lm()

@@ -25,10 +25,11 @@ from typing import Any
 import pytest
 import torch
 from actor_fixtures import TinyRun
-from redis_fixtures import redis_client, redis_server, run_name  # noqa: F401
 
 from aurora_store.apply.sink import weights_digest
 from aurora_store.codec.extract import extract, fuse_weights, plan_of
+from aurora_store.coordination.keys import RunKeys
+from aurora_store.coordination.records import record_expected_state
 from aurora_store.errors import IntegrityError
 from aurora_store.format.manifest import manifest_key
 from aurora_store.lineage.fetch import ManifestReader, bound_index, materialize, read_manifest
@@ -41,13 +42,7 @@ from aurora_tools.synthetic.engine import SyntheticEngine
 from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
 from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
 from workers.actor import Actor, ActorConfig
-from workers.common import (
-    MODEL_CONFIG_KEY,
-    Endpoints,
-    RunKeys,
-    read_model_description,
-    record_expected_state,
-)
+from workers.common import MODEL_CONFIG_KEY, Endpoints, read_model_description
 from workers.model import fusion_plan_for
 
 CFG = PublishConfig(streams=2, segment_bytes=4096)
@@ -202,7 +197,7 @@ def origin(tmp_path: Path) -> Store:
 
 
 @pytest.fixture
-def trainer(origin: Store, redis_server: Any, redis_client: Any, run_name: str) -> Any:  # noqa: F811
+def trainer(origin: Store, redis_server: Any, redis_client: Any, run_name: str) -> Any:
     run = TinyRun(origin, redis_server.url, run_name)
     run.record_states = True
     run.start()
@@ -242,7 +237,7 @@ def test_v0_lists_the_model_files_and_a_config_changed_after_it_is_refused(train
 
 
 @pytest.mark.server
-def test_model_files_read_before_v0_are_checked_at_bootstrap(origin: Store, redis_server: Any, run_name: str) -> None:  # noqa: F811
+def test_model_files_read_before_v0_are_checked_at_bootstrap(origin: Store, redis_server: Any, run_name: str) -> None:
     run = TinyRun(origin, redis_server.url, run_name)
     run.describe()
     cfg = json.loads(origin.get(MODEL_CONFIG_KEY))
@@ -279,7 +274,7 @@ VERSIONS = 3
 
 
 @pytest.fixture
-def forged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any) -> dict[str, Any]:  # noqa: F811
+def forged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any) -> dict[str, Any]:
     """True deltas 1..VERSIONS at origin; in ``mirror`` a self-consistent forged chain on the true base."""
     monkeypatch.setenv("AURORA_SYNTHETIC_CACHE", str(tmp_path / "cache"))
     spec = SyntheticSpec(QWEN3_TINY, seed=7)

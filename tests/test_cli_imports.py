@@ -98,7 +98,7 @@ def stored_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_light_commands_import_no_torch_vllm_or_workers(
-    tmp_path: Path, stored_run: str, redis_server: Any, redis_client: Any, run_name: str  # noqa: F811
+    tmp_path: Path, stored_run: str, redis_server: Any, redis_client: Any, run_name: str
 ) -> None:
     ledger = Ledger(redis_client, run_name)
     ledger.register("a1", region="eu", engine="torch")

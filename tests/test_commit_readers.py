@@ -12,7 +12,6 @@ the run without ``--redis --run`` and reports the stray manifest with them.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from aurora_store.coordination.redisconn import connect
 from aurora_store.format.manifest import manifest_key
 from aurora_store.storage import Store, open_store
 from aurora_store.testing.clock import ManualClock
-from aurora_store.testing.servers import free_port, redis_server_binary
+from aurora_store.testing.servers import RedisServer
 from aurora_tools.cli.main import main
 from workers.actor import Actor, ActorConfig
 from workers.common import Endpoints
@@ -35,33 +34,10 @@ pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
-def persistent_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def persistent_redis() -> Iterator[str]:
     """A redis-server started with ``--appendonly yes`` (what Redis-commit mode requires)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes", "--save", "",
-         "--dir", str(tmp_path_factory.mktemp("aof"))],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError("redis-server exited")
-        try:
-            c = connect(url)
-            try:
-                if c.ping():
-                    break
-            finally:
-                c.close()
-        except Exception:  # noqa: BLE001 - not listening yet
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    with RedisServer(appendonly=True) as server:
+        yield server.url
 
 
 @pytest.fixture

@@ -271,7 +271,7 @@ def test_record_that_cannot_be_written_is_one_warning(tmp_path: Path, capsys: py
 
 
 @pytest.mark.server
-def test_real_relay_start_records_its_configuration(tmp_path: Path, redis_url: str) -> None:  # noqa: F811
+def test_real_relay_start_records_its_configuration(tmp_path: Path, redis_url: str) -> None:
     origin, mirror = tmp_path / "origin", tmp_path / "mirror"
     origin.mkdir()
     f = toml(tmp_path, f'store = "file://{origin}"\nredis = "{redis_url}"\nrun = "cfg-run"\nsteps = 3\n'

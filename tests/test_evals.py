@@ -15,7 +15,7 @@ from aurora_store.storage import open_store
 
 
 @pytest.mark.server
-def test_evals_in_redis_are_read_as_untrusted_and_shown_by_status(redis_client: Any, run_name: str) -> None:  # noqa: F811
+def test_evals_in_redis_are_read_as_untrusted_and_shown_by_status(redis_client: Any, run_name: str) -> None:
     keys = RunKeys(run_name)
     redis_client.hset(keys.trainer, mapping={"head": 4, "status": "running"})
     for v, acc in ((0, 0.25), (2, 0.5), (4, 0.625)):

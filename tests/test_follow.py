@@ -127,7 +127,7 @@ def test_follow_waits_for_the_run_then_holds_every_version_bit_for_bit(tmp_path:
 @pytest.mark.server
 @pytest.mark.slow
 def test_with_redis_every_load_during_the_run_is_a_complete_published_version(
-    tmp_path: Path, model_dir: str, redis_server: Any, run_name: str  # noqa: F811
+    tmp_path: Path, model_dir: str, redis_server: Any, run_name: str
 ) -> None:
     store = f"file://{tmp_path}/{run_name}"
     out = tmp_path / "served"
@@ -183,7 +183,7 @@ def test_with_redis_every_load_during_the_run_is_a_complete_published_version(
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_redis_going_away_and_coming_back_is_ridden_out(tmp_path: Path, model_dir: str, own_redis_server: Any, run_name: str) -> None:  # noqa: F811
+def test_redis_going_away_and_coming_back_is_ridden_out(tmp_path: Path, model_dir: str, own_redis_server: Any, run_name: str) -> None:
     store = f"file://{tmp_path}/{run_name}"
     out = tmp_path / "served"
     model = load_pretrained(model_dir)

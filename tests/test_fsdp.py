@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from aurora_store.coordination.keys import RunKeys
+from aurora_store.coordination.records import read_digests
 from aurora_store.coordination.redisconn import connect
 from aurora_store.testing.servers import free_port
 from aurora_store.testing.wait import wait_until
-from workers.common import RunKeys, read_digests
 from workers.model import logprobs, tiny_qwen3
 from workers.trainer.fsdp import (
     SINGLE,
@@ -128,7 +129,7 @@ def test_sharded_update_equals_one_process_update(tmp_path: Path, rows: int) -> 
 
 
 @pytest.mark.server
-def test_trainer_nproc2_versions_reach_an_actor_bit_identical(tmp_path: Path, redis_url: str) -> None:  # noqa: F811
+def test_trainer_nproc2_versions_reach_an_actor_bit_identical(tmp_path: Path, redis_url: str) -> None:
     store = f"file://{tmp_path}/run"
     env = {**os.environ, "AURORA_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     common = ["--store", store, "--redis", redis_url, "--run", "fsdp"]

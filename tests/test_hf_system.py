@@ -21,11 +21,12 @@ from safetensors.torch import load_file
 
 from aurora_store.apply.sink import weights_digest
 from aurora_store.coordination.evals import read_evals, read_store_evals
+from aurora_store.coordination.keys import RunKeys
+from aurora_store.coordination.records import read_digests
 from aurora_store.coordination.redisconn import connect
 from aurora_store.storage import open_store
 from aurora_store.testing.servers import RedisServer
 from aurora_tools.demo.system import DemoConfig, run_system_demo
-from workers.common import RunKeys, read_digests
 from workers.model import fusion_plan_for
 from workers.pretrained import load_pretrained
 
@@ -39,7 +40,7 @@ pytestmark = [
 CASES = (("qwen3", "gsm8k"), ("llama", "math"))
 
 
-def test_hf_models_and_tasks_through_the_whole_system(pretrained: dict[str, Pretrained], tmp_path) -> None:  # noqa: F811  # type: ignore[no-untyped-def]
+def test_hf_models_and_tasks_through_the_whole_system(pretrained: dict[str, Pretrained], tmp_path) -> None:  # type: ignore[no-untyped-def]
     steps = 4
     with RedisServer() as rs:
         for family, task in CASES:

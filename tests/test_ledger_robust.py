@@ -34,13 +34,18 @@ from aurora_store.coordination.ledger.scripts import (
     RECORD_VERSIONED,
     REGISTER,
 )
+from aurora_store.coordination.records import (
+    DIGEST_LOG_ENV,
+    read_digests,
+    record_activation,
+    record_digest,
+)
 from aurora_store.coordination.redisconn import connect
 from aurora_store.coordination.status import collect_status, render
 from aurora_store.errors import ConfigError
 from aurora_store.testing.clock import ManualClock
 from aurora_store.testing.servers import RedisServer, free_port, redis_server_binary
 from aurora_store.testing.wait import wait_until
-from workers.common import DIGEST_LOG_ENV, read_digests, record_activation, record_digest
 from workers.trainer.scheduling import Collected, collect_batch, min_results
 
 pytestmark = pytest.mark.server

@@ -286,10 +286,11 @@ def _dir_bytes(store: Store, prefix: str) -> int:
 @pytest.mark.slow
 @pytest.mark.server
 def test_scraped_workers_match_the_store_and_the_ledger(tmp_path: Path, installed: Callable[[str], Metrics]) -> None:
+    from aurora_store.coordination.keys import RunKeys
     from aurora_store.coordination.ledger import Ledger
     from aurora_store.coordination.redisconn import connect
     from aurora_store.testing.servers import RedisServer
-    from workers.common import Endpoints, RunKeys
+    from workers.common import Endpoints
     from workers.trainer import TrainerConfig
     from workers.trainer.trainer import Trainer
 

@@ -32,6 +32,7 @@ BASE = {
     "trainer": ["--store", "file:///tmp/r", "--redis", "redis://127.0.0.1:1/0", "--run", "r"],
     "actor": ["--store", "file:///tmp/r", "--redis", "redis://127.0.0.1:1/0", "--run", "r"],
     "relay": ["--store", "file:///tmp/o", "--redis", "redis://127.0.0.1:1/0", "--run", "r", "--region", "eu", "--mirror", "file:///tmp/m"],
+    "follow": ["--store", "file:///tmp/r", "--out", "/tmp/served"],
 }
 
 #: Two values for options whose type alone does not give valid ones: (a, b), a != b, a not the default.
@@ -98,7 +99,10 @@ def parse(*argv: str) -> argparse.Namespace:
     """What ``aurora`` parses (as :func:`aurora_tools.cli.main.main` does)."""
     from aurora_tools.cli import run_cmds
 
-    fills = {"trainer": run_cmds.add_trainer_arguments, "actor": run_cmds.add_actor_arguments, "relay": run_cmds.add_relay_arguments}
+    fills = {
+        "trainer": run_cmds.add_trainer_arguments, "actor": run_cmds.add_actor_arguments, "relay": run_cmds.add_relay_arguments,
+        "follow": run_cmds.add_follow_arguments,
+    }
     return config_file.parse_worker_args(build_parser(list(argv)), list(argv), fills)
 
 
@@ -112,6 +116,10 @@ def resolve(command: str, args: argparse.Namespace, environ: dict[str, str]) -> 
         from workers.actor.cli import config_from_args as actor
 
         return actor(args, environ=environ)
+    if command == "follow":
+        from workers.follow.cli import config_from_args as follow
+
+        return follow(args, environ=environ)
     from workers.relay.cli import config_from_args as relay
 
     return relay(args, environ)

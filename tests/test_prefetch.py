@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures imported from redis_fixtures are parameters here)
 """Fetching segments from their announcements (``--fetch announced``), before the manifest.
 
 Announcements are untrusted: these tests plant bytes the manifest does not
@@ -22,13 +21,14 @@ from typing import Any
 
 import pytest
 from actor_fixtures import Counting
-from redis_fixtures import redis_client, redis_server, run_name  # noqa: F401
-from relay_helpers import Trainer, describe_model, wait_until
+from relay_helpers import describe_model
+from trainer_fixtures import FakeTrainer
 
 import aurora_store.lineage.fetch as fetch_mod
 from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.codec.extract import extract
 from aurora_store.coordination.bus import SEGMENT, Bus, Event
+from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.records import RunRecords
 from aurora_store.errors import ConfigError, SignatureError
 from aurora_store.format.manifest import manifest_key, version_dir
@@ -38,6 +38,7 @@ from aurora_store.lineage.prefetch import Prefetcher, announced_segment
 from aurora_store.lineage.publish import PublishConfig, SegmentEvent, publish_delta
 from aurora_store.storage import Store, open_store
 from aurora_store.testing.clock import ManualClock
+from aurora_store.testing.wait import wait_until
 from aurora_tools.bench.hostile.workers import SourceRecorder
 from aurora_tools.bench.wan_sweep import (
     HEADLINE,
@@ -54,7 +55,7 @@ from aurora_tools.synthetic.shapes import QWEN3_TINY
 from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
 from workers.actor import Actor, ActorConfig, add_arguments, config_from_args
 from workers.actor.announced import AnnouncedFetch
-from workers.common import Endpoints, RunKeys
+from workers.common import Endpoints
 from workers.model import fusion_plan_for
 from workers.relay import Relay, RelayConfig
 from workers.relay import add_arguments as relay_arguments
@@ -461,20 +462,36 @@ def _stager_running(a: Actor) -> Iterator[None]:
         a.fetcher.close()
 
 
-def _commit_and_stage(pub: Any, tmp_path: Path, redis_client: Any, run_name: str, a: Any, deadline: float) -> None:
+def _stream_reads(a: Actor, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """When the stager loop began each read of the stream. Once one began, the loop has taken the
+    stream's end (what was announced before is not read) and every later announcement is read."""
+    reads: list[float] = []
+    real_read = a.ctx.bus.read
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        reads.append(time.monotonic())
+        return real_read(*args, **kw)
+
+    monkeypatch.setattr(a.ctx.bus, "read", counted)
+    return reads
+
+
+COLD_S = 90
+"""A cold first run (imports, kernels) is slow: how long a stager loop test waits on each condition."""
+
+
+def _commit_and_stage(pub: Any, tmp_path: Path, redis_client: Any, run_name: str, a: Any) -> None:
     """v1's manifest lands and is announced: the loop stages it from the held segments, reading none again."""
     pub.copy_manifest(tmp_path / "origin", 1)
     redis_client.hset(RunKeys(run_name).trainer, mapping={"head": 1})
     Bus(redis_client, run_name).announce("version", 1, kind="delta", state=pub.manifests[1].state)
-    while a.staged_version < 1:
-        assert time.monotonic() < deadline, "version 1 never staged"
-        time.sleep(0.05)
+    wait_until(lambda: a.staged_version >= 1, "version 1 staged", timeout=COLD_S)
     assert a.origin.segments_read("delta", 1) == []
 
 
 @pytest.mark.server
 def test_the_stager_loop_prefetches_from_the_stream(
-    tmp_path: Path, redis_server: Any, redis_client: Any, run_name: str
+    tmp_path: Path, redis_server: Any, redis_client: Any, run_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The real loop: announcements on the stream start downloads before the manifest exists."""
     pub = Published(tmp_path, versions=1)
@@ -482,21 +499,18 @@ def test_the_stager_loop_prefetches_from_the_stream(
     a, _ = _actor(
         pub, tmp_path, redis_server.url, run_name, redis_client, "announced", clock=SYSTEM_CLOCK, stage_block_ms=50
     )
+    reads = _stream_reads(a, monkeypatch)
     with _stager_running(a):
         bus = Bus(redis_client, run_name)
         pf = a.fetcher.announced.prefetch if a.fetcher.announced is not None else None
         assert pf is not None
-        # The loop takes the stream's end first: what is announced before is not read (re-announce).
-        deadline = time.monotonic() + 90  # a condition, not a guess: a cold first run (imports, kernels) is slow
+        # The loop takes the stream's end first: what is announced before is not read.
+        wait_until(lambda: reads, "the stager's first read of the stream", timeout=COLD_S)
         pub.copy_segments(tmp_path / "origin", 1)
-        while pf.stats.started < len(pub.events[1]):
-            # All of them each round: the loop may have begun reading in the middle of one, and a
-            # segment announced twice is downloaded once.
-            for e in pub.events[1]:
-                bus.announce(SEGMENT, 1, index=e.index, key=e.key, bytes=e.bytes, sha256=e.sha256)
-            assert time.monotonic() < deadline, "announcements never prefetched"
-            time.sleep(0.05)
-        _commit_and_stage(pub, tmp_path, redis_client, run_name, a, deadline)
+        for e in pub.events[1]:
+            bus.announce(SEGMENT, 1, index=e.index, key=e.key, bytes=e.bytes, sha256=e.sha256)
+        wait_until(lambda: pf.stats.started == len(pub.events[1]), "every announced segment prefetched", timeout=COLD_S)
+        _commit_and_stage(pub, tmp_path, redis_client, run_name, a)
 
 
 # ---------------------------------------------------------------------------
@@ -568,7 +582,7 @@ def test_a_relay_mirroring_with_prefetch_makes_the_same_mirror(
     try:
         for r in relays.values():
             wait_until(r.caught_up.is_set, "the first listing")
-        trainer = Trainer(origin, Bus(redis_client, run_name), run_name)
+        trainer = FakeTrainer(origin, run_name, Bus(redis_client, run_name))
         for _ in range(3):
             trainer.step()
         want = {("snapshot", 0), ("delta", 1), ("delta", 2), ("delta", 3)}
@@ -744,23 +758,19 @@ def test_the_stager_loop_reads_segment_announcements_without_polling_between(
         return real_poll()
 
     monkeypatch.setattr(a.stager, "poll", counted)
+    reads = _stream_reads(a, monkeypatch)
     with _stager_running(a):
         bus = Bus(redis_client, run_name)
         pf = a.fetcher.announced.prefetch if a.fetcher.announced is not None else None
         assert pf is not None
-        deadline = time.monotonic() + 90
-        while not polls:  # the loop's first poll, then it waits on the stream
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        time.sleep(0.2)
+        # The loop's first poll, then it waits on the stream (from its end: take it before announcing).
+        wait_until(lambda: polls and reads, "the stager's first poll and read of the stream", timeout=COLD_S)
         pub.copy_segments(tmp_path / "origin", 1)
         before = len(polls)
-        for e in pub.events[1]:
+        for i, e in enumerate(pub.events[1]):
+            # One at a time, as a version still being published: each read from the stream alone.
             bus.announce(SEGMENT, 1, index=e.index, key=e.key, bytes=e.bytes, sha256=e.sha256)
-            time.sleep(0.05)
-        while pf.stats.started < len(pub.events[1]):
-            assert time.monotonic() < deadline, "announcements never prefetched"
-            time.sleep(0.02)
+            wait_until(lambda i=i: pf.stats.started == i + 1, f"segment {i} prefetched", timeout=COLD_S)
         # One poll at most (the one that a segment-only batch makes once the last poll is a block old).
         assert len(polls) - before <= 1 < len(pub.events[1])
-        _commit_and_stage(pub, tmp_path, redis_client, run_name, a, deadline)  # the version's announcement polls, and stages
+        _commit_and_stage(pub, tmp_path, redis_client, run_name, a)  # the version's announcement polls, and stages

@@ -261,7 +261,7 @@ def test_forged_manifest_with_wrong_base_state_fails_verify(any_store: Store) ->
     assert any(manifest_key("delta", 2) in p and "base_state" in p for p in rep.problems)
 
 
-def test_bucket_prefix_with_other_runs(s3_server, s3_bucket) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+def test_bucket_prefix_with_other_runs(s3_server, s3_bucket) -> None:  # type: ignore[no-untyped-def]
     opts = s3_server.storage_options()
     a = open_store(f"s3://{s3_bucket}/runs/r1", opts)
     b = open_store(f"s3://{s3_bucket}/runs/r10", opts)  # a sibling sharing the string prefix
@@ -297,7 +297,7 @@ def test_gc_keeps_what_retained_chains_need(any_store: Store) -> None:
     assert verify_run(any_store).ok
 
 
-def test_cli_on_s3_never_leaks_credentials(s3_server, s3_bucket, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+def test_cli_on_s3_never_leaks_credentials(s3_server, s3_bucket, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file, save_file
 
     from aurora_tools.cli import main

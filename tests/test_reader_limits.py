@@ -328,7 +328,7 @@ def test_relay_skips_a_version_whose_manifest_holds_a_5000_digit_integer(redis_s
 
 
 @pytest.mark.server
-def test_actor_reads_origin_when_the_mirror_manifest_breaks_a_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any) -> None:  # noqa: F811
+def test_actor_reads_origin_when_the_mirror_manifest_breaks_a_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any) -> None:
     """Mirror delta 1's manifest holds a 5,000-digit integer, delta 2's is past 16 MiB:
     both are staged from origin, each refusal a format error the stager handles."""
     from test_actor_staging import _actor, _mirror

@@ -227,7 +227,7 @@ def test_412_with_any_body_is_exists(relay_412: tuple[str, type[_Relay412]], mot
 # Redis-commit mode, library level
 
 
-def test_commit_mode_needs_a_persistent_redis(redis_server: Any, rclone: RcloneS3) -> None:  # noqa: F811
+def test_commit_mode_needs_a_persistent_redis(redis_server: Any, rclone: RcloneS3) -> None:
     client = connect(redis_server.url)  # the test server: --save "" --appendonly no
     try:
         with pytest.raises(ConfigError, match="appendonly"):
@@ -427,7 +427,7 @@ def test_trainer_takes_commit_via() -> None:
 
 @pytest.mark.slow
 def test_the_trainer_on_a_server_without_conditional_writes(
-    rclone: RcloneS3, persistent_redis: str, redis_server: Any, tmp_path: Path  # noqa: F811
+    rclone: RcloneS3, persistent_redis: str, redis_server: Any, tmp_path: Path
 ) -> None:
     """The real Trainer: refused on rclone with one line naming the way out; with
     ``--commit-via redis`` its versions are committed by Redis records that readers check."""

@@ -365,7 +365,7 @@ def _resign(store: Store, kind: str, v: int, signer: Signer) -> None:
 
 
 @pytest.mark.server
-def test_actor_with_trust_key_refuses_forged_versions_before_reading_segments(tmp_path: Path, redis_server, run_name: str) -> None:  # noqa: F811
+def test_actor_with_trust_key_refuses_forged_versions_before_reading_segments(tmp_path: Path, redis_server, run_name: str) -> None:
     from actor_fixtures import TinyRun
 
     from aurora_store.storage import open_store
@@ -407,7 +407,7 @@ def test_actor_with_trust_key_refuses_forged_versions_before_reading_segments(tm
 
 
 @pytest.mark.server
-def test_relay_with_trust_key_mirrors_only_signed_versions(tmp_path: Path, redis_server, run_name: str, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+def test_relay_with_trust_key_mirrors_only_signed_versions(tmp_path: Path, redis_server, run_name: str, caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
     from relay_helpers import describe_model, make_relay, mirrored, running
@@ -442,7 +442,7 @@ def test_relay_with_trust_key_mirrors_only_signed_versions(tmp_path: Path, redis
 
 
 @pytest.mark.server
-def test_status_says_whether_the_run_is_signed(redis_server, run_name: str) -> None:  # noqa: F811
+def test_status_says_whether_the_run_is_signed(redis_server, run_name: str) -> None:
     from aurora_store.coordination.keys import RunKeys
     from aurora_store.coordination.redisconn import connect
     from aurora_store.coordination.status import collect_status, render
@@ -462,7 +462,7 @@ def test_status_says_whether_the_run_is_signed(redis_server, run_name: str) -> N
 
 @pytest.mark.slow
 @pytest.mark.server
-def test_signed_run_end_to_end_trainer_and_actor_processes(tmp_path: Path, redis_server, run_name: str) -> None:  # noqa: F811
+def test_signed_run_end_to_end_trainer_and_actor_processes(tmp_path: Path, redis_server, run_name: str) -> None:
     """``aurora trainer --sign-key`` signs every manifest; ``aurora actor --trust-key`` follows it."""
     import sys
 

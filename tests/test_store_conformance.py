@@ -73,7 +73,7 @@ def test_s3_unreachable_endpoint_is_retried_then_a_store_error() -> None:
 
 
 @pytest.mark.server
-def test_s3_missing_bucket_is_object_not_found(s3_server: S3Server) -> None:  # noqa: F811
+def test_s3_missing_bucket_is_object_not_found(s3_server: S3Server) -> None:
     store = open_store(f"s3://aurora-missing-{uuid.uuid4().hex[:8]}/run", s3_server.storage_options())
     with pytest.raises(ObjectNotFound):
         store.get("k")

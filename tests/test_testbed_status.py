@@ -164,7 +164,7 @@ def _populate(redis: Any, run: str, clock: ManualClock) -> int:
     return t0
 
 
-def test_collect_status_numbers(redis_client: Any, run_name: str) -> None:  # noqa: F811
+def test_collect_status_numbers(redis_client: Any, run_name: str) -> None:
     clock = ManualClock()
     t0 = _populate(redis_client, run_name, clock)
     now = clock.advance_ms(500)
@@ -206,19 +206,19 @@ def test_relay_pattern_escapes_the_hash_tag() -> None:
     assert RunKeys("r-1.x").relay_pattern == "aurora:\\{r-1.x\\}:relay:*"
 
 
-def test_status_of_an_empty_run(redis_client: Any, run_name: str) -> None:  # noqa: F811
+def test_status_of_an_empty_run(redis_client: Any, run_name: str) -> None:
     st = collect_status(redis_client, run_name)
     assert st["trainer"] is None and st["relays"] == [] and st["actors"] == [] and st["steps"] == []
     assert "nothing of run" in render(st)
 
 
-def test_status_of_a_redis_that_is_away(dead_redis_url: str, run_name: str) -> None:  # noqa: F811
+def test_status_of_a_redis_that_is_away(dead_redis_url: str, run_name: str) -> None:
     with pytest.raises(RedisUnavailable) as e:
         collect_status(connect(dead_redis_url, RedisConfig(connect_timeout_s=1.0)), run_name)
     assert e.value.op == "status" and isinstance(e.value, ConnectionError)
 
 
-def test_status_cli(redis_client: Any, redis_server: Any, run_name: str, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+def test_status_cli(redis_client: Any, redis_server: Any, run_name: str, capsys: pytest.CaptureFixture[str]) -> None:
     _populate(redis_client, run_name, ManualClock())
     assert main(["status", "--redis", redis_server.url, "--run", run_name, "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
@@ -234,7 +234,7 @@ def test_status_cli(redis_client: Any, redis_server: Any, run_name: str, capsys:
     assert "--watch" in capsys.readouterr().err
 
 
-def test_status_cli_watch_prints_blocks_without_ansi(redis_server: Any, run_name: str) -> None:  # noqa: F811
+def test_status_cli_watch_prints_blocks_without_ansi(redis_server: Any, run_name: str) -> None:
     """--watch on a pipe: successive plain blocks, no screen clearing; stopped by SIGINT."""
     import signal
     import time

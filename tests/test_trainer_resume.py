@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from aurora_store.coordination.keys import RunKeys
+from aurora_store.coordination.records import read_digests
 from aurora_store.coordination.redisconn import connect
 from aurora_store.format.manifest import version_dir
 from aurora_store.lineage.fetch import read_manifest
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.storage import open_store
 from aurora_store.testing.wait import wait_until
-from workers.common import RunKeys, read_digests
 from workers.trainer.checkpoint import list_checkpoints
 from workers.trainer.crash import CRASH_ENV
 
@@ -32,7 +33,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "AURORA_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _trainer(store: str, redis_url: str, log: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:  # noqa: F811
+def _trainer(store: str, redis_url: str, log: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     run = Path(store.removeprefix("file://")).parent.name  # one run name per test (the Redis server is shared)
     cmd = [
         sys.executable, "-m", "aurora_tools.cli", "trainer", "--store", store, "--redis", redis_url, "--run", run,
@@ -55,7 +56,7 @@ CRASH = 6
         pytest.param("closed", id="after-close", marks=pytest.mark.long),
     ],
 )
-def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url: str, crash: str | None) -> None:  # noqa: F811
+def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url: str, crash: str | None) -> None:
     store_url = f"file://{tmp_path}/run"
     store = open_store(store_url)
     r = connect(redis_url)
@@ -147,7 +148,7 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
     assert "Traceback" not in alog.read_text(errors="replace")
 
 
-def test_an_old_epoch_trainer_woken_after_a_resume_is_fenced_out(tmp_path: Path, redis_url: str) -> None:  # noqa: F811
+def test_an_old_epoch_trainer_woken_after_a_resume_is_fenced_out(tmp_path: Path, redis_url: str) -> None:
     store_url = f"file://{tmp_path}/run"
     store = open_store(store_url)
     r = connect(redis_url)

@@ -1,5 +1,10 @@
-"""What the Trainer, Actors and Relays share: the run's keys, the model
-description in the store, and the weight digests both sides publish.
+"""What the Trainer, Actors and Relays share: where the run is and the model
+description in the store.
+
+Torch loads only when a model is built (:func:`read_model_description`), so
+importing :class:`Endpoints` is light. The run's records (digests, expected
+states) are :mod:`aurora_store.coordination.records`; process setup is
+:mod:`workers.process`.
 
 See docs/WORKERS.md for the contract these helpers implement.
 """
@@ -13,45 +18,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from aurora_store.coordination.keys import RunKeys
-from aurora_store.coordination.records import (  # the run's records are theirs; re-exported for the workers
-    DIGEST_LOG_ENV,
-    read_digests,
-    read_expected_state,
-    record_activation,
-    record_digest,
-    record_expected_state,
-)
 from aurora_store.errors import ConfigError, IntegrityError, ObjectNotFound
 from aurora_store.lineage.binding import ModelFile
 from aurora_store.redact import redacted_repr
 from aurora_store.storage import Store
-from workers.process import (  # re-exported for older callers
-    install_stop_handlers,
-    limit_torch_threads,
-    setup_logging,
-)
 
 __all__ = [
     "MODEL_CONFIG_KEY",
     "MODEL_PREFIX",
     "TOKENIZER_KEY",
-    "RunKeys",
     "write_model_description",
     "read_model_description",
     "model_files_listed",
     "check_model_files",
-    "DIGEST_LOG_ENV",
-    "record_digest",
-    "record_activation",
-    "record_expected_state",
-    "read_expected_state",
-    "read_digests",
-    "install_stop_handlers",
-    "limit_torch_threads",
-    "setup_logging",
     "Endpoints",
 ]
 
@@ -195,6 +174,7 @@ def read_model_description(store: Store, used: dict[str, str] | None = None, unl
     tokenizer files and generation config; a family the fusion map does not
     know is refused (:func:`workers.pretrained.check_family`).
     """
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from workers.pretrained import MAX_FILE_BYTES, check_family, tokenizer_from_files

@@ -101,11 +101,16 @@ def encode_entry(
             out.append((mode, "zstd", zstd(raw), "U8"))
         return out
 
-    def smallest_value(
-        vals: list[tuple[str, str, bytes | np.ndarray, str]],
-    ) -> tuple[str, str, bytes, str]:
+    def consider_values(
+        vals: list[tuple[str, str, bytes | np.ndarray, str]], ienc: str, icodec: str, ibytes: bytes | None
+    ) -> None:
+        """The smallest of the value choices ``vals`` with these indices, as a candidate."""
         vmode, vcodec, payload, vdtype = min(vals, key=lambda t: _nbytes(t[2]))
-        return vmode, vcodec, _as_bytes(payload), vdtype
+        consider(
+            EncodedEntry(
+                param, spec, start, stop, nnz, ienc, vmode, icodec, vcodec, ibytes, _as_bytes(payload), vdtype
+            )
+        )
 
     xor_sparse = (new_bits ^ old_bits) if old_bits is not None else None
 
@@ -148,23 +153,7 @@ def encode_entry(
         ienc, icodec, ibytes = min(idx_options, key=lambda t: len(t[2]))
         vals = value_choices(new_bits, xor_sparse)
         if vals:
-            vmode, vcodec, vbytes, vdtype = smallest_value(vals)
-            consider(
-                EncodedEntry(
-                    param,
-                    spec,
-                    start,
-                    stop,
-                    nnz,
-                    ienc,
-                    vmode,
-                    icodec,
-                    vcodec,
-                    ibytes,
-                    vbytes,
-                    vdtype,
-                )
-            )
+            consider_values(vals, ienc, icodec, ibytes)
 
     # Dense: only worth a look when it could plausibly win (or is the only choice).
     if "dense" in options.index_encodings:
@@ -187,23 +176,7 @@ def encode_entry(
                 )
                 vals = [v for v in vals if not (v[0] == "new" and new_range is None)]
                 if vals:
-                    vmode, vcodec, vbytes, vdtype = smallest_value(vals)
-                    consider(
-                        EncodedEntry(
-                            param,
-                            spec,
-                            start,
-                            stop,
-                            nnz,
-                            "dense",
-                            vmode,
-                            "none",
-                            vcodec,
-                            None,
-                            vbytes,
-                            vdtype,
-                        )
-                    )
+                    consider_values(vals, "dense", "none", None)
 
     if best is None:
         raise ConfigError(

@@ -148,7 +148,7 @@ class StagedDelta:
     entries: tuple[DecodedEntry, ...]
     parts: tuple[Any, ...] = field(default=(), compare=False, repr=False)
     """What a holder made of each segment as it was decoded (``fetch_delta(prepare=...)``), in
-    segment order; empty when nothing was asked (see aurora_store.apply.prepared.prepare_part)."""
+    segment order; empty when nothing was asked (see aurora_store.apply.prepare.prepare_part)."""
 
     @property
     def nnz(self) -> int:

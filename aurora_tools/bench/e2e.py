@@ -176,9 +176,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def parity(args: argparse.Namespace) -> dict[str, Any]:
     """Accuracy by version of an asynchronous (K=1) and a synchronous (K=0) delta run of the same model, task and seed."""
     from aurora_store.coordination.evals import read_evals
+    from aurora_store.coordination.keys import RunKeys
     from aurora_store.coordination.redisconn import connect
     from aurora_store.testing.servers import RedisServer
-    from workers.common import RunKeys
 
     extra: dict[str, Any] = {"task": args.task, "eval_every": args.eval_every, "eval_size": args.eval_size}
     for k in ("model", "data", "eval_data", "max_new_tokens"):
@@ -225,7 +225,7 @@ def _print_parity(out: dict[str, Any]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from aurora_store.testing.servers import RedisServer
-    from workers.common import limit_torch_threads
+    from workers.process import limit_torch_threads
 
     limit_torch_threads()
     if getattr(args, "parity", False):

@@ -33,7 +33,7 @@ class Command:
     """A worker command and where its options are declared."""
 
     name: str
-    """``trainer``, ``actor``, ``relay``."""
+    """``trainer``, ``actor``, ``relay``, ``follow``."""
     config: type
     """Its config dataclass."""
     prefix: str
@@ -63,11 +63,13 @@ class Settings:
 
 
 def commands() -> tuple[Command, ...]:
-    """``aurora trainer``, ``actor`` and ``relay`` (importing the workers)."""
+    """``aurora trainer``, ``actor``, ``relay`` and ``follow`` (importing the workers)."""
     from aurora_store.options import SHARED
     from workers.actor.cli import MIRROR_OPTIONS_ENV
     from workers.actor.config import ENV_PREFIX as ACTOR
     from workers.actor.config import ActorConfig
+    from workers.follow.follow import ENV_PREFIX as FOLLOW
+    from workers.follow.follow import FollowConfig
     from workers.relay.config import ENV_PREFIX as RELAY
     from workers.relay.config import RelayConfig
     from workers.trainer.config import ENV_PREFIX as TRAINER
@@ -80,6 +82,7 @@ def commands() -> tuple[Command, ...]:
         Command("trainer", TrainerConfig, TRAINER, trainer),
         Command("actor", ActorConfig, ACTOR, actor),
         Command("relay", RelayConfig, RELAY, shared),
+        Command("follow", FollowConfig, FOLLOW, shared),
     )
 
 
@@ -115,7 +118,7 @@ def switches() -> tuple[Switch, ...]:
     from aurora_store.coordination.records import DIGEST_LOG
     from aurora_tools.synthetic.workload import SYNTHETIC_CACHE
     from aurora_tools.wan.proxy.workers import PROXY_WORKERS
-    from workers.engine.vllm_worker import VLLM_PREPARE
+    from workers.engine.vllm_config import VLLM_PREPARE
     from workers.process import TORCH_THREADS
     from workers.trainer.crash import CRASH_AT
 

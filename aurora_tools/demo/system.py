@@ -444,7 +444,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from workers.common import limit_torch_threads
+    from workers.process import limit_torch_threads
 
     if args.codec:
         from aurora_tools.demo.codec import run_demo

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpucheck: --density must lie in (0, 1) and --reps be >= 1", file=sys.stderr)
         return 2
     from aurora_store.codec import kernels
-    from workers.common import limit_torch_threads
+    from workers.process import limit_torch_threads
 
     limit_torch_threads(default=0)  # AURORA_TORCH_THREADS when set (CI: 1); torch's own default otherwise
     t0 = time.perf_counter()

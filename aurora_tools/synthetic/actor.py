@@ -225,7 +225,7 @@ def run_synthetic_actor(ep: Endpoints, cfg: ActorConfig, opts: SyntheticActorOpt
 
 def actor_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
     """``aurora bench synthetic-actor``: logging, then :func:`run_synthetic_actor` from the parsed options."""
-    from workers.common import limit_torch_threads, setup_logging
+    from workers.process import limit_torch_threads, setup_logging
 
     setup_logging(f"actor[{args.actor_id or ''}]")
     limit_torch_threads()

@@ -82,23 +82,25 @@ class SyntheticEngine:
 
     def prepare_segment(self, seg: Any) -> Any:
         """One decoded segment prepared while the others download (the torch engine's ``prepare_segment``)."""
-        from aurora_store.apply.prepared import layout_of_plan, prepare_part
+        from aurora_store.apply.prepare import prepare_part
+        from aurora_store.apply.prepared_delta import layout_of_plan
 
         if not self.hold:
             return None
         return prepare_part(seg.version, seg.entries, self._plan.specs(), layout_of_plan(self._plan), basis=self._plan)
 
     def prepare(self, staged: StagedDelta) -> Any:
-        """What the torch engine's ``prepare`` does, for held weights (aurora_store.apply.prepared):
+        """What the torch engine's ``prepare`` does, for held weights (aurora_store.apply.prepare):
         checks and grouping in the stager, so the safe point only writes. Not held: ``staged`` as it is."""
-        from aurora_store.apply.prepared import layout_of_plan, parts_of, prepare_delta
+        from aurora_store.apply.prepare import prepare_delta
+        from aurora_store.apply.prepared_delta import layout_of_plan, parts_of
 
         if not self.hold:
             return staged
         return prepare_delta(staged, self._plan.specs(), layout_of_plan(self._plan), parts=parts_of(staged, self._plan))
 
     def apply(self, staged: Any) -> None:
-        from aurora_store.apply.prepared import PreparedDelta
+        from aurora_store.apply.prepared_delta import PreparedDelta
         from aurora_store.apply.sink import apply_delta, check_fits
 
         with self._lock:

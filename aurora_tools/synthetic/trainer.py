@@ -182,7 +182,8 @@ def trainer_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -
     """``aurora bench synthetic-trainer``: the synthetic Trainer of ``aurora bench wan`` from its options, run to the end."""
     from aurora_store.coordination.redisconn import connect
     from aurora_tools.synthetic.args import synthetic_trainer_config
-    from workers.common import Endpoints, install_stop_handlers, limit_torch_threads, setup_logging
+    from workers.common import Endpoints
+    from workers.process import install_stop_handlers, limit_torch_threads, setup_logging
 
     setup_logging("trainer")
     limit_torch_threads()

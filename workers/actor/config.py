@@ -36,7 +36,7 @@ class ActorConfig:
         default_text="actor- and 8 random hex digits",
     )
     """Name in the ledger (default: ``actor-`` and 8 random hex digits)."""
-    region: str = option("default", help="region name; the Actor uses its Relay's mirror (--mirror) while that Relay is alive")
+    region: str = option("default", default_text='"default"', help="region name; the Actor uses its Relay's mirror (--mirror) while that Relay is alive")
     """Region: the Actor stages from its Relay's mirror while that Relay heartbeats."""
     mirror: str | None = option(
         None, metavar="URL", help="run root of the region's mirror, the only one this Actor reads", default_text="none: origin only"

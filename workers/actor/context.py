@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.config import Backoff
 from aurora_store.coordination.bus import Bus
+from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger
 from aurora_store.coordination.records import RunRecords
 from aurora_store.coordination.redisconn import connect
@@ -28,7 +29,7 @@ from aurora_store.storage import Store, open_store
 from workers.actor.config import ActorConfig, ActorStats
 from workers.actor.holding import Holding
 from workers.actor.quarantine import Quarantine
-from workers.common import Endpoints, RunKeys
+from workers.common import Endpoints
 from workers.engine import Engine
 
 __all__ = ["ActorContext", "MirrorOpener"]

@@ -267,7 +267,7 @@ class Fetcher:
 
     def prepared(self, staged: StagedItem) -> StagedItem:
         """``staged`` made ready for the safe point by an engine that can (``prepare``: checks,
-        grouping, the digest after it; see aurora_store.apply.prepared), else as it is."""
+        grouping, the digest after it; see aurora_store.apply.prepare), else as it is."""
         engine = self.ctx.engine
         if isinstance(engine, PreparingEngine) and isinstance(staged, StagedDelta):
             prepared: StagedItem = engine.prepare(staged)

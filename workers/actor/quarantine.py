@@ -103,7 +103,7 @@ def staged_nbytes(item: Any) -> int:
     """Memory a staged item holds (decoded arrays, whole tensors); 0 when it lives elsewhere."""
     if isinstance(item, StagedDelta):
         return sum(e.bits.nbytes + (e.indices.nbytes if e.indices is not None else 0) for e in item.entries)
-    from aurora_store.apply.prepared import PreparedDelta  # torch: only where deltas are staged
+    from aurora_store.apply.prepared_delta import PreparedDelta
 
     if isinstance(item, PreparedDelta):
         return item.nbytes

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from aurora_store.apply.prepared import PreparedDelta
+from aurora_store.apply.prepared_delta import PreparedDelta
 
 __all__ = ["SpareWeights", "available_memory", "swap_fits"]
 

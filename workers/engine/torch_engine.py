@@ -7,7 +7,7 @@ version sampled from. Generation and weight writes share one lock, so a
 delta lands between batches (the paper's safe point), never inside one.
 
 :meth:`TorchEngine.prepare` does everything of an activation but the write
-while the engine generates (aurora_store.apply.prepared): checks, splitting
+while the engine generates (aurora_store.apply.prepare): checks, splitting
 over the source tensors, sorting, and the digest the weights will have. The
 safe point then writes one sorted pass per tensor, or, with
 ``EngineConfig.activation = "swap"``, only swaps in a spare copy the delta
@@ -24,15 +24,9 @@ from typing import Any, cast
 
 import torch
 
-from aurora_store.apply.prepared import (
-    PreparedDelta,
-    PreparedPart,
-    layout_of_plan,
-    parts_of,
-    predicted_digest,
-    prepare_delta,
-    prepare_part,
-)
+from aurora_store.apply.predict import predicted_digest
+from aurora_store.apply.prepare import prepare_delta, prepare_part
+from aurora_store.apply.prepared_delta import PreparedDelta, PreparedPart, layout_of_plan, parts_of
 from aurora_store.apply.sink import SplitWeights, apply_delta, weights_digest
 from aurora_store.codec.encodings import DTYPES
 from aurora_store.codec.entries import ParamSpec
@@ -146,7 +140,7 @@ class TorchEngine:
 
         Checks ``staged`` against the held parameters, splits it over the
         source tensors, sorts and groups its writes
-        (:func:`~aurora_store.apply.prepared.prepare_delta`), moves them to
+        (:func:`~aurora_store.apply.prepare.prepare_delta`), moves them to
         the engine's device, and, with ``predict_digest`` when the engine
         holds the delta's base, computes the digest the weights will have.
         Takes no lock that generation takes; nothing is written. Raises

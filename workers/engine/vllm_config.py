@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aurora_store.config import from_env
+from aurora_store.config import Switch, from_env
 from aurora_store.errors import ConfigError
 
 __all__ = ["CPU_HEAD_SIZES", "ENV_PREFIX", "VLLM_MISSING", "VLLMConfig", "import_vllm", "spawn_env"]
@@ -101,3 +101,7 @@ def spawn_env(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+#: Declared here, not in vllm_worker (which imports vLLM), so the options doc can list it cheaply.
+VLLM_PREPARE = Switch("AURORA_VLLM_PREPARE", bool, True, "off: the vLLM workers apply the decoded delta instead of a prepared one (to measure both)")

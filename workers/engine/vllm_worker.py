@@ -37,21 +37,16 @@ from typing import Any
 
 import torch
 
-from aurora_store.apply.prepared import (
-    PreparedDelta,
-    layout_of_shards,
-    parts_of,
-    prepare_delta,
-    prepare_part,
-)
+from aurora_store.apply.prepare import prepare_delta, prepare_part
+from aurora_store.apply.prepared_delta import PreparedDelta, layout_of_shards, parts_of
 from aurora_store.apply.sink import apply_delta, weights_digest
 from aurora_store.codec.extract import spec_of
-from aurora_store.config import Switch
 from aurora_store.errors import ChainError, ConfigError, IntegrityError, ModelMismatchError
 from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import Manifest
 from aurora_store.lineage.fetch import ManifestReader, bound_index, fetch_delta, fetch_snapshot
 from aurora_store.lineage.plan import plan_chain, scan_versions
+from workers.engine.vllm_config import VLLM_PREPARE
 from workers.engine.vllm_params import Held, keep_cpu_linear_on_live_weights
 from workers.engine.vllm_wire import decode_entries, encode_entries, reply
 
@@ -376,12 +371,9 @@ def _bootstrap_checked(h: Held, store: Any, chain: list[Manifest], streams: int)
     _sync()
 
 
-VLLM_PREPARE = Switch("AURORA_VLLM_PREPARE", bool, True, "off: the vLLM workers apply the decoded delta instead of a prepared one (to measure both)")
-
-
 def _fetch_prepared(h: Held, store: Any, version: int, streams: int, base_state: str | None, m: Manifest | None) -> tuple[Manifest, Any]:
     """Fetch, verify and decode delta ``version``, then prepare it for this rank's shards while the
-    engine generates (aurora_store.apply.prepared), so activation only writes (the checks and block
+    engine generates (aurora_store.apply.prepare), so activation only writes (the checks and block
     searches of ``apply_delta`` move off the safe point; the scatter itself stays, and dominates).
     ``AURORA_VLLM_PREPARE=0``: the decoded delta, applied as before (to measure both). Column-split
     shards (tensor parallelism) always keep the decoded delta."""

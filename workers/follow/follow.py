@@ -31,37 +31,64 @@ from aurora_store.api.follower import Follower
 from aurora_store.api.weights import named_tensors, tied_head
 from aurora_store.apply.sink import weights_digest
 from aurora_store.codec.extract import plan_of
+from aurora_store.config import option
 from aurora_store.errors import ConfigError, IntegrityError
 from aurora_store.format.signing import TrustKeys
 from aurora_store.lineage.plan import scan_versions
-from aurora_store.outage import Dependency, is_transient, outage_budget_s
+from aurora_store.outage import (
+    DEFAULT_OUTAGE_BUDGET_S,
+    OUTAGE_BUDGET_ENV,
+    Dependency,
+    is_transient,
+    outage_budget_s,
+)
 from aurora_store.storage import Store, open_store
 from workers.common import MODEL_PREFIX, read_model_description
 from workers.follow.switch import Marker, OutDir, utc_now
 from workers.pretrained import DESCRIPTION_FILES
 
-__all__ = ["FollowConfig", "follow"]
+__all__ = ["ENV_PREFIX", "FollowConfig", "follow"]
 
 log = logging.getLogger("aurora.follow")
+
+
+ENV_PREFIX = "AURORA_FOLLOW_"
+"""Prefix of the follower's environment variables (``AURORA_FOLLOW_POLL_S`` …);
+``outage_budget_s`` is ``AURORA_OUTAGE_BUDGET_S``, shared with every worker."""
 
 
 @dataclass(frozen=True, slots=True)
 class FollowConfig:
     """What ``aurora follow`` was asked to do (:func:`workers.follow.cli.config_from_args`)."""
 
-    store: str
-    out: str
-    redis: str | None = None
-    run: str | None = None
+    store: str = field(metadata={"env": False})
+    """Run root to follow."""
+    out: str = field(metadata={"env": False})
+    """The symlink kept pointing at the newest complete version's directory."""
+    redis: str | None = field(default=None, metadata={"env": False})
+    """The run's Redis, to wake on its announcements; None: poll the store."""
+    run: str | None = field(default=None, metadata={"env": False})
     """Default: the run the manifests name (needed only to follow Redis announcements)."""
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
-    mirror: str | None = None
-    mirror_options: Mapping[str, Any] = field(default_factory=dict)
-    trust: TrustKeys | None = None
-    until: int | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False, metadata={"env": False})
+    mirror: str | None = option(
+        None, metavar="URL", help="run root of a mirror to read segments from, checked against origin's manifests",
+        default_text="none: origin only",
+    )
+    """Run root of a mirror to read segments from; every version is checked against origin's manifests."""
+    mirror_options: Mapping[str, Any] = field(default_factory=dict, repr=False, metadata={"env": False})
+    trust: TrustKeys | None = field(default=None, metadata={"env": False})
+    until: int | None = option(
+        None, env=False, metavar="V", help="exit 0 once version V (or a newer one) is in place",
+        default_text="none: follow until SIGTERM/SIGINT",
+    )
     """Exit 0 once a version >= this is in place; None: follow until stopped."""
-    poll_s: float = 1.0
-    outage_budget_s: float | None = None
+    poll_s: float = option(1.0, metavar="S", help="how often to look for a new version without Redis, or between announcements")
+    """How often to look for a new version without Redis, or between announcements."""
+    outage_budget_s: float = option(
+        DEFAULT_OUTAGE_BUDGET_S, env=OUTAGE_BUDGET_ENV, metavar="S",
+        help="give up (exit 1, one line) once Redis or the store has been unreachable this long",
+    )
+    """How long Redis or the store may stay unreachable before the follower gives up."""
 
     def __post_init__(self) -> None:
         if self.poll_s <= 0:

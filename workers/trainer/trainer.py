@@ -43,6 +43,7 @@ from aurora_store import metrics
 from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.coordination.bus import COMMIT, Bus
 from aurora_store.coordination.commit import prepare_commit
+from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger
 from aurora_store.coordination.records import RunRecords
 from aurora_store.coordination.redisconn import connect
@@ -52,7 +53,7 @@ from aurora_store.format.signing import signer_from_option
 from aurora_store.lineage.publish import PublishConfig
 from aurora_store.outage import Dependency, is_transient, riding
 from aurora_store.storage import Store, open_store
-from workers.common import Endpoints, RunKeys
+from workers.common import Endpoints
 from workers.model import logprobs, tiny_qwen3
 from workers.pretrained import load_pretrained, read_model_dir
 from workers.tokenizer import CharTokenizer

@@ -12,7 +12,7 @@ writes into one 1.2 GB array took 25-28 ms without it and 21-23 ms with it;
 0.045-0.049 s (docs/BENCHMARKS.md, "Activation").
 
 This module imports numba at import: it is imported only when a compiled
-kernel is about to be built (aurora_store.apply.prepared).
+kernel is about to be built (aurora_store.apply.prepare).
 """
 
 from __future__ import annotations

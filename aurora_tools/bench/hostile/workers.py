@@ -148,11 +148,12 @@ def mirror_actor(
     naming ``relay_url``; ``cfg`` goes to :class:`ActorConfig`. ``engine`` wraps the synthetic
     engine; ``mirror_store`` is the store the Actor opens as its mirror. Returns the Actor and what
     records where each version came from."""
+    from aurora_store.coordination.keys import RunKeys
     from aurora_store.coordination.records import RunRecords
     from aurora_store.testing.clock import ManualClock
     from aurora_tools.synthetic.engine import SyntheticEngine
     from workers.actor import ActorConfig
-    from workers.common import Endpoints, RunKeys
+    from workers.common import Endpoints
 
     name = f"hostile{time.monotonic_ns()}"
     eng: Any = SyntheticEngine(run["spec"], hold=True, digests=True)
