@@ -17,7 +17,7 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 # What ruff, mypy and the import contracts check; tests/ is linted but not type-checked.
 PACKAGES := aurora_store workers aurora_tools
 
-.PHONY: venv demo test test-all static test-fast lint lint-imports typecheck bench-codec gpu-wheels gpu-check clean
+.PHONY: venv demo test test-all static format test-fast lint lint-imports typecheck bench-codec gpu-wheels gpu-check clean
 
 venv: $(STAMP)
 
@@ -36,7 +36,8 @@ demo: $(STAMP)
 	$(VENV)/bin/aurora demo
 
 # The cheap checks first, each stopping the run when it fails: the import contracts
-# (pyproject.toml [tool.importlinter], docs/ARCHITECTURE.md), ruff, mypy, then the tests.
+# (pyproject.toml [tool.importlinter], docs/ARCHITECTURE.md), ruff (lint, then the layout:
+# `make format` rewrites it), mypy, then the tests.
 # mypy keeps its cache in .mypy_cache; a cold cache (a clean clone) costs the most.
 # `make test` (CI) leaves out the tests marked `long` (benchmark smoke runs and repeated
 # system runs whose paths other tests cover) to stay within 12 minutes on two cores;
@@ -50,7 +51,12 @@ test-all: $(STAMP) static
 static: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check $(PACKAGES) tests
+	$(VENV)/bin/ruff format --check $(PACKAGES) tests
 	$(VENV)/bin/mypy $(PACKAGES)
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format $(PACKAGES) tests
+	$(VENV)/bin/ruff check --fix --select I $(PACKAGES) tests
 
 # The tests without the slow ones, and without the static checks.
 test-fast: $(STAMP)

@@ -160,8 +160,16 @@ def declared(cls: type, prefix: str) -> tuple[Declared, ...]:
         default = None if f.default is dataclasses.MISSING else f.default
         out.append(
             Declared(
-                f.name, flag, None if m.get("env") is False else env_name(f, prefix), hints.get(f.name, str), default, m["help"], m["metavar"], m["choices"],
-                m.get("scale"), m["default_text"],
+                f.name,
+                flag,
+                None if m.get("env") is False else env_name(f, prefix),
+                hints.get(f.name, str),
+                default,
+                m["help"],
+                m["metavar"],
+                m["choices"],
+                m.get("scale"),
+                m["default_text"],
             )
         )
     return tuple(out)

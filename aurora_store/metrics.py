@@ -121,44 +121,125 @@ class Metrics:
         self._newest_mirrored: dict[str, int] = {}
 
         # -- Trainer --
-        self.versions_published = Counter("aurora_versions_published", "Versions the Trainer published (v0 included; a snapshot at a version already published as a delta is not another version)", registry=r)
+        self.versions_published = Counter(
+            "aurora_versions_published",
+            "Versions the Trainer published (v0 included; a snapshot at a version already published as a delta is not another version)",
+            registry=r,
+        )
         self.published_version = Gauge("aurora_published_version", "Newest version the Trainer published (the run's head)", registry=r)
-        self.published_bytes = Counter("aurora_published_bytes", "Bytes of versions the Trainer wrote to the store (segments and manifests)", ("kind",), registry=r)
-        self.publish_seconds = Histogram("aurora_publish_seconds", "Extracting and publishing one version, delta and any snapshot (the Trainer's critical path)", registry=r, buckets=b)
+        self.published_bytes = Counter(
+            "aurora_published_bytes", "Bytes of versions the Trainer wrote to the store (segments and manifests)", ("kind",), registry=r
+        )
+        self.publish_seconds = Histogram(
+            "aurora_publish_seconds",
+            "Extracting and publishing one version, delta and any snapshot (the Trainer's critical path)",
+            registry=r,
+            buckets=b,
+        )
         self.trainer_steps = Counter("aurora_trainer_steps", "Training steps taken (each publishes one version)", registry=r)
-        self.step_seconds = Histogram("aurora_trainer_step_seconds", "Parts of a Trainer step: waiting for the batch, training, extract+publish, the whole step", ("phase",), registry=r, buckets=b)
-        self.trainer_rollouts = Counter("aurora_trainer_rollouts", "Rollouts the Trainer collected and trained on (one per prompt: its group of completions)", registry=r)
+        self.step_seconds = Histogram(
+            "aurora_trainer_step_seconds",
+            "Parts of a Trainer step: waiting for the batch, training, extract+publish, the whole step",
+            ("phase",),
+            registry=r,
+            buckets=b,
+        )
+        self.trainer_rollouts = Counter(
+            "aurora_trainer_rollouts",
+            "Rollouts the Trainer collected and trained on (one per prompt: its group of completions)",
+            registry=r,
+        )
         self.trainer_tokens = Counter("aurora_trainer_tokens", "Completion tokens the Trainer trained on", registry=r)
-        self.trainer_tokens_per_s = Gauge("aurora_trainer_tokens_per_second", "Completion tokens of the last step over that step's wall time", registry=r)
+        self.trainer_tokens_per_s = Gauge(
+            "aurora_trainer_tokens_per_second", "Completion tokens of the last step over that step's wall time", registry=r
+        )
         self.reward = Gauge("aurora_reward_mean", "Mean reward of the last step's completions (the Trainer's own rewards)", registry=r)
-        self.eval_accuracy = Gauge("aurora_eval_accuracy", "Held-out accuracy of the newest evaluated version (trainer.eval_accuracy)", registry=r)
+        self.eval_accuracy = Gauge(
+            "aurora_eval_accuracy", "Held-out accuracy of the newest evaluated version (trainer.eval_accuracy)", registry=r
+        )
         self.eval_version = Gauge("aurora_eval_version", "Version aurora_eval_accuracy was measured on", registry=r)
 
         # -- Actor --
-        self.versions_staged = Counter("aurora_versions_staged", "Versions the Actor staged (fetched, verified, decoded): deltas, or whole versions from a snapshot", (*_ACTOR, "kind"), registry=r)
-        self.versions_activated = Counter("aurora_versions_activated", "Versions the Actor activated at a safe point (one per entry of the activations hash)", _ACTOR, registry=r)
+        self.versions_staged = Counter(
+            "aurora_versions_staged",
+            "Versions the Actor staged (fetched, verified, decoded): deltas, or whole versions from a snapshot",
+            (*_ACTOR, "kind"),
+            registry=r,
+        )
+        self.versions_activated = Counter(
+            "aurora_versions_activated",
+            "Versions the Actor activated at a safe point (one per entry of the activations hash)",
+            _ACTOR,
+            registry=r,
+        )
         self.staged_version = Gauge("aurora_staged_version", "Newest version the Actor holds staged", _ACTOR, registry=r)
         self.active_version = Gauge("aurora_active_version", "Version the Actor generates with", _ACTOR, registry=r)
-        self.lag = Gauge("aurora_actor_lag_versions", "The run's head minus the Actor's active version (as last read from Redis)", _ACTOR, registry=r)
-        self.fetched_bytes = Counter("aurora_fetched_bytes", "Bytes of versions the Actor fetched, by kind and by where from (origin or the region's mirror)", (*_ACTOR, "kind", "origin"), registry=r)
+        self.lag = Gauge(
+            "aurora_actor_lag_versions", "The run's head minus the Actor's active version (as last read from Redis)", _ACTOR, registry=r
+        )
+        self.fetched_bytes = Counter(
+            "aurora_fetched_bytes",
+            "Bytes of versions the Actor fetched, by kind and by where from (origin or the region's mirror)",
+            (*_ACTOR, "kind", "origin"),
+            registry=r,
+        )
         self.stage_seconds = Histogram("aurora_stage_seconds", "Staging one version: fetch, verify, decode", _ACTOR, registry=r, buckets=b)
-        self.apply_seconds = Histogram("aurora_apply_seconds", "Writing one staged version into the engine's weights", _ACTOR, registry=r, buckets=b)
-        self.activation_seconds = Histogram("aurora_activation_seconds", "From the start of staging a version to generating with it (stage, wait for the safe point, apply)", _ACTOR, registry=r, buckets=b)
+        self.apply_seconds = Histogram(
+            "aurora_apply_seconds", "Writing one staged version into the engine's weights", _ACTOR, registry=r, buckets=b
+        )
+        self.activation_seconds = Histogram(
+            "aurora_activation_seconds",
+            "From the start of staging a version to generating with it (stage, wait for the safe point, apply)",
+            _ACTOR,
+            registry=r,
+            buckets=b,
+        )
         self.leases_claimed = Counter("aurora_leases_claimed", "Leases (prompts) the Actor claimed", _ACTOR, registry=r)
-        self.leases_settled = Counter("aurora_leases_settled", "Results the Actor settled, by the ledger's answer: accepted, or the reason it refused (duplicate, expired, …)", (*_ACTOR, "result"), registry=r)
-        self.actor_rollouts = Counter("aurora_actor_rollouts", "Rollouts the Actor generated (one per leased prompt: its group of completions)", _ACTOR, registry=r)
+        self.leases_settled = Counter(
+            "aurora_leases_settled",
+            "Results the Actor settled, by the ledger's answer: accepted, or the reason it refused (duplicate, expired, …)",
+            (*_ACTOR, "result"),
+            registry=r,
+        )
+        self.actor_rollouts = Counter(
+            "aurora_actor_rollouts", "Rollouts the Actor generated (one per leased prompt: its group of completions)", _ACTOR, registry=r
+        )
         self.actor_tokens = Counter("aurora_actor_tokens", "Completion tokens the Actor generated", _ACTOR, registry=r)
-        self.actor_tokens_per_s = Gauge("aurora_actor_tokens_per_second", "Completion tokens of the Actor's last generation batch over its generation time", _ACTOR, registry=r)
+        self.actor_tokens_per_s = Gauge(
+            "aurora_actor_tokens_per_second",
+            "Completion tokens of the Actor's last generation batch over its generation time",
+            _ACTOR,
+            registry=r,
+        )
 
         # -- Relay --
-        self.versions_mirrored = Counter("aurora_versions_mirrored", "Versions the Relay completed in its mirror (manifest written last)", ("region", "kind"), registry=r)
-        self.mirrored_version = Gauge("aurora_mirrored_version", "Newest version the Relay completed in its mirror", ("region",), registry=r)
-        self.mirrored_bytes = Counter("aurora_mirrored_bytes", "Bytes the Relay copied from origin into its mirror (verified objects and manifests; model = the model description)", ("region", "kind"), registry=r)
-        self.mirror_seconds = Histogram("aurora_mirror_seconds", "From the first object of a version fetched at origin to its manifest in the mirror", ("region", "kind"), registry=r, buckets=b)
+        self.versions_mirrored = Counter(
+            "aurora_versions_mirrored", "Versions the Relay completed in its mirror (manifest written last)", ("region", "kind"), registry=r
+        )
+        self.mirrored_version = Gauge(
+            "aurora_mirrored_version", "Newest version the Relay completed in its mirror", ("region",), registry=r
+        )
+        self.mirrored_bytes = Counter(
+            "aurora_mirrored_bytes",
+            "Bytes the Relay copied from origin into its mirror (verified objects and manifests; model = the model description)",
+            ("region", "kind"),
+            registry=r,
+        )
+        self.mirror_seconds = Histogram(
+            "aurora_mirror_seconds",
+            "From the first object of a version fetched at origin to its manifest in the mirror",
+            ("region", "kind"),
+            registry=r,
+            buckets=b,
+        )
 
         # -- every worker --
-        self.outage_state = Gauge("aurora_outage", "1 while a dependency (Redis, a store) is unreachable, 0 otherwise", ("worker", "dependency"), registry=r)
-        self.outages = Counter("aurora_outages", "Outages of a dependency seen so far (each counted at its start)", ("worker", "dependency"), registry=r)
+        self.outage_state = Gauge(
+            "aurora_outage", "1 while a dependency (Redis, a store) is unreachable, 0 otherwise", ("worker", "dependency"), registry=r
+        )
+        self.outages = Counter(
+            "aurora_outages", "Outages of a dependency seen so far (each counted at its start)", ("worker", "dependency"), registry=r
+        )
 
     # -- Trainer ----------------------------------------------------------------------
     def published(self, version: int, kind: str, nbytes: int) -> None:
@@ -341,11 +422,19 @@ def step_record(s: StepRecord, eval_accuracy: float | None = None) -> tuple[str,
     """(key, body) of one step's record in the run root: a small create-only JSON object, since
     object stores cannot append. ``eval_accuracy``: measured on this step's version, if it was."""
     body: dict[str, Any] = {
-        "step": s.step, "version": s.version, "reward": s.reward, "tokens": s.tokens, "tokens_per_s": s.tokens_per_s,
-        "wait_s": s.wait_s, "train_s": s.train_s, "publish_s": s.extract_publish_s, "step_s": s.step_s,
-        "delta_bytes": s.delta_bytes, "changed": s.changed, "time_ms": int(time.time() * 1000),
+        "step": s.step,
+        "version": s.version,
+        "reward": s.reward,
+        "tokens": s.tokens,
+        "tokens_per_s": s.tokens_per_s,
+        "wait_s": s.wait_s,
+        "train_s": s.train_s,
+        "publish_s": s.extract_publish_s,
+        "step_s": s.step_s,
+        "delta_bytes": s.delta_bytes,
+        "changed": s.changed,
+        "time_ms": int(time.time() * 1000),
     }
     if eval_accuracy is not None:
         body["eval_accuracy"] = eval_accuracy
     return step_key(s.step), json.dumps(body, sort_keys=True).encode("utf-8")
-

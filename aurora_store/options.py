@@ -128,11 +128,18 @@ def add_redis_args(
     """
     env_url = os.environ.get(REDIS_URL_ENV) or None
     p.add_argument(
-        "--redis", required=env_url is None, default=env_url, metavar="URL", action=_RedisUrlAction,
+        "--redis",
+        required=env_url is None,
+        default=env_url,
+        metavar="URL",
+        action=_RedisUrlAction,
         help=redis_help,
     )
     p.add_argument(
-        "--redis-password-file", default=None, metavar="FILE", action=_RedisUrlAction,
+        "--redis-password-file",
+        default=None,
+        metavar="FILE",
+        action=_RedisUrlAction,
         help=f"file whose first line is the Redis password (default: ${REDIS_PASSWORD_FILE_ENV})",
     )
     p.add_argument("--run", required=run_default is None, default=run_default, metavar="NAME", help=run_help)
@@ -142,7 +149,9 @@ class _RedisUrlAction(argparse.Action):
     """``--redis`` and ``--redis-password-file``, in either order: ``namespace.redis`` ends as the URL
     with the file's password folded in (:func:`~aurora_store.coordination.redisconn.resolve_redis_url`)."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None
+    ) -> None:
         setattr(namespace, self.dest, values)
         url = getattr(namespace, "redis", None)
         pfile = getattr(namespace, "redis_password_file", None)
@@ -187,7 +196,10 @@ def add_debug_logger_arg(p: Options) -> None:
     one by name is a choice made knowingly (its lines are still masked).
     """
     p.add_argument(
-        "--debug-logger", action="append", default=None, metavar="NAME",
+        "--debug-logger",
+        action="append",
+        default=None,
+        metavar="NAME",
         help=f"also log this vendor logger at DEBUG, e.g. botocore (repeatable; default: ${DEBUG_LOGGERS_ENV}, comma-separated)",
     )
 
@@ -195,7 +207,10 @@ def add_debug_logger_arg(p: Options) -> None:
 def add_outage_budget_arg(p: Options, what: str = "Redis or the store") -> None:
     """``--outage-budget-s S``, the same for every worker (:mod:`aurora_store.outage`)."""
     p.add_argument(
-        "--outage-budget-s", type=float, default=None, metavar="S",
+        "--outage-budget-s",
+        type=float,
+        default=None,
+        metavar="S",
         help=f"give up (exit 1, one line) once {what} has been unreachable this long "
         f"(default: ${OUTAGE_BUDGET_ENV}, else {DEFAULT_OUTAGE_BUDGET_S:.0f})",
     )
@@ -220,11 +235,16 @@ def add_metrics_args(p: Options) -> None:
     address it scrapes), behind a firewall or network policy.
     """
     p.add_argument(
-        "--metrics-port", type=_port, default=None, metavar="N",
-        help="serve Prometheus metrics at http://HOST:N/metrics (default: off; docs/WORKERS.md, \"Metrics\")",
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="N",
+        help='serve Prometheus metrics at http://HOST:N/metrics (default: off; docs/WORKERS.md, "Metrics")',
     )
     p.add_argument(
-        "--metrics-host", default=None, metavar="HOST",
+        "--metrics-host",
+        default=None,
+        metavar="HOST",
         help="address the metrics endpoint listens on (default 127.0.0.1: it has no authentication; "
         "0.0.0.0 for a Prometheus on another host, behind a firewall)",
     )
@@ -237,12 +257,16 @@ def add_sign_key_args(p: Options) -> None:
     secret file of at least 32 bytes; ``--key-id`` names an HMAC key.
     """
     p.add_argument(
-        "--sign-key", default=None, metavar="FILE",
+        "--sign-key",
+        default=None,
+        metavar="FILE",
         help=f"sign every manifest with this key: Ed25519 private key PEM (aurora keygen) or an "
         f"hmac-sha256 secret file of >= 32 bytes (default: ${SIGN_KEY_ENV}; none: unsigned)",
     )
     p.add_argument(
-        "--key-id", default=None, metavar="NAME",
+        "--key-id",
+        default=None,
+        metavar="NAME",
         help="key id of an hmac-sha256 --sign-key (default: first 16 hex digits of the secret's sha256)",
     )
 
@@ -250,7 +274,10 @@ def add_sign_key_args(p: Options) -> None:
 def add_trust_key_arg(p: Options) -> None:
     """Repeatable ``--trust-key [KEY_ID=]FILE``: accept only versions signed by these keys."""
     p.add_argument(
-        "--trust-key", action="append", default=None, metavar="[KEY_ID=]FILE",
+        "--trust-key",
+        action="append",
+        default=None,
+        metavar="[KEY_ID=]FILE",
         help=f"accept only versions signed by this key (repeatable, for a key rotation): an Ed25519 "
         f"public key PEM, or an hmac-sha256 secret file, named by KEY_ID= "
         f"(default: ${TRUST_KEYS_ENV}, comma-separated; none: signatures are not checked)",
@@ -264,10 +291,12 @@ def add_config_arg(p: Options) -> None:
     the ``aurora`` entry point (``aurora_tools.cli.config_file``) before the flags.
     """
     p.add_argument(
-        "--config", default=None, metavar="FILE.toml",
+        "--config",
+        default=None,
+        metavar="FILE.toml",
         help="read options from this TOML file: keys are long option names (kl-coef = 0.01); "
         "[trainer], [actor], [relay] and [follow] tables hold one worker's keys; flags override the file, "
-        "the file overrides environment variables (docs/WORKERS.md, \"Configuration files\")",
+        'the file overrides environment variables (docs/WORKERS.md, "Configuration files")',
     )
 
 
@@ -338,9 +367,7 @@ def given(args: argparse.Namespace, cls: type, prefix: str) -> dict[str, Any]:
     return out
 
 
-def resolve(
-    cls: type[T], prefix: str, args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None, **fixed: Any
-) -> T:
+def resolve(cls: type[T], prefix: str, args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None, **fixed: Any) -> T:
     """A worker's config: defaults < environment < config file < flags < ``fixed``.
 
     The one resolver of the workers' options. ``args``: the parsed command line,

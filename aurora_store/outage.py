@@ -64,7 +64,9 @@ OUTAGE_BUDGET_ENV = "AURORA_OUTAGE_BUDGET_S"
 #: The budget as read from the environment by the library's own entry points (``Publisher``,
 #: ``Follower``); the workers declare it as an option of their configs (docs/OPTIONS.md).
 OUTAGE_BUDGET = Switch(
-    OUTAGE_BUDGET_ENV, float, DEFAULT_OUTAGE_BUDGET_S,
+    OUTAGE_BUDGET_ENV,
+    float,
+    DEFAULT_OUTAGE_BUDGET_S,
     "give up (exit 1, one line) once a dependency has been unreachable this long (seconds)",
 )
 
@@ -164,7 +166,11 @@ class Dependency:
                 self._since = now
                 self._outages += 1
                 self.log.warning(
-                    "%s unreachable%s: %s; waiting for it (up to %.0fs)", self.name, f" ({what})" if what else "", _describe(e), self.budget_s
+                    "%s unreachable%s: %s; waiting for it (up to %.0fs)",
+                    self.name,
+                    f" ({what})" if what else "",
+                    _describe(e),
+                    self.budget_s,
                 )
                 metrics.active().outage(self.name, True, started=True)
             away = now - self._since

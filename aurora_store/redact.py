@@ -120,7 +120,10 @@ def redact_url(url: str | None) -> str:
 def redact_options(options: Any) -> Any:
     """A copy of storage options (nested mappings and lists) with secret-named values masked."""
     if isinstance(options, Mapping):
-        return {k: (MASK if is_secret_name(str(k)) and v not in (None, "") and not isinstance(v, Mapping) else redact_options(v)) for k, v in options.items()}
+        return {
+            k: (MASK if is_secret_name(str(k)) and v not in (None, "") and not isinstance(v, Mapping) else redact_options(v))
+            for k, v in options.items()
+        }
     if isinstance(options, (list, tuple)):
         return type(options)(redact_options(v) for v in options)
     if isinstance(options, str):

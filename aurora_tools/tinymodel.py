@@ -31,10 +31,38 @@ _LLAMA_TEMPLATE = (
 
 FAMILY_STYLES: dict[str, dict[str, object]] = {
     # specials in id order, then (bos, eos, pad, extra stop ids), the chat template
-    "qwen3": {"specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>", "stops": ["<|im_end|>", "<|endoftext|>"], "template": _QWEN_TEMPLATE},
-    "qwen2": {"specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>", "stops": ["<|im_end|>", "<|endoftext|>"], "template": _QWEN_TEMPLATE},
-    "llama": {"specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|pad|>"], "bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "pad": "<|pad|>", "stops": ["<|eot_id|>", "<|end_of_text|>"], "template": _LLAMA_TEMPLATE},
-    "mistral": {"specials": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "bos": "<s>", "eos": "</s>", "pad": "<unk>", "stops": ["</s>"], "template": "{{ bos_token }}{% for message in messages %}[INST] {{ message['content'] }} [/INST]{% endfor %}"},
+    "qwen3": {
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "bos": None,
+        "eos": "<|im_end|>",
+        "pad": "<|endoftext|>",
+        "stops": ["<|im_end|>", "<|endoftext|>"],
+        "template": _QWEN_TEMPLATE,
+    },
+    "qwen2": {
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "bos": None,
+        "eos": "<|im_end|>",
+        "pad": "<|endoftext|>",
+        "stops": ["<|im_end|>", "<|endoftext|>"],
+        "template": _QWEN_TEMPLATE,
+    },
+    "llama": {
+        "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|pad|>"],
+        "bos": "<|begin_of_text|>",
+        "eos": "<|eot_id|>",
+        "pad": "<|pad|>",
+        "stops": ["<|eot_id|>", "<|end_of_text|>"],
+        "template": _LLAMA_TEMPLATE,
+    },
+    "mistral": {
+        "specials": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
+        "bos": "<s>",
+        "eos": "</s>",
+        "pad": "<unk>",
+        "stops": ["</s>"],
+        "template": "{{ bos_token }}{% for message in messages %}[INST] {{ message['content'] }} [/INST]{% endfor %}",
+    },
 }
 
 
@@ -57,7 +85,35 @@ class TinySpec:
 
 def _corpus(seed: int) -> Iterator[str]:
     rng = random.Random(f"aurora-tiny-corpus/{seed}")
-    words = ["the", "a", "of", "to", "and", "is", "in", "it", "for", "on", "with", "as", "are", "was", "how", "many", "what", "each", "has", "total", "cost", "more", "less", "than", "times", "sum", "answer"]
+    words = [
+        "the",
+        "a",
+        "of",
+        "to",
+        "and",
+        "is",
+        "in",
+        "it",
+        "for",
+        "on",
+        "with",
+        "as",
+        "are",
+        "was",
+        "how",
+        "many",
+        "what",
+        "each",
+        "has",
+        "total",
+        "cost",
+        "more",
+        "less",
+        "than",
+        "times",
+        "sum",
+        "answer",
+    ]
     for _ in range(3000):
         a, b = rng.randint(0, 999), rng.randint(0, 99)
         yield f"Q: {a}+{b}=? A: {a}+{b}={a + b}\n#### {a + b}"
@@ -89,19 +145,32 @@ def make_model_dir(out: str | os.PathLike[str], family: str = "qwen3", seed: int
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=spec.vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     bpe.train_from_iterator(_corpus(seed), trainer)
     kw = {k: style[k] for k in ("bos", "eos", "pad") if style[k] is not None}
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, **{f"{k}_token": v for k, v in kw.items()}, additional_special_tokens=[s for s in specials if s not in kw.values()],
+        tokenizer_object=bpe,
+        **{f"{k}_token": v for k, v in kw.items()},
+        additional_special_tokens=[s for s in specials if s not in kw.values()],
     )
     tok.chat_template = style["template"]
     tok.save_pretrained(p)
     ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
     cfg = AutoConfig.for_model(
-        family, vocab_size=len(tok), hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=ids.get(str(style["bos"])), eos_token_id=ids[str(style["eos"])],
+        family,
+        vocab_size=len(tok),
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=ids.get(str(style["bos"])),
+        eos_token_id=ids[str(style["eos"])],
         pad_token_id=ids[str(style["pad"])],
     )
     cfg.architectures = [type(AutoModelForCausalLM.from_config(cfg)).__name__]  # cheap at this size
@@ -110,13 +179,17 @@ def make_model_dir(out: str | os.PathLike[str], family: str = "qwen3", seed: int
         model = AutoModelForCausalLM.from_config(cfg)
     torch.nn.Module.to(model, dtype=torch.bfloat16)
     model.generation_config = GenerationConfig(
-        bos_token_id=cfg.bos_token_id, eos_token_id=[ids[s] for s in style["stops"]], pad_token_id=cfg.pad_token_id,  # type: ignore[attr-defined]
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=[ids[s] for s in style["stops"]],  # type: ignore[attr-defined]
+        pad_token_id=cfg.pad_token_id,
     )
     model.save_pretrained(p, safe_serialization=True)
     return p
 
 
-def supervise(model_dir: str | os.PathLike[str], pairs: Sequence[tuple[str, str]], steps: int = 150, lr: float = 3e-3, seed: int = 0, batch: int = 32) -> float:
+def supervise(
+    model_dir: str | os.PathLike[str], pairs: Sequence[tuple[str, str]], steps: int = 150, lr: float = 3e-3, seed: int = 0, batch: int = 32
+) -> float:
     """Fine-tune the directory's model on (user message, answer) pairs, in place; returns the last loss.
 
     A random tiny model never earns a 0/1 reward, so GRPO would have no
@@ -157,7 +230,12 @@ def write_gsm8k_jsonl(path: str | os.PathLike[str], n: int = 40, seed: int = 0) 
         for i in range(n):
             a, b = rng.randint(1, 9), rng.randint(1, 9)
             q = f"Tom has {a} apples and buys {b} more. How many apples does he have?"
-            f.write(json.dumps({"question": q, "answer": f"He has {a}+{b}=<<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}", "id": f"gsm-{seed}-{i}"}) + "\n")
+            f.write(
+                json.dumps(
+                    {"question": q, "answer": f"He has {a}+{b}=<<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}", "id": f"gsm-{seed}-{i}"}
+                )
+                + "\n"
+            )
     return os.fspath(path)
 
 

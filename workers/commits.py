@@ -75,6 +75,9 @@ def resolve_commit_records(
     log.warning(
         "%s: %s says run %r commits through Redis, but Redis has no commit mode for run %r; checking commit "
         "records anyway (a version without one is not used until the Trainer records it)",
-        who, store.url, marker[:64], run,
+        who,
+        store.url,
+        marker[:64],
+        run,
     )
     return RedisCommitLog(client, run)

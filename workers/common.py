@@ -129,7 +129,9 @@ def _checked_model_file(store: Store, key: str, listed: Mapping[str, ModelFile] 
     if f is None:
         raise IntegrityError(f"{store.where(key)}: not among the model files {where} lists")
     if len(data) != f.bytes or hashlib.sha256(data).hexdigest() != f.sha256:
-        raise IntegrityError(f"{store.where(key)}: does not match {where} (size or sha256): the model description was changed after version 0")
+        raise IntegrityError(
+            f"{store.where(key)}: does not match {where} (size or sha256): the model description was changed after version 0"
+        )
     return data
 
 
@@ -191,7 +193,7 @@ def read_model_description(store: Store, used: dict[str, str] | None = None, unl
         for key in keys:
             if listed is None and store.size(key) > MAX_FILE_BYTES:
                 raise IntegrityError(f"{store.where(key)}: over the {MAX_FILE_BYTES} bytes a model description file may have")
-            files[key[len(MODEL_PREFIX):]] = _checked_model_file(store, key, listed, where)
+            files[key[len(MODEL_PREFIX) :]] = _checked_model_file(store, key, listed, where)
     except ObjectNotFound as e:
         raise ConfigError(f"{e}: the run's model description is incomplete") from None
     if used is not None:

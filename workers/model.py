@@ -113,9 +113,7 @@ def tiny_qwen3(
     return model.eval()
 
 
-def save_model(
-    model: PreTrainedModel, path: str | os.PathLike[str], tokenizer: CharTokenizer | None = None
-) -> None:
+def save_model(model: PreTrainedModel, path: str | os.PathLike[str], tokenizer: CharTokenizer | None = None) -> None:
     """``save_pretrained`` (safetensors, config) plus ``tokenizer.json`` when given."""
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(os.fspath(path))
@@ -123,15 +121,11 @@ def save_model(
         tokenizer.save(os.path.join(os.fspath(path), "tokenizer.json"))
 
 
-def load_model(
-    path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16
-) -> PreTrainedModel:
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16) -> PreTrainedModel:
     """A causal LM saved by :func:`save_model` (or any local Hugging Face folder); offline."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        os.fspath(path), dtype=dtype, local_files_only=True
-    )
+    model = AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=dtype, local_files_only=True)
     return model.eval()
 
 
@@ -164,15 +158,11 @@ def is_tied(weights: Mapping[str, torch.Tensor]) -> bool:
         elif {name, other} == {TIED_HEAD, EMBED} and t.data_ptr() == weights[other].data_ptr():
             tied = True
         else:
-            raise ModelMismatchError(
-                f"{name} shares storage with {other}; only {TIED_HEAD} may alias {EMBED}"
-            )
+            raise ModelMismatchError(f"{name} shares storage with {other}; only {TIED_HEAD} may alias {EMBED}")
     return tied
 
 
-def fusion_plan_for(
-    weights: Mapping[str, torch.Tensor] | torch.nn.Module, tied: bool | None = None
-) -> FusionPlan:
+def fusion_plan_for(weights: Mapping[str, torch.Tensor] | torch.nn.Module, tied: bool | None = None) -> FusionPlan:
     """The fused view (FORMAT.md §2) of a Hugging Face model or its :func:`hf_weights`.
 
     ``tied=None`` reads tying from storage sharing (:func:`is_tied`); pass it
@@ -186,9 +176,7 @@ def fusion_plan_for(
     return plan_of(w, tied=tied)
 
 
-def fused_weights(
-    weights: Mapping[str, torch.Tensor], plan: FusionPlan | None = None
-) -> dict[str, torch.Tensor]:
+def fused_weights(weights: Mapping[str, torch.Tensor], plan: FusionPlan | None = None) -> dict[str, torch.Tensor]:
     """New tensors under fused names (qkv_proj, gate_up_proj): what a snapshot or vLLM holds.
 
     :func:`aurora_store.codec.extract.fuse_weights` with the plan of
@@ -254,8 +242,7 @@ def logprobs(
     """
     if input_ids.shape != attention_mask.shape or input_ids.shape != completion_mask.shape:
         raise ValueError(
-            f"shapes differ: ids {list(input_ids.shape)}, attention {list(attention_mask.shape)}, "
-            f"completion {list(completion_mask.shape)}"
+            f"shapes differ: ids {list(input_ids.shape)}, attention {list(attention_mask.shape)}, completion {list(completion_mask.shape)}"
         )
     if bool(completion_mask[:, 0].any()):
         raise ValueError("a completion token at position 0 has no context to be predicted from")
@@ -324,24 +311,17 @@ def warm_start(
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     rng = random.Random(f"aurora-warm-start/{seed}")
-    encoded = [
-        (tokenizer.encode(p.prompt_text, bos=True), tokenizer.encode(p.solution, eos=True))
-        for p in problems
-    ]
+    encoded = [(tokenizer.encode(p.prompt_text, bos=True), tokenizer.encode(p.solution, eos=True)) for p in problems]
     # Float32 master copy for the run; its result is copied back into the
     # model's own storage, so tensors held elsewhere (an engine) stay valid.
     master = copy.deepcopy(model).float().train().requires_grad_(True)
     opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (1.0 - s / max(1, steps))
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (1.0 - s / max(1, steps)))
     first = last = float("nan")
     for step in range(steps):
         batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
-        packed = pack_completions(
-            [b[0] for b in batch], [b[1] for b in batch], tokenizer.pad_id, device
-        )
+        packed = pack_completions([b[0] for b in batch], [b[1] for b in batch], tokenizer.pad_id, device)
         loss = -logprobs(master, *packed, reduction="mean").mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -352,9 +332,7 @@ def warm_start(
         if step == 0:
             first = last
     with torch.no_grad():
-        for (name, dst), (mname, src) in zip(
-            model.named_parameters(), master.named_parameters(), strict=True
-        ):
+        for (name, dst), (mname, src) in zip(model.named_parameters(), master.named_parameters(), strict=True):
             assert name == mname
             dst.copy_(src)
     return WarmStartReport(steps, time.perf_counter() - t0, first, last)

@@ -111,7 +111,9 @@ def read_model_dir(path: str | os.PathLike[str]) -> ModelDir:
     family = check_family(config, p)
     names = set(os.listdir(p))
     if not any(n.endswith(".safetensors") for n in names):
-        raise ConfigError(f"--model {p}: no *.safetensors weights (PyTorch .bin pickles are not loaded; convert with save_pretrained(safe_serialization=True))")
+        raise ConfigError(
+            f"--model {p}: no *.safetensors weights (PyTorch .bin pickles are not loaded; convert with save_pretrained(safe_serialization=True))"
+        )
     if not names & {"tokenizer.json", "tokenizer.model", "vocab.json"}:
         raise ConfigError(f"--model {p}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
     files: dict[str, bytes] = {}

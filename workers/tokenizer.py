@@ -39,14 +39,10 @@ SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<unk>")
 DEFAULT_ALPHABET = "0123456789+-*/()=?#:,. \nQA"
 #: The default alphabet, then the rest of printable ASCII: enough for GSM8K text.
 #: It extends the default at the end, so default ids keep their meaning.
-ASCII_ALPHABET = DEFAULT_ALPHABET + "".join(
-    c for c in map(chr, range(33, 127)) if c not in DEFAULT_ALPHABET
-)
+ASCII_ALPHABET = DEFAULT_ALPHABET + "".join(c for c in map(chr, range(33, 127)) if c not in DEFAULT_ALPHABET)
 
 CHAR_FORMAT = "aurora-char-tokenizer/1"
 _FORMAT = CHAR_FORMAT
-
-
 
 
 @dataclass(frozen=True)
@@ -104,9 +100,7 @@ class CharTokenizer:
             i = ids.get(ch)
             if i is None:
                 if self.strict:
-                    raise TokenizerError(
-                        f"character {ch!r} at position {pos} of {_preview(text)} is not in the alphabet"
-                    )
+                    raise TokenizerError(f"character {ch!r} at position {pos} of {_preview(text)} is not in the alphabet")
                 i = self.unk_id
             out.append(i)
         if eos:
@@ -162,9 +156,7 @@ class CharTokenizer:
         if not isinstance(d, dict) or d.get("format") != _FORMAT:
             raise TokenizerError(f"{where}: not a {_FORMAT} file")
         if d.get("special_tokens") != list(SPECIAL_TOKENS):
-            raise TokenizerError(
-                f"{where}: special_tokens {d.get('special_tokens')!r}, expected {list(SPECIAL_TOKENS)}"
-            )
+            raise TokenizerError(f"{where}: special_tokens {d.get('special_tokens')!r}, expected {list(SPECIAL_TOKENS)}")
         alphabet, strict = d.get("alphabet"), d.get("strict", True)
         if not isinstance(alphabet, str) or not isinstance(strict, bool):
             raise TokenizerError(f"{where}: 'alphabet' must be a string and 'strict' a boolean")
@@ -222,7 +214,9 @@ class HFTokenizer:
         try:
             tok = AutoTokenizer.from_pretrained(p, local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise TokenizerError(f"{p}: not a loadable Hugging Face tokenizer: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            raise TokenizerError(
+                f"{p}: not a loadable Hugging Face tokenizer: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
         stop: list[int] = []
         gen = os.path.join(p, "generation_config.json")
         if os.path.exists(gen):

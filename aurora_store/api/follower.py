@@ -231,7 +231,9 @@ class Follower:
         if not _is_engine(target):
             odd = sorted({str(t.dtype) for _, t in named_tensors(target)} - {"torch.bfloat16"})
             if odd:
-                raise ConfigError(f"the target holds {', '.join(odd)} tensors: a version is bfloat16 bit for bit; convert it first (model.to(torch.bfloat16))")
+                raise ConfigError(
+                    f"the target holds {', '.join(odd)} tensors: a version is bfloat16 bit for bit; convert it first (model.to(torch.bfloat16))"
+                )
         reader = self._reader()
         index = bound_index(self.store_dep.call(lambda: scan_versions(self._raw_origin), "list versions", self.stop), reader)
         cp = plan_chain(index, v, self.version, cost=reader.cost)
@@ -270,7 +272,9 @@ class Follower:
             except (ObjectNotFound, IntegrityError, StoreError) as e:
                 log.info("delta %d: not usable from the mirror (%s); reading origin", d, e)
         return self.store_dep.call(
-            lambda: fetch_delta(self._raw_origin, d, specs, self.streams, expect_base_state=base, manifest=m, trust=self.trust), f"fetch delta {d}", self.stop
+            lambda: fetch_delta(self._raw_origin, d, specs, self.streams, expect_base_state=base, manifest=m, trust=self.trust),
+            f"fetch delta {d}",
+            self.stop,
         )
 
     def _whole(self, target: Any, v: int, reader: ManifestReader) -> tuple[str, str, int, int]:
@@ -313,4 +317,6 @@ class Follower:
             got = weights_digest(dict(named_tensors(target)), plan)
         if got is not None and got != want:
             self.version = self.state = None  # the target no longer holds a known version
-            raise IntegrityError(f"{where}: the target's weights have digest {got[:19]}…, the manifest says {want[:19]}… (held weights were not those of the base?)")
+            raise IntegrityError(
+                f"{where}: the target's weights have digest {got[:19]}…, the manifest says {want[:19]}… (held weights were not those of the base?)"
+            )

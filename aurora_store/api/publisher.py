@@ -204,7 +204,13 @@ class Publisher:
 
     # -- publishing -------------------------------------------------------------------
     def publish(
-        self, weights: Tensors, *, snapshot: bool = False, step: int | None = None, producer: Mapping[str, Any] | None = None, owned: bool = False,
+        self,
+        weights: Tensors,
+        *,
+        snapshot: bool = False,
+        step: int | None = None,
+        producer: Mapping[str, Any] | None = None,
+        owned: bool = False,
     ) -> Published | None:
         """The next version: ``weights`` rounded to bf16, as a delta against the previous one (or version 0).
 
@@ -227,7 +233,9 @@ class Publisher:
             self._given, self._chain_read = {}, True
         plan = self._plan
         if set(new) != set(self._base or new):
-            raise ConfigError(f"the weights name {sorted(set(new) ^ set(self._base or new))[:3]} unlike the version before: the model of a run is fixed")
+            raise ConfigError(
+                f"the weights name {sorted(set(new) ^ set(self._base or new))[:3]} unlike the version before: the model of a run is fixed"
+            )
         digest = weights_digest(new, plan)
         prod = {**({"step": step} if step is not None else {}), **(producer or {})}
         if self._base is None:
@@ -266,7 +274,9 @@ class Publisher:
             self._plan = plan_of(self._given, tied=True)
             names = {p.name for p in self._plan}
         if set(fused) != names:
-            raise ConfigError(f"{self.store.url}: version {head} names {sorted(set(fused) ^ names)[:3]} unlike these weights: the model of a run is fixed (another model's run?)")
+            raise ConfigError(
+                f"{self.store.url}: version {head} names {sorted(set(fused) ^ names)[:3]} unlike these weights: the model of a run is fixed (another model's run?)"
+            )
         self._base = {n: t.to(torch.bfloat16) for n, t in unfuse_weights(fused, self._plan).items()}
         self.version, self.state = head, state
         log.info("%s: continuing the chain after v%d (state %s…)", self.store.url, head, state[:19])
@@ -288,13 +298,25 @@ class Publisher:
     def _publish_v0(self, new: dict[str, torch.Tensor], plan: FusionPlan, digest: str, prod: dict[str, Any], t0: float) -> Published:
         attempt, created = self._attempt(0, digest)
         m = publish_snapshot(
-            self.store, self.run, 0, fuse_weights(new, plan), None, self._pub_cfg, producer=prod or None, model=self.model_files,
-            signer=self.signer, commit=self._commit, attempt=attempt, created_at=created,
+            self.store,
+            self.run,
+            0,
+            fuse_weights(new, plan),
+            None,
+            self._pub_cfg,
+            producer=prod or None,
+            model=self.model_files,
+            signer=self.signer,
+            commit=self._commit,
+            attempt=attempt,
+            created_at=created,
         )
         n = sum(p.spec.numel for p in plan)
         return self._done(0, m, new, "snapshot", m.total_bytes, n, n, digest, t0, snapshot=True, snapshot_bytes=m.total_bytes)
 
-    def _publish_next(self, new: dict[str, torch.Tensor], plan: FusionPlan, digest: str, prod: dict[str, Any], snapshot: bool, t0: float) -> Published:
+    def _publish_next(
+        self, new: dict[str, torch.Tensor], plan: FusionPlan, digest: str, prod: dict[str, Any], snapshot: bool, t0: float
+    ) -> Published:
         assert self._base is not None and self.version is not None and self.state is not None
         v = self.version + 1
         attempt, created = self._attempt(v, digest)
@@ -308,20 +330,43 @@ class Publisher:
                 hook(ev)
 
         m = publish_delta(
-            self.store, self.run, v, extract(plan, self._base, new), self.state, self._delta_cfg(), on_segment=on_segment,
-            producer=prod or None, attempt=attempt, created_at=created, signer=self.signer, weights_digest=digest, commit=self._commit,
+            self.store,
+            self.run,
+            v,
+            extract(plan, self._base, new),
+            self.state,
+            self._delta_cfg(),
+            on_segment=on_segment,
+            producer=prod or None,
+            attempt=attempt,
+            created_at=created,
+            signer=self.signer,
+            weights_digest=digest,
+            commit=self._commit,
         )
         self._last_delta_bytes = m.total_bytes
         snap = snapshot or bool(self.snapshot_every and v % self.snapshot_every == 0)
         snap_bytes = 0
         if snap:
             sm = publish_snapshot(
-                self.store, self.run, v, fuse_weights(new, plan), m.state, self._pub_cfg, producer=prod or None, model=self.model_files,
-                signer=self.signer, commit=self._commit, attempt=attempt, created_at=created,
+                self.store,
+                self.run,
+                v,
+                fuse_weights(new, plan),
+                m.state,
+                self._pub_cfg,
+                producer=prod or None,
+                model=self.model_files,
+                signer=self.signer,
+                commit=self._commit,
+                attempt=attempt,
+                created_at=created,
             )
             snap_bytes = sm.total_bytes
         total = sum(p.spec.numel for p in plan)
-        return self._done(v, m, new, "delta", m.total_bytes + snap_bytes, m.nnz, total, digest, t0, snapshot=snap, snapshot_bytes=snap_bytes)
+        return self._done(
+            v, m, new, "delta", m.total_bytes + snap_bytes, m.nnz, total, digest, t0, snapshot=snap, snapshot_bytes=snap_bytes
+        )
 
     def _delta_cfg(self) -> PublishConfig:
         """How the next delta is cut. An adaptive size must see a whole delta before its first
@@ -333,13 +378,25 @@ class Publisher:
         return cfg
 
     def _done(
-        self, v: int, m: Manifest, new: dict[str, torch.Tensor], kind: str, nbytes: int, changed: int, total: int, digest: str, t0: float,
-        snapshot: bool = False, snapshot_bytes: int = 0,
+        self,
+        v: int,
+        m: Manifest,
+        new: dict[str, torch.Tensor],
+        kind: str,
+        nbytes: int,
+        changed: int,
+        total: int,
+        digest: str,
+        t0: float,
+        snapshot: bool = False,
+        snapshot_bytes: int = 0,
     ) -> Published:
         self._pending = None
         self._base, self.version, self.state = new, v, m.state
         self._announce(v, m.state, kind, nbytes, digest)
-        return Published(v, m.state, kind, nbytes, changed, changed / max(1, total), time.perf_counter() - t0, digest, snapshot, snapshot_bytes)
+        return Published(
+            v, m.state, kind, nbytes, changed, changed / max(1, total), time.perf_counter() - t0, digest, snapshot, snapshot_bytes
+        )
 
     def _announce(self, v: int, state: str, kind: str, nbytes: int, digest: str) -> None:
         """Redis: the digest and state readers check, the head, the version and its commit (docs/WORKERS.md).

@@ -47,7 +47,10 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_bf16(
-    named: Iterable[tuple[str, torch.Tensor]], leader: bool, device: torch.device | None = None, owned: bool = False,
+    named: Iterable[tuple[str, torch.Tensor]],
+    leader: bool,
+    device: torch.device | None = None,
+    owned: bool = False,
 ) -> dict[str, torch.Tensor]:
     """bf16 copies of every named tensor on the leader (``{}`` elsewhere), gathered one at a time.
 

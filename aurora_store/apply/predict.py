@@ -23,9 +23,7 @@ from aurora_store.errors import ModelMismatchError
 
 __all__ = ["predicted_digest"]
 
-_CHUNK = (
-    1 << 19
-)  # elements per scratch buffer (1 MiB of bf16: stays in cache while it is patched and hashed)
+_CHUNK = 1 << 19  # elements per scratch buffer (1 MiB of bf16: stays in cache while it is patched and hashed)
 
 
 def predicted_digest(
@@ -79,8 +77,6 @@ def predicted_digest(
                 for w in ws:
                     klo, khi = (int(x) for x in np.searchsorted(w.indices, (lo, hi)))
                     if not write_sorted(part, lo, w.indices, w.bits, klo, khi, w.xor, jit):
-                        raise ModelMismatchError(
-                            f"delta {prepared.version}: an index is outside {b.source}"
-                        )
+                        raise ModelMismatchError(f"delta {prepared.version}: an index is outside {b.source}")
                 h.update(part.data.cast("B"))
     return "sha256:" + h.hexdigest()

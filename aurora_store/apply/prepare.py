@@ -63,13 +63,9 @@ def prepare_part(
             )
         width = DTYPES[spec.dtype].width
         if e.bits.dtype.itemsize != width:
-            raise ModelMismatchError(
-                f"{where} carries {e.bits.dtype.itemsize}-byte values, the model holds {spec.dtype}"
-            )
+            raise ModelMismatchError(f"{where} carries {e.bits.dtype.itemsize}-byte values, the model holds {spec.dtype}")
         if not 0 <= e.start < e.stop <= spec.numel:
-            raise ModelMismatchError(
-                f"{where} range [{e.start}, {e.stop}) does not fit its {spec.numel} elements"
-            )
+            raise ModelMismatchError(f"{where} range [{e.start}, {e.stop}) does not fit its {spec.numel} elements")
         if e.values not in ("new", "xor"):
             raise ModelMismatchError(f"{where}: unknown value mode {e.values!r}")
         xor = e.values == "xor"
@@ -77,18 +73,12 @@ def prepare_part(
         blocks = layout(e.param)
         if e.indices is None:
             if bits.size != e.stop - e.start:
-                raise ModelMismatchError(
-                    f"{where}: dense range of {e.stop - e.start} elements carries {bits.size} values"
-                )
+                raise ModelMismatchError(f"{where}: dense range of {e.stop - e.start} elements carries {bits.size} values")
             for source, off, n, loc, total in blocks:
                 lo, hi = max(e.start, off), min(e.stop, off + n)
                 if hi > lo:
                     numels[source] = (total, width)
-                    dense.append(
-                        DenseWrite(
-                            source, total, width, xor, lo - off + loc, np.array(bits[lo - e.start : hi - e.start])
-                        )
-                    )
+                    dense.append(DenseWrite(source, total, width, xor, lo - off + loc, np.array(bits[lo - e.start : hi - e.start])))
             continue
         idx = e.indices.reshape(-1)
         if idx.size != bits.size:
@@ -158,9 +148,7 @@ def prepare_delta(
         # last index bound them all (the write kernel relies on it).
         for (a, _), (b, _) in zip(rs, rs[1:], strict=False):
             if int(b[0]) <= int(a[-1]):
-                raise ModelMismatchError(
-                    f"delta {staged.version}: {source} has indices out of order or written twice"
-                )
+                raise ModelMismatchError(f"delta {staged.version}: {source} has indices out of order or written twice")
         if len(rs) == 1:
             ind, val = rs[0]
         else:
@@ -168,9 +156,7 @@ def prepare_delta(
             ind = np.concatenate([r[0] for r in rs]).astype(itype, copy=False)
             val = np.concatenate([r[1] for r in rs])
         if int(ind[0]) < 0 or int(ind[-1]) >= n:
-            raise ModelMismatchError(
-                f"delta {staged.version}: {source} has an index outside its {n} elements"
-            )
+            raise ModelMismatchError(f"delta {staged.version}: {source} has an index outside its {n} elements")
         nnz += ind.size
         ind.flags.writeable = False
         val.flags.writeable = False
@@ -194,15 +180,11 @@ def _no_overlap(version: int, sparse: Sequence[SortedWrites], dense: Sequence[De
         spans.setdefault(d.source, []).append((d.start, d.start + d.bits.size))
     for source, arrays in by_source.items():
         if len(arrays) == 2 and np.intersect1d(arrays[0], arrays[1], assume_unique=True).size:
-            raise ModelMismatchError(
-                f"delta {version}: {source} has elements both overwritten and XORed"
-            )
+            raise ModelMismatchError(f"delta {version}: {source} has elements both overwritten and XORed")
         for lo, hi in spans.get(source, ()):
             for a in arrays:
                 if int(np.searchsorted(a, hi)) > int(np.searchsorted(a, lo)):
-                    raise ModelMismatchError(
-                        f"delta {version}: {source} has elements in a dense range and a sparse entry"
-                    )
+                    raise ModelMismatchError(f"delta {version}: {source} has elements in a dense range and a sparse entry")
     for source, ranges in spans.items():
         ranges.sort()
         for (_, hi), (lo, _) in zip(ranges, ranges[1:], strict=False):

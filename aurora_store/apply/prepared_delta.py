@@ -96,9 +96,7 @@ class PreparedDelta:
     @property
     def nbytes(self) -> int:
         """Memory held (indices and values)."""
-        return sum(w.indices.nbytes + w.bits.nbytes for w in self.sparse) + sum(
-            d.bits.nbytes for d in self.dense
-        )
+        return sum(w.indices.nbytes + w.bits.nbytes for w in self.sparse) + sum(d.bits.nbytes for d in self.dense)
 
     def check_live(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Every target tensor is still there, contiguous, with the size, width and device prepared for."""
@@ -106,20 +104,14 @@ class PreparedDelta:
         for w in targets:
             t = tensors.get(w.source)
             if t is None:
-                raise ModelMismatchError(
-                    f"delta {self.version}: the weights no longer hold {w.source!r}"
-                )
+                raise ModelMismatchError(f"delta {self.version}: the weights no longer hold {w.source!r}")
             if t.numel() != w.numel or t.element_size() != w.width or not t.is_contiguous():
                 raise ModelMismatchError(
                     f"delta {self.version}: {w.source} is {list(t.shape)} {t.dtype} now, not the tensor it was prepared for"
                 )
             on_dev = w.dev_bits is not None
-            if on_dev != (t.device.type != "cpu") or (
-                w.dev_bits is not None and w.dev_bits.device != t.device
-            ):
-                raise ModelMismatchError(
-                    f"delta {self.version}: {w.source} moved to {t.device} since it was prepared"
-                )
+            if on_dev != (t.device.type != "cpu") or (w.dev_bits is not None and w.dev_bits.device != t.device):
+                raise ModelMismatchError(f"delta {self.version}: {w.source} moved to {t.device} since it was prepared")
 
     def write(self, tensors: Mapping[str, torch.Tensor], jit: bool | None = None) -> None:
         """Write every change into ``tensors`` (source name -> tensor) in place; all checks come first."""
@@ -154,10 +146,7 @@ class PreparedDelta:
                 arr = flat.detach().numpy().view(w.bits.dtype)
                 if not write_whole(arr, w.indices, w.bits, w.xor, jit):
                     # Cannot happen after check_live (sizes were checked at preparation): stop loudly.
-                    raise ModelMismatchError(
-                        f"delta {self.version}: an index is outside {w.source}"
-                    )
-
+                    raise ModelMismatchError(f"delta {self.version}: an index is outside {w.source}")
 
 
 @dataclass(slots=True)
@@ -200,7 +189,5 @@ def layout_of_shards(layouts: Mapping[str, Any]) -> Layout | None:
         total = 1
         for d in lay.local_shape:
             total *= d
-        blocks[name] = [
-            (name, p.global_row * rn, p.rows * rn, p.local_row * rn, total) for p in lay.pieces
-        ]
+        blocks[name] = [(name, p.global_row * rn, p.rows * rn, p.local_row * rn, total) for p in lay.pieces]
     return blocks.__getitem__

@@ -136,17 +136,10 @@ class SplitWeights:
             return
         p = self.plan.params[entry.param]
         if len(p.blocks) == 1:
-            _write_flat(
-                bits_view(self.tensors[p.blocks[0].source]), indices, 0, 0, bits, entry.values
-            )
+            _write_flat(bits_view(self.tensors[p.blocks[0].source]), indices, 0, 0, bits, entry.values)
             return
         for b in p.blocks:
-            lo, hi = (
-                int(x)
-                for x in torch.searchsorted(
-                    indices, torch.tensor([b.offset, b.offset + b.numel], device=indices.device)
-                )
-            )
+            lo, hi = (int(x) for x in torch.searchsorted(indices, torch.tensor([b.offset, b.offset + b.numel], device=indices.device)))
             if hi > lo:
                 _write_flat(
                     bits_view(self.tensors[b.source]),
@@ -197,11 +190,7 @@ def apply_delta(staged: StagedDelta, sink: WeightSink) -> None:
         if not bits_np.flags.writeable:
             bits_np = bits_np.copy()  # torch refuses read-only buffers (bytes from a segment)
         bits = torch.from_numpy(bits_np).to(dev, non_blocking=True)
-        idx = (
-            torch.from_numpy(e.indices).to(dev, non_blocking=True)
-            if e.indices is not None
-            else None
-        )
+        idx = torch.from_numpy(e.indices).to(dev, non_blocking=True) if e.indices is not None else None
         sink.write(e, idx, bits)
 
 

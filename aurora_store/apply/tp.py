@@ -260,9 +260,7 @@ def column_parallel(shape: Sequence[int], tp: int, rank: int) -> ShardLayout:
     return ShardLayout(s, (rows, *s[1:]), (Piece(rank * rows, 0, rows),))
 
 
-def merged_column_parallel(
-    output_sizes: Sequence[int], trailing: Sequence[int], tp: int, rank: int
-) -> ShardLayout:
+def merged_column_parallel(output_sizes: Sequence[int], trailing: Sequence[int], tp: int, rank: int) -> ShardLayout:
     """``MergedColumnParallelLinear``: parts stacked on dim 0 (gate, up), each split on its own.
 
     ``trailing`` is ``(in,)`` for a weight and ``()`` for a bias.
@@ -327,9 +325,7 @@ def pad_vocab(vocab: int, pad_to: int = VOCAB_PADDING) -> int:
     return -(-vocab // pad_to) * pad_to
 
 
-def vocab_parallel(
-    vocab: int, dim: int, tp: int, rank: int, padded: int | None = None
-) -> ShardLayout:
+def vocab_parallel(vocab: int, dim: int, tp: int, rank: int, padded: int | None = None) -> ShardLayout:
     """``VocabParallelEmbedding``/``ParallelLMHead`` ``[vocab, dim]``, padded and split in row blocks.
 
     ``padded`` is the padded vocabulary (default :func:`pad_vocab`); rank

@@ -76,20 +76,11 @@ def write_kernel() -> Callable[..., Any]:
         return compiled(_write_all)
 
 
-def write_whole(
-    flat: np.ndarray, indices: np.ndarray, bits: np.ndarray, xor: bool, jit: bool | None
-) -> bool:
+def write_whole(flat: np.ndarray, indices: np.ndarray, bits: np.ndarray, xor: bool, jit: bool | None) -> bool:
     """``flat[indices] (^)= bits`` in one pass (the compiled kernel unless ``jit`` is off);
     False, having written nothing, when the first or last index falls outside ``flat``."""
-    if (
-        flat.dtype != bits.dtype
-        or flat.ndim != 1
-        or not flat.flags.writeable
-        or indices.shape != bits.shape
-    ):
-        raise ValueError(
-            f"write: {flat.dtype} {flat.ndim}-d array for {bits.shape} {bits.dtype} values"
-        )
+    if flat.dtype != bits.dtype or flat.ndim != 1 or not flat.flags.writeable or indices.shape != bits.shape:
+        raise ValueError(f"write: {flat.dtype} {flat.ndim}-d array for {bits.shape} {bits.dtype} values")
     if use_jit(jit):
         return bool(write_kernel()(flat, readonly(indices), readonly(bits), bool(xor)))
     return write_sorted(flat, 0, indices, bits, 0, indices.size, xor, False)
@@ -155,4 +146,3 @@ def write_sorted(
 
 # ---------------------------------------------------------------------------
 # the digest after the write
-

@@ -80,8 +80,7 @@ def decode_entry(
             raise StreamError(f"the model has no parameter {param!r}")
         if have != spec:
             raise StreamError(
-                f"parameter {param!r} is {list(spec.shape)} {spec.dtype} in the delta, "
-                f"{list(have.shape)} {have.dtype} in the model"
+                f"parameter {param!r} is {list(spec.shape)} {spec.dtype} in the delta, {list(have.shape)} {have.dtype} in the model"
             )
     numel = spec.numel
     if numel >= MAX_NUMEL:
@@ -118,9 +117,7 @@ def decode_entry(
         idx_name = _field(meta, "idx", str)
         code, shape, data = tensor(idx_name)
         if code != "U8" or len(shape) != 1:
-            raise StreamError(
-                f"index tensor {idx_name!r} must be a 1-D U8 tensor, is {code} {list(shape)}"
-            )
+            raise StreamError(f"index tensor {idx_name!r} must be a 1-D U8 tensor, is {code} {list(shape)}")
         if encoding == "rice":
             indices = v2.decode_rice(data, start, stop, nnz)
         else:
@@ -137,25 +134,19 @@ def decode_entry(
     width = info.width
     if val_codec == "planes":
         if code != "U8" or len(shape) != 1:
-            raise StreamError(
-                f"value tensor {val_name!r} with planes must be a 1-D U8 tensor, is {code} {list(shape)}"
-            )
+            raise StreamError(f"value tensor {val_name!r} with planes must be a 1-D U8 tensor, is {code} {list(shape)}")
         bits = v2.decode_planes(data, count, width).astype(info.bits, copy=False)
     else:
         if val_codec == "zstd":
             if code != "U8" or len(shape) != 1:
-                raise StreamError(
-                    f"value tensor {val_name!r} with zstd must be a 1-D U8 tensor, is {code} {list(shape)}"
-                )
+                raise StreamError(f"value tensor {val_name!r} with zstd must be a 1-D U8 tensor, is {code} {list(shape)}")
             data = memoryview(enc.zstd_decompress(data, count * width, count * width))
         else:
             want = info.st_code if values == "new" else info.bits_code
             if code != want:
                 raise StreamError(f"value tensor {val_name!r} has dtype {code}, expected {want}")
             if tuple(shape) != (count,):
-                raise StreamError(
-                    f"value tensor {val_name!r} has shape {list(shape)}, expected [{count}]"
-                )
+                raise StreamError(f"value tensor {val_name!r} has shape {list(shape)}, expected [{count}]")
         if len(data) != count * width:
             raise StreamError(f"value stream holds {len(data)} bytes, expected {count * width}")
         bits = np.frombuffer(data, dtype=info.bits.newbyteorder("<")).astype(info.bits, copy=False)

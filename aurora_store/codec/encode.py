@@ -54,9 +54,7 @@ def encode_entry(
     dense entry is only possible in ``xor`` mode or when every element changed.
     """
     if options.format >= 2:
-        return _encode_entry_v2(
-            param, spec, start, stop, indices, new_bits, old_bits, options, read_new_range
-        )
+        return _encode_entry_v2(param, spec, start, stop, indices, new_bits, old_bits, options, read_new_range)
     info = DTYPES[spec.dtype]
     nnz = int(indices.size)
     span = stop - start
@@ -78,9 +76,7 @@ def encode_entry(
     def zstd(raw: bytes | np.ndarray) -> bytes:
         return enc.zstd_compress(raw, level, cctx)
 
-    def value_choices(
-        new: np.ndarray, xor: np.ndarray | None
-    ) -> list[tuple[str, str, bytes | np.ndarray, str]]:
+    def value_choices(new: np.ndarray, xor: np.ndarray | None) -> list[tuple[str, str, bytes | np.ndarray, str]]:
         # Streams stay numpy arrays (no copy) until one is chosen; zstd reads them in place.
         out: list[tuple[str, str, bytes | np.ndarray, str]] = []
         streams: list[tuple[str, np.ndarray, str]] = []
@@ -101,43 +97,27 @@ def encode_entry(
             out.append((mode, "zstd", zstd(raw), "U8"))
         return out
 
-    def consider_values(
-        vals: list[tuple[str, str, bytes | np.ndarray, str]], ienc: str, icodec: str, ibytes: bytes | None
-    ) -> None:
+    def consider_values(vals: list[tuple[str, str, bytes | np.ndarray, str]], ienc: str, icodec: str, ibytes: bytes | None) -> None:
         """The smallest of the value choices ``vals`` with these indices, as a candidate."""
         vmode, vcodec, payload, vdtype = min(vals, key=lambda t: _nbytes(t[2]))
-        consider(
-            EncodedEntry(
-                param, spec, start, stop, nnz, ienc, vmode, icodec, vcodec, ibytes, _as_bytes(payload), vdtype
-            )
-        )
+        consider(EncodedEntry(param, spec, start, stop, nnz, ienc, vmode, icodec, vcodec, ibytes, _as_bytes(payload), vdtype))
 
     xor_sparse = (new_bits ^ old_bits) if old_bits is not None else None
 
     # Sparse: the smallest raw index stream, then (optionally) its zstd frame.
-    sparse = [
-        e for e in options.index_encodings if e != "dense" and not (e == "u32" and stop > 1 << 32)
-    ]
+    sparse = [e for e in options.index_encodings if e != "dense" and not (e == "u32" and stop > 1 << 32)]
     if sparse:
         # The leb128 stream costs as much to size as to write: write it once.
         raws: dict[str, bytes] = {}
         if "leb128" in sparse:
             raws["leb128"] = enc.encode_indices("leb128", indices, start, stop)
-        sizes = {
-            e: len(raws[e]) if e in raws else enc.indices_size(e, indices, start, stop)
-            for e in sparse
-        }
+        sizes = {e: len(raws[e]) if e in raws else enc.indices_size(e, indices, start, stop) for e in sparse}
         first = min(sparse, key=lambda e: sizes[e])
         tries = [first]
         # zstd narrows bitmask more than leb128 at high density (from ~20% on
         # uniformly spread changes, where the raw bitmask is already no larger
         # than 1.5x the leb128 stream); below that it never wins, so skip it.
-        if (
-            allow_zstd
-            and "bitmask" in sparse
-            and first != "bitmask"
-            and sizes["bitmask"] <= 1.5 * sizes[first]
-        ):
+        if allow_zstd and "bitmask" in sparse and first != "bitmask" and sizes["bitmask"] <= 1.5 * sizes[first]:
             tries.append("bitmask")
         idx_options: list[tuple[str, str, bytes]] = []
         for e in tries:
@@ -171,9 +151,7 @@ def encode_entry(
             if new_range is None and not can_xor:
                 pass
             else:
-                vals = value_choices(
-                    new_range if new_range is not None else np.empty(0, info.bits), xor_range
-                )
+                vals = value_choices(new_range if new_range is not None else np.empty(0, info.bits), xor_range)
                 vals = [v for v in vals if not (v[0] == "new" and new_range is None)]
                 if vals:
                     consider_values(vals, "dense", "none", None)
@@ -274,9 +252,7 @@ def _encode_entry_v2(
     best: EncodedEntry | None = None
 
     # Sparse: the smallest index stream, and the smallest value stream.
-    sparse = [
-        e for e in options.index_encodings if e != "dense" and not (e == "u32" and stop > 1 << 32)
-    ]
+    sparse = [e for e in options.index_encodings if e != "dense" and not (e == "u32" and stop > 1 << 32)]
     idx_best: tuple[int, Callable[[], tuple[str, str, bytes]]] | None = None
 
     def index_maker(e: str) -> Callable[[], tuple[str, str, bytes]]:
@@ -319,9 +295,7 @@ def _encode_entry_v2(
         if vals is not None:
             ienc, icodec, ibytes = idx_best[1]()
             vmode, vcodec, vbytes, vdtype = vals[1]()
-            best = EncodedEntry(
-                param, spec, start, stop, nnz, ienc, vmode, icodec, vcodec, ibytes, vbytes, vdtype
-            )
+            best = EncodedEntry(param, spec, start, stop, nnz, ienc, vmode, icodec, vcodec, ibytes, vbytes, vdtype)
 
     # Dense: only worth a look when it could plausibly win (or is the only choice).
     if "dense" in options.index_encodings and (best is None or span * width <= 2 * best.nbytes):
@@ -337,9 +311,7 @@ def _encode_entry_v2(
         vals = value_choice(streams_of(new_range, xor_range))
         if vals is not None and (best is None or vals[0] < best.nbytes):
             vmode, vcodec, vbytes, vdtype = vals[1]()
-            dense = EncodedEntry(
-                param, spec, start, stop, nnz, "dense", vmode, "none", vcodec, None, vbytes, vdtype
-            )
+            dense = EncodedEntry(param, spec, start, stop, nnz, "dense", vmode, "none", vcodec, None, vbytes, vdtype)
             if best is None or dense.nbytes < best.nbytes:
                 best = dense
 
@@ -349,4 +321,3 @@ def _encode_entry_v2(
             f"(options {options.index_encodings}/{options.value_modes}/{options.codecs})"
         )
     return best
-

@@ -40,9 +40,7 @@ class EncodeOptions:
                 raise ConfigError(f"EncodeOptions: at least one {name} is required")
             for g in given:
                 if g not in allowed:
-                    raise ConfigError(
-                        f"EncodeOptions: unknown {name} {g!r} (allowed: {', '.join(allowed)})"
-                    )
+                    raise ConfigError(f"EncodeOptions: unknown {name} {g!r} (allowed: {', '.join(allowed)})")
         if not 1 <= self.zstd_level <= 22:
             raise ConfigError(f"EncodeOptions: zstd_level must be 1..22, got {self.zstd_level}")
 
@@ -50,9 +48,7 @@ class EncodeOptions:
     def format(self) -> int:
         """The segment format these options write: 2 as soon as a format-2
         encoding (``rice``) or codec (``planes``) is allowed, else 1."""
-        if any(e in v2.FORMAT2_INDEX_ENCODINGS for e in self.index_encodings) or any(
-            c in v2.FORMAT2_CODECS for c in self.codecs
-        ):
+        if any(e in v2.FORMAT2_INDEX_ENCODINGS for e in self.index_encodings) or any(c in v2.FORMAT2_CODECS for c in self.codecs):
             return 2
         return 1
 

@@ -117,9 +117,7 @@ def index_stream_bound(encoding: str, nnz: int, start: int, stop: int) -> int:
     raise StreamError(f"unknown index encoding {encoding!r}")
 
 
-def decode_indices(
-    encoding: str, data: bytes | memoryview, start: int, stop: int, nnz: int
-) -> np.ndarray:
+def decode_indices(encoding: str, data: bytes | memoryview, start: int, stop: int, nnz: int) -> np.ndarray:
     """Decode and fully validate an index stream; returns int64 absolute indices."""
     if encoding == "leb128":
         b = varint.as_bytes(data)
@@ -133,9 +131,7 @@ def decode_indices(
         nbits = stop - start
         expected = (nbits + 7) // 8
         if len(data) != expected:
-            raise StreamError(
-                f"bitmask stream is {len(data)} bytes, expected {expected} for range [{start}, {stop})"
-            )
+            raise StreamError(f"bitmask stream is {len(data)} bytes, expected {expected} for range [{start}, {stop})")
         bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
         if bool(bits[nbits:].any()):
             raise StreamError(f"bitmask sets a bit past the range [{start}, {stop})")
@@ -146,9 +142,7 @@ def decode_indices(
     if encoding in ("u32", "u64"):
         width = 4 if encoding == "u32" else 8
         if len(data) != width * nnz:
-            raise StreamError(
-                f"{encoding} stream is {len(data)} bytes, expected {width * nnz} for nnz {nnz}"
-            )
+            raise StreamError(f"{encoding} stream is {len(data)} bytes, expected {width * nnz} for nnz {nnz}")
         raw = np.frombuffer(data, dtype="<u4" if width == 4 else "<u8")
         if nnz == 0:
             return np.empty(0, dtype=np.int64)
@@ -176,9 +170,7 @@ def _decode_leb128_reference(b: np.ndarray, start: int, stop: int, nnz: int) -> 
     # Bounding every gap first keeps the running sum far from uint64 overflow.
     if bool((gaps >= span).any()):
         k = int(np.flatnonzero(gaps >= span)[0])
-        raise StreamError(
-            f"leb128 gap {int(gaps[k])} at position {k} leaves the range [{start}, {stop})"
-        )
+        raise StreamError(f"leb128 gap {int(gaps[k])} at position {k} leaves the range [{start}, {stop})")
     if nnz > 1 and bool((gaps[1:] == 0).any()):
         k = int(np.flatnonzero(gaps[1:] == 0)[0]) + 1
         raise StreamError(f"leb128 gap of 0 at position {k} (indices must be unique)")
@@ -254,9 +246,7 @@ def zstd_decompress(frame: bytes | memoryview, expected: int | None, bound: int)
     if declared > bound:
         raise StreamError(f"zstd frame declares {declared} bytes, more than the bound {bound}")
     try:
-        out = zstandard.ZstdDecompressor().decompress(
-            frame, max_output_size=declared, allow_extra_data=False
-        )
+        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=declared, allow_extra_data=False)
     except zstandard.ZstdError:
         # Corrupt, truncated or followed by other bytes: the streaming path
         # finds which, and says so in the same words as for any other frame.

@@ -61,9 +61,7 @@ def spec_of(t: torch.Tensor, name: str = "tensor") -> ParamSpec:
     try:
         return ParamSpec(tuple(t.shape), TORCH_DTYPES[t.dtype])
     except KeyError:
-        raise ModelMismatchError(
-            f"{name}: dtype {t.dtype} is not carried (bfloat16, float16, float32)"
-        ) from None
+        raise ModelMismatchError(f"{name}: dtype {t.dtype} is not carried (bfloat16, float16, float32)") from None
 
 
 def bits_view(t: torch.Tensor) -> torch.Tensor:
@@ -83,14 +81,10 @@ def _numpy_bits(t: torch.Tensor) -> np.ndarray:
     return b.numpy().view(_NP_BITS[b.dtype])
 
 
-def changed_indices(
-    base: torch.Tensor, new: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS
-) -> torch.Tensor:
+def changed_indices(base: torch.Tensor, new: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> torch.Tensor:
     """Sorted int64 flat indices where the bit patterns of ``base`` and ``new`` differ."""
     if base.shape != new.shape or base.dtype != new.dtype:
-        raise ModelMismatchError(
-            f"shapes/dtypes differ: {list(base.shape)} {base.dtype} vs {list(new.shape)} {new.dtype}"
-        )
+        raise ModelMismatchError(f"shapes/dtypes differ: {list(base.shape)} {base.dtype} vs {list(new.shape)} {new.dtype}")
     a, b = bits_view(base), bits_view(new)
     n = a.numel()
     lanes = 8 // a.element_size()
@@ -100,11 +94,7 @@ def changed_indices(
         hi = min(n, lo + chunk)
         ca, cb = a[lo:hi], b[lo:hi]
         whole = (hi - lo) - (hi - lo) % lanes
-        aligned = (
-            whole > 0
-            and (ca.storage_offset() * a.element_size()) % 8 == 0
-            and (cb.storage_offset() * b.element_size()) % 8 == 0
-        )
+        aligned = whole > 0 and (ca.storage_offset() * a.element_size()) % 8 == 0 and (cb.storage_offset() * b.element_size()) % 8 == 0
         if aligned:
             wa, wb = ca[:whole].view(torch.int64), cb[:whole].view(torch.int64)
             words = torch.nonzero(wa != wb).reshape(-1)
@@ -173,9 +163,7 @@ def extract(
             try:
                 tb, tn = base[blk.source], new[blk.source]
             except KeyError as e:
-                raise ModelMismatchError(
-                    f"{blk.source}: missing from the {'base' if blk.source not in base else 'new'} weights"
-                ) from e
+                raise ModelMismatchError(f"{blk.source}: missing from the {'base' if blk.source not in base else 'new'} weights") from e
             for which, t in (("base", tb), ("new", tn)):
                 if spec_of(t, blk.source) != blk.spec:
                     raise ModelMismatchError(
@@ -185,9 +173,7 @@ def extract(
         bits_dtype = DTYPES[p.spec.dtype].bits
         if all(tb.device.type == "cpu" and tn.device.type == "cpu" for _, tb, tn in pairs):
             # All blocks in one pass, into one set of arrays (no concatenation).
-            idx, new_bits, old_bits = kernels.scan_blocks(
-                [(off, _numpy_bits(tb), _numpy_bits(tn)) for off, tb, tn in pairs]
-            )
+            idx, new_bits, old_bits = kernels.scan_blocks([(off, _numpy_bits(tb), _numpy_bits(tn)) for off, tb, tn in pairs])
         else:
             idx_parts: list[np.ndarray] = []
             new_parts: list[np.ndarray] = []

@@ -109,15 +109,11 @@ class FusionPlan:
             if part is None:
                 fused, pos = name, 0
             groups.setdefault(fused, {})[pos] = (name, spec)
-            sizes[fused] = (
-                3 if fused.endswith(("qkv_proj.weight", "qkv_proj.bias")) else 2 if part else 1
-            )
+            sizes[fused] = 3 if fused.endswith(("qkv_proj.weight", "qkv_proj.bias")) else 2 if part else 1
         out: dict[str, FusedParam] = {}
         for fused, parts in groups.items():
             if fused in specs and len(parts) > 1:
-                raise ModelMismatchError(
-                    f"{fused}: both the fused tensor and its parts are present"
-                )
+                raise ModelMismatchError(f"{fused}: both the fused tensor and its parts are present")
             if len(parts) != sizes[fused] and fused not in specs:
                 # Incomplete group: keep each part under its own name.
                 for _, (name, spec) in sorted(parts.items()):
@@ -157,9 +153,7 @@ class FusionPlan:
         try:
             return self._by_source[hf_name]
         except KeyError:
-            raise ModelMismatchError(
-                f"{hf_name!r} is not part of this model's fused plan"
-            ) from None
+            raise ModelMismatchError(f"{hf_name!r} is not part of this model's fused plan") from None
 
     def split(self, fused: str, indices: np.ndarray) -> list[tuple[Block, np.ndarray]]:
         """Reverse map: sorted fused flat indices -> (block, local indices) per block.

@@ -88,9 +88,7 @@ def encode_rice(indices: np.ndarray, start: int, k: int | None = None) -> bytes:
 def decode_rice(data: bytes | memoryview, start: int, stop: int, nnz: int) -> np.ndarray:
     """Decode and fully validate a ``rice`` stream; int64 absolute indices."""
     if len(data) > rice_stream_bound(nnz):
-        raise StreamError(
-            f"rice index stream of {len(data)} bytes exceeds its bound {rice_stream_bound(nnz)}"
-        )
+        raise StreamError(f"rice index stream of {len(data)} bytes exceeds its bound {rice_stream_bound(nnz)}")
     if not 0 <= start < stop <= enc.MAX_INDEX:
         raise StreamError(f"range [{start}, {stop}) cannot be indexed")
     b = np.frombuffer(data, dtype=np.uint8)
@@ -225,11 +223,7 @@ def encode_planes(
         else:
             # The Huffman size is exact from the histogram: zstd (tried only
             # on a skewed plane) is kept when smaller, without coding both.
-            z = (
-                enc.zstd_compress(np.ascontiguousarray(p[:, j]), level, compressor)
-                if method == PLANE_ZSTD
-                else None
-            )
+            z = enc.zstd_compress(np.ascontiguousarray(p[:, j]), level, compressor) if method == PLANE_ZSTD else None
             if z is not None and len(z) < size:
                 payload = z
             else:
@@ -250,9 +244,7 @@ def decode_planes(data: bytes | memoryview, count: int, width: int) -> np.ndarra
     ``width`` bytes; returns the little-endian unsigned values."""
     view = memoryview(data)
     if len(view) > planes_bound(count, width):
-        raise StreamError(
-            f"planes stream of {len(view)} bytes exceeds its bound {planes_bound(count, width)}"
-        )
+        raise StreamError(f"planes stream of {len(view)} bytes exceeds its bound {planes_bound(count, width)}")
     out = np.empty((count, width), np.uint8)
     pos = 0
     for j in range(width):

@@ -33,8 +33,6 @@ MAX_VARINT_BYTES = 10
 MAX_VARINT_VALUE = 1 << 63
 
 
-
-
 def encoded_size(values: np.ndarray) -> int:
     """Bytes :func:`encode` would produce, without producing them."""
     return kernels.leb128_size(values)
@@ -52,11 +50,7 @@ def encode(values: np.ndarray) -> bytes:
 
 def as_bytes(data: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
     """A stream as a flat uint8 array (no copy)."""
-    b = (
-        np.frombuffer(data, dtype=np.uint8)
-        if not isinstance(data, np.ndarray)
-        else data.reshape(-1)
-    )
+    b = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
     if b.dtype != np.uint8:
         raise TypeError("varint stream must be bytes or a uint8 array")
     return b
@@ -81,9 +75,7 @@ def decode(
     if out is None:
         out = decode_reference(b)
     if expected_count is not None and out.size != expected_count:
-        raise VarintError(
-            f"stream holds {out.size} varints, expected {expected_count}", int(b.size)
-        )
+        raise VarintError(f"stream holds {out.size} varints, expected {expected_count}", int(b.size))
     return out
 
 
@@ -115,9 +107,7 @@ def decode_reference(b: np.ndarray) -> np.ndarray:
         ten = np.flatnonzero(lengths == MAX_VARINT_BYTES)
         over = np.flatnonzero(out[ten] > 1)
         if over.size:
-            raise VarintError(
-                "varint value above 2^63", int(ends[ten[over[0]]]) - MAX_VARINT_BYTES + 1
-            )
+            raise VarintError("varint value above 2^63", int(ends[ten[over[0]]]) - MAX_VARINT_BYTES + 1)
     sel = np.flatnonzero(lengths > 1)  # varints still being extended
     pos = ends[sel]
     seven = np.uint64(7)

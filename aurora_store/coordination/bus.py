@@ -149,4 +149,6 @@ class Bus:
             if _parse_id(fid) > _parse_id(last_id) and int(info.get("length", info.get(b"length", 0))) >= 1:
                 # Something between last_id and the first retained entry may be lost.
                 entries_added = info.get("entries-added") or info.get(b"entries-added")
-                raise BusGap(f"{key}: entries after {last_id} were trimmed (oldest kept {fid}, added {entries_added}); resume from the store")
+                raise BusGap(
+                    f"{key}: entries after {last_id} were trimmed (oldest kept {fid}, added {entries_added}); resume from the store"
+                )

@@ -266,7 +266,9 @@ class RedisCommitLog:
             store.put(manifest_key(kind, version), rec.manifest, mode="overwrite")
             log.warning(
                 "%s %d: %s its manifest from the Redis commit record",
-                kind, version, "rewrote" if present else "completed",
+                kind,
+                version,
+                "rewrote" if present else "completed",
             )
             done.append((kind, version))
         return done
@@ -276,7 +278,7 @@ class RedisCommitLog:
         out: list[tuple[str, int]] = []
         with translate_redis_errors("list commit records"):
             for raw in self.client.scan_iter(match=pattern, count=500):
-                name = (raw.decode() if isinstance(raw, bytes) else str(raw))[len(self._prefix) + len("commit:"):]
+                name = (raw.decode() if isinstance(raw, bytes) else str(raw))[len(self._prefix) + len("commit:") :]
                 kind, _, v = name.partition(":")
                 if kind in _KINDS and v.isdigit():
                     out.append((kind, int(v)))

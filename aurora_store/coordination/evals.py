@@ -48,7 +48,7 @@ def read_store_evals(store: Store) -> dict[int, dict[str, Any]]:
     """version -> the evaluation the run root holds for it (``eval/v<version>.json``), in version order."""
     found = []
     for key in store.list(EVAL_PREFIX):
-        name = key[len(EVAL_PREFIX):]
+        name = key[len(EVAL_PREFIX) :]
         if not (name.startswith("v") and name.endswith(".json")) or store.size(key) > MAX_EVAL_BYTES:
             continue
         found.append((name[1:-5], store.get(key)))

@@ -141,7 +141,7 @@ class RunKeys:
 
     def relay_region(self, key: str) -> str:
         """The region of a ``relay:{region}`` key of this run."""
-        return key[len(self.relay("")):]
+        return key[len(self.relay("")) :]
 
     def relay_held(self, region: str) -> str:
         """string with a TTL: JSON ``{"versions": [...]}``, the versions the region's Relay is

@@ -202,9 +202,17 @@ class TrainerRecord:
 
         signed = num("signed")
         return cls(
-            head=num("head"), head_state=_text(h.get("head_state")), commit=num("commit"), step=num("step"), status=text("status"),
-            published_ms=num("published_ms"), epoch=num("epoch"), signed=None if signed is None else signed == 1,
-            key_id=text("key_id"), unreturned=num("unreturned"), last_batch=text("last_batch"),
+            head=num("head"),
+            head_state=_text(h.get("head_state")),
+            commit=num("commit"),
+            step=num("step"),
+            status=text("status"),
+            published_ms=num("published_ms"),
+            epoch=num("epoch"),
+            signed=None if signed is None else signed == 1,
+            key_id=text("key_id"),
+            unreturned=num("unreturned"),
+            last_batch=text("last_batch"),
         )
 
 

@@ -120,9 +120,7 @@ def connect(url: str | None = None, config: RedisConfig | None = None, block_s: 
     if is_cluster_url(url):
         return _connect_cluster(url, cfg, timeout)
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(
-            f"Redis URL must start with redis://, rediss://, unix:// or redis+cluster://, got {redact_url(url)!r}"
-        )
+        raise ConfigError(f"Redis URL must start with redis://, rediss://, unix:// or redis+cluster://, got {redact_url(url)!r}")
     try:
         return redis.Redis.from_url(
             url,
@@ -294,7 +292,9 @@ _AWAY: tuple[type[BaseException], ...] = (
     rx.ReadOnlyError,
 )
 _NOT_AWAY: tuple[type[BaseException], ...] = tuple(
-    c for c in (getattr(rx, n, None) for n in ("AuthenticationError", "AuthorizationError", "ExternalAuthProviderError")) if isinstance(c, type)
+    c
+    for c in (getattr(rx, n, None) for n in ("AuthenticationError", "AuthorizationError", "ExternalAuthProviderError"))
+    if isinstance(c, type)
 )
 
 # redis-py's cluster client raises these outside RedisError: no seed answered,

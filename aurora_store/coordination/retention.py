@@ -82,9 +82,7 @@ class LedgerHeldVersions:
 
     def held_versions(self) -> frozenset[int]:
         """Versions that live Actors hold (active) or are staging (staged, and those before it)."""
-        actors = [
-            a for a in self.ledger.actors() if a.status == "alive" and (self.region is None or a.region == self.region)
-        ]
+        actors = [a for a in self.ledger.actors() if a.status == "alive" and (self.region is None or a.region == self.region)]
         if self.heartbeat_timeout_ms is not None and actors:
             now = self.ledger.server_time_ms()
             actors = [a for a in actors if now - a.heartbeat_ms <= self.heartbeat_timeout_ms]

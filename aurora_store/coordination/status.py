@@ -62,7 +62,12 @@ def collect_status(redis: Any, run: str, now_ms: int | None = None) -> dict[str,
         evals = read_evals(redis, keys)
         if evals:
             v = max(evals)
-            trainer["eval"] = {"version": v, "accuracy": evals[v]["accuracy"], "problems": as_int(evals[v].get("problems"), lenient=True), "evaluations": len(evals)}
+            trainer["eval"] = {
+                "version": v,
+                "accuracy": evals[v]["accuracy"],
+                "problems": as_int(evals[v].get("problems"), lenient=True),
+                "evaluations": len(evals),
+            }
 
     # Relays
     relays = []
@@ -71,29 +76,33 @@ def collect_status(redis: Any, run: str, now_ms: int | None = None) -> dict[str,
         if mirror is None:
             continue  # expired between SCAN and GET
         pttl = int(redis.pttl(key))
-        relays.append({
-            "region": keys.relay_region(key),
-            "mirror": as_str(mirror, "replace"),
-            "ttl_s": None if pttl < 0 else round(pttl / 1000.0, 3),
-        })
+        relays.append(
+            {
+                "region": keys.relay_region(key),
+                "mirror": as_str(mirror, "replace"),
+                "ttl_s": None if pttl < 0 else round(pttl / 1000.0, 3),
+            }
+        )
 
     # Actors
     actors = []
     for a in ledger.actors():
-        actors.append({
-            "id": a.actor,
-            "region": a.region,
-            "engine": a.engine,
-            "status": a.status,
-            "active": a.active,
-            "staged": a.staged,
-            "tau": a.tau,
-            "leases": a.leases,
-            "settled": a.settled,
-            "heartbeat_ms": a.heartbeat_ms,
-            "heartbeat_age_s": round((now_ms - a.heartbeat_ms) / 1000.0, 3) if a.heartbeat_ms else None,
-            "quarantined": list(a.quarantined),
-        })
+        actors.append(
+            {
+                "id": a.actor,
+                "region": a.region,
+                "engine": a.engine,
+                "status": a.status,
+                "active": a.active,
+                "staged": a.staged,
+                "tau": a.tau,
+                "leases": a.leases,
+                "settled": a.settled,
+                "heartbeat_ms": a.heartbeat_ms,
+                "heartbeat_age_s": round((now_ms - a.heartbeat_ms) / 1000.0, 3) if a.heartbeat_ms else None,
+                "quarantined": list(a.quarantined),
+            }
+        )
 
     # Open steps
     steps = []
@@ -102,16 +111,18 @@ def collect_status(redis: Any, run: str, now_ms: int | None = None) -> dict[str,
             st = ledger.step_status(v)
         except LedgerLost:
             continue  # closed between the listing and the read
-        steps.append({
-            "step": v,
-            "version": ledger.step_version(v),
-            "total": st.total,
-            "leased": st.leased,
-            "settled": st.settled,
-            "pending": st.pending,
-            "expired": st.expired,
-            "rejected": st.rejected,
-        })
+        steps.append(
+            {
+                "step": v,
+                "version": ledger.step_version(v),
+                "total": st.total,
+                "leased": st.leased,
+                "settled": st.settled,
+                "pending": st.pending,
+                "expired": st.expired,
+                "rejected": st.rejected,
+            }
+        )
 
     return {"run": run, "now_ms": now_ms, "trainer": trainer, "relays": relays, "actors": actors, "steps": steps}
 
@@ -154,12 +165,12 @@ def render(status: dict[str, Any]) -> str:
         extra = "".join(f", {k} {t[k]}" for k in ("epoch", "unreturned") if t.get(k) is not None)
         if "signed" in t:
             extra += f", signed by key {t.get('key_id')}" if t["signed"] else ", unsigned"
-        lines.append(
-            f"Trainer: head v{_v(t['head'])}{state} published {pub}; status {_v(t['status'])}, step {_v(t['step'])}{extra}"
-        )
+        lines.append(f"Trainer: head v{_v(t['head'])}{state} published {pub}; status {_v(t['status'])}, step {_v(t['step'])}{extra}")
         ev = t.get("eval")
         if ev:
-            lines.append(f"  eval: accuracy {ev['accuracy']:.3f} on v{ev['version']} ({_v(ev['problems'])} held-out problems; {ev['evaluations']} evaluation(s) recorded)")
+            lines.append(
+                f"  eval: accuracy {ev['accuracy']:.3f} on v{ev['version']} ({_v(ev['problems'])} held-out problems; {ev['evaluations']} evaluation(s) recorded)"
+            )
 
     relays = status.get("relays", [])
     lines.append(f"Relays ({len(relays)}):")
@@ -176,8 +187,15 @@ def render(status: dict[str, Any]) -> str:
             ["id", "region", "engine", "status", "active", "staged", "tau tok/s", "leases", "settled", "heartbeat"],
             [
                 [
-                    a["id"], a["region"], a["engine"], a["status"], _v(a["active"]), _v(a["staged"]),
-                    f"{a['tau']:.1f}", str(a["leases"]), str(a["settled"]),
+                    a["id"],
+                    a["region"],
+                    a["engine"],
+                    a["status"],
+                    _v(a["active"]),
+                    _v(a["staged"]),
+                    f"{a['tau']:.1f}",
+                    str(a["leases"]),
+                    str(a["settled"]),
                     "-" if a["heartbeat_age_s"] is None else f"{_age(a['heartbeat_age_s'])} ago",
                 ]
                 for a in actors

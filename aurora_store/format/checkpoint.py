@@ -87,9 +87,7 @@ def encode_segments(
 
     def flush() -> EncodedSegment:
         nonlocal current, size, header, index
-        seg = EncodedSegment(
-            index, encode_segment(current, version, version - 1, opts.format), tuple(current)
-        )
+        seg = EncodedSegment(index, encode_segment(current, version, version - 1, opts.format), tuple(current))
         index += 1
         current, size, header = [], 0, 0
         return seg
@@ -126,9 +124,7 @@ def encode_segments(
             bytes_per_elem = max(0.05, enc_bytes / max(1, enc_elems))
             share = _header_share(entry)
             if current and (
-                size + entry.nbytes > segment_bytes
-                or header + share > _HEADER_ROOM
-                or len(current) >= MAX_ENTRIES_PER_SEGMENT
+                size + entry.nbytes > segment_bytes or header + share > _HEADER_ROOM or len(current) >= MAX_ENTRIES_PER_SEGMENT
             ):
                 yield flush()
             current.append(entry)
@@ -188,7 +184,9 @@ def assemble_staged(segments: Sequence[tuple[str, Segment]], version: int) -> St
     origin: list[tuple[str, int]] = []
     for where, seg in segments:
         if seg.version != version or seg.base_version != version - 1:
-            raise SegmentError(where, f"belongs to version {seg.version} (base {seg.base_version}), expected {version} (base {version - 1})")
+            raise SegmentError(
+                where, f"belongs to version {seg.version} (base {seg.base_version}), expected {version} (base {version - 1})"
+            )
         for i, e in enumerate(seg.entries):
             entries.append(e)
             origin.append((where, i))
@@ -197,5 +195,10 @@ def assemble_staged(segments: Sequence[tuple[str, Segment]], version: int) -> St
         a, b = entries[prev], entries[cur]
         if a.param == b.param and b.start < a.stop:
             where, i = origin[cur]
-            raise EntryError(where, i, b.param, f"range [{b.start}, {b.stop}) overlaps [{a.start}, {a.stop}) of {origin[prev][0]} entry {origin[prev][1]}")
+            raise EntryError(
+                where,
+                i,
+                b.param,
+                f"range [{b.start}, {b.stop}) overlaps [{a.start}, {a.stop}) of {origin[prev][0]} entry {origin[prev][1]}",
+            )
     return StagedDelta(version, version - 1, tuple(entries))

@@ -162,9 +162,7 @@ class VersionGuard:
         self._ranges: dict[str, SortedList] = {}
 
     @classmethod
-    def for_manifest(
-        cls, params: Mapping[str, Mapping[str, Any]], model: Mapping[str, ParamSpec] | None
-    ) -> VersionGuard:
+    def for_manifest(cls, params: Mapping[str, Mapping[str, Any]], model: Mapping[str, ParamSpec] | None) -> VersionGuard:
         """The guard of a delta whose manifest lists ``params``: :func:`version_budget`."""
         return cls(version_budget(params, model))
 

@@ -206,26 +206,18 @@ class Manifest:
                 raise ManifestError(where, f"segments[{i}] is not an object")
             key, size, sha = s.get("key"), s.get("bytes"), s.get("sha256")
             if not isinstance(key, str) or not _SEGKEY.fullmatch(key):
-                raise ManifestError(
-                    where, f"segments[{i}].key {key!r} is not '<attempt>/seg-NNNNN.safetensors'"
-                )
+                raise ManifestError(where, f"segments[{i}].key {key!r} is not '<attempt>/seg-NNNNN.safetensors'")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ManifestError(
-                    where, f"segments[{i}].bytes {size!r} is not a non-negative integer"
-                )
+                raise ManifestError(where, f"segments[{i}].bytes {size!r} is not a non-negative integer")
             if not isinstance(sha, str) or not _HEX64.fullmatch(sha):
-                raise ManifestError(
-                    where, f"segments[{i}].sha256 {sha!r} is not 64 lowercase hex digits"
-                )
+                raise ManifestError(where, f"segments[{i}].sha256 {sha!r} is not 64 lowercase hex digits")
             segs.append(SegmentRef(key, size, sha))
         params = get("params", dict)
         for name, p in params.items():
             if not isinstance(p, dict):
                 raise ManifestError(where, f"params[{name!r}] is not an object")
             shape = p.get("shape")
-            if not isinstance(shape, list) or not all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape
-            ):
+            if not isinstance(shape, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape):
                 raise ManifestError(where, f"params[{name!r}].shape {shape!r} is invalid")
             if not isinstance(p.get("dtype"), str) or p.get("dtype") not in DTYPES:
                 raise ManifestError(
@@ -239,14 +231,10 @@ class Manifest:
         if kind == "delta":
             base_version = get("base_version", int)
             if base_version != version - 1:
-                raise ManifestError(
-                    where, f"base_version {base_version} of delta {version} is not {version - 1}"
-                )
+                raise ManifestError(where, f"base_version {base_version} of delta {version} is not {version - 1}")
             base_state = get("base_state", str)
             if not _DIGEST.fullmatch(base_state):
-                raise ManifestError(
-                    where, f"base_state {base_state!r} is not 'sha256:' + 64 hex digits"
-                )
+                raise ManifestError(where, f"base_state {base_state!r} is not 'sha256:' + 64 hex digits")
             want = chain_state(base_state, content_digest(segs))
             if state != want:
                 raise ManifestError(

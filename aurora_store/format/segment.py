@@ -69,9 +69,7 @@ class Segment:
     entries: tuple[DecodedEntry, ...]
 
 
-def _write_safetensors(
-    tensors: Sequence[tuple[str, str, list[int], bytes]], metadata: Mapping[str, str]
-) -> bytes:
+def _write_safetensors(tensors: Sequence[tuple[str, str, list[int], bytes]], metadata: Mapping[str, str]) -> bytes:
     """Serialize (name, dtype code, shape, raw bytes) tuples, in the order given."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
@@ -83,9 +81,7 @@ def _write_safetensors(
     return b"".join([struct.pack("<Q", len(hj)), hj, *(t[3] for t in tensors)])
 
 
-def encode_segment(
-    entries: Sequence[EncodedEntry], version: int, base_version: int, fmt: int = 1
-) -> bytes:
+def encode_segment(entries: Sequence[EncodedEntry], version: int, base_version: int, fmt: int = 1) -> bytes:
     """Pack entries into one segment object, marked ``aurora.format = fmt``.
 
     A format-1 segment may not carry format 2's ``rice`` indices or
@@ -96,9 +92,7 @@ def encode_segment(
     if fmt == 1:
         for e in entries:
             if e.encoding == "rice" or e.val_codec == "planes":
-                raise ValueError(
-                    f"{e.param} [{e.start}, {e.stop}): {e.encoding}/{e.val_codec} needs a format-2 segment"
-                )
+                raise ValueError(f"{e.param} [{e.start}, {e.stop}): {e.encoding}/{e.val_codec} needs a format-2 segment")
     tensors: list[tuple[int, str, str, list[int], bytes]] = []
     metas: list[dict[str, Any]] = []
     for i, e in enumerate(entries):
@@ -121,9 +115,7 @@ def encode_segment(
     return _write_safetensors([t[1:] for t in tensors], metadata)
 
 
-def parse_safetensors(
-    data: bytes | memoryview, where: str
-) -> tuple[dict[str, str], dict[str, tuple[str, tuple[int, ...], memoryview]]]:
+def parse_safetensors(data: bytes | memoryview, where: str) -> tuple[dict[str, str], dict[str, tuple[str, tuple[int, ...], memoryview]]]:
     """Parse and bounds-check a safetensors container.
 
     Returns (metadata, tensors) where tensors maps a name to (dtype code,
@@ -136,9 +128,7 @@ def parse_safetensors(
     if not isinstance(header, dict):
         raise SegmentError(where, "header is not a JSON object")
     meta = header.pop("__metadata__", {})
-    if not isinstance(meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-    ):
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise SegmentError(where, "__metadata__ must map strings to strings")
     body = buf[8 + n :]
     spans: list[tuple[int, int, str]] = []
@@ -149,9 +139,7 @@ def parse_safetensors(
         code, shape, offs = t.get("dtype"), t.get("shape"), t.get("data_offsets")
         if not isinstance(code, str) or code not in _ITEMSIZE:
             raise SegmentError(where, f"tensor {name!r}: unknown dtype {code!r}")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise SegmentError(where, f"tensor {name!r}: bad shape {shape!r}")
         if (
             not isinstance(offs, list)
@@ -177,9 +165,7 @@ def parse_safetensors(
     pos = 0
     for a, b, name in spans:
         if a != pos:
-            raise SegmentError(
-                where, f"tensor {name!r} starts at {a}, expected {pos} (gap or overlap)"
-            )
+            raise SegmentError(where, f"tensor {name!r} starts at {a}, expected {pos} (gap or overlap)")
         pos = b
     if pos != len(body):
         raise SegmentError(where, f"{len(body) - pos} bytes after the last tensor")
@@ -269,8 +255,6 @@ def decode_segment(
         try:
             out.append(decode_entry(m, tensor, model, claim, fmt))
         except StreamError as e:
-            param = (
-                m.get("param") if isinstance(m, dict) and isinstance(m.get("param"), str) else None
-            )
+            param = m.get("param") if isinstance(m, dict) and isinstance(m.get("param"), str) else None
             raise EntryError(where, i, param, str(e)) from None
     return Segment(version, base, tuple(out))

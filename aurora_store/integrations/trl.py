@@ -109,7 +109,9 @@ class AuroraCallback(TrainerCallback):
                 log.error("aurora: opening %s failed: %s: %s; training does not start", self._url, type(e).__name__, e)
         if _agree(args, not opened) or self._publish(args, state, model, then="training does not start") is not None:
             self.close()
-            raise self._error or AuroraError("aurora: rank 0 could not open the run root or publish the first version; training does not start (see its log)")
+            raise self._error or AuroraError(
+                "aurora: rank 0 could not open the run root or publish the first version; training does not start (see its log)"
+            )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         then = "stopping training with a checkpoint of this step: resume from it and the chain continues"
@@ -147,8 +149,14 @@ class AuroraCallback(TrainerCallback):
                 self.last = p
                 if state.is_world_process_zero:
                     log.info(
-                        "aurora: v%d (%s%s) step %d: %s, %.2f%% changed, %.2f s", p.version, p.kind,
-                        " + snapshot" if p.snapshot and p.kind == "delta" else "", step, _size(p.bytes), 100 * p.density, p.seconds,
+                        "aurora: v%d (%s%s) step %d: %s, %.2f%% changed, %.2f s",
+                        p.version,
+                        p.kind,
+                        " + snapshot" if p.snapshot and p.kind == "delta" else "",
+                        step,
+                        _size(p.bytes),
+                        100 * p.density,
+                        p.seconds,
                     )
         if _agree(args, failed):
             if self._error is None:

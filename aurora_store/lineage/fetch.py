@@ -70,9 +70,7 @@ __all__ = [
 ]
 
 
-def read_manifest(
-    store: Store, kind: str, version: int, trust: TrustKeys | None = None, commits: CommitRecords | None = None
-) -> Manifest:
+def read_manifest(store: Store, kind: str, version: int, trust: TrustKeys | None = None, commits: CommitRecords | None = None) -> Manifest:
     """The manifest of ``kind`` ``version``, parsed and validated.
 
     ``trust``: refuse (:class:`~aurora_store.errors.SignatureError`) a
@@ -98,9 +96,7 @@ def read_manifest(
         check_commit_record(commits, kind, version, data, store.where(key), record)
     m = Manifest.from_bytes(data, store.where(key))
     if m.kind != kind or m.version != version:
-        raise ManifestError(
-            store.where(key), f"describes {m.kind} {m.version}, expected {kind} {version}"
-        )
+        raise ManifestError(store.where(key), f"describes {m.kind} {m.version}, expected {kind} {version}")
     if trust is not None:
         # from_bytes just parsed these very bytes as a JSON object.
         trust.check_json(json.loads(data), store.where(key), kind, version)
@@ -126,9 +122,7 @@ def check_commit_record(
     if want is None:
         want = commits.commit_record(kind, version)
     if want is None:
-        raise VersionNotFound(
-            f"{where}: {kind} {version} has no Redis commit record (the run commits through Redis): not committed"
-        )
+        raise VersionNotFound(f"{where}: {kind} {version} has no Redis commit record (the run commits through Redis): not committed")
     got = "sha256:" + hashlib.sha256(data).hexdigest()
     if got != want:
         raise ManifestError(
@@ -301,13 +295,9 @@ def fetch_objects(
             with gets:
                 data = store.get(key)
         except ObjectNotFound:
-            raise ObjectNotFound(
-                f"{where}: listed in the manifest of {m.kind} {m.version} but missing"
-            ) from None
+            raise ObjectNotFound(f"{where}: listed in the manifest of {m.kind} {m.version} but missing") from None
         if len(data) != ref.bytes:
-            raise IntegrityError(
-                f"{where}: {len(data)} bytes, manifest says {ref.bytes} (truncated or replaced)"
-            )
+            raise IntegrityError(f"{where}: {len(data)} bytes, manifest says {ref.bytes} (truncated or replaced)")
         if hashlib.sha256(data).hexdigest() != ref.sha256:
             raise IntegrityError(f"{where}: sha256 does not match the manifest (corrupted)")
         return where, (then(where, data) if then is not None else data)

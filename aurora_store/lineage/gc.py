@@ -212,9 +212,7 @@ def _temp_files(store: Store) -> list[str]:
     except FileNotFoundError:
         return []
     root = store.root + "/"
-    return sorted(
-        p[len(root):] for p in found if p.startswith(root) and os.path.basename(p).startswith(TEMP_PREFIX)
-    )
+    return sorted(p[len(root) :] for p in found if p.startswith(root) and os.path.basename(p).startswith(TEMP_PREFIX))
 
 
 def _prune_empty_folders(store: Store, keys: Iterable[str]) -> None:
@@ -313,4 +311,3 @@ def run_gc(
 ) -> GcPlan:
     """Plan, print, and (with ``apply``) delete: :func:`retain` with the CLI's defaults (a dry run, printing)."""
     return retain(store, keep_snapshots, held, min_orphan_age_s, force=force, dry_run=not apply, say=say)
-

@@ -70,9 +70,7 @@ _DELTA_SEGMENT = re.compile(r"^deltas/v([0-9]{10})/[0-9a-f]{16,}/seg-[0-9]{5}\.s
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def announced_segment(
-    version: int, key: str, size: str | int, sha256: str
-) -> tuple[str, int, str] | None:
+def announced_segment(version: int, key: str, size: str | int, sha256: str) -> tuple[str, int, str] | None:
     """``(key, bytes, sha256)`` of a well-formed delta segment announcement of ``version``, else None."""
     m = _DELTA_SEGMENT.fullmatch(key)
     if m is None or int(m.group(1)) != version or not _HEX64.fullmatch(sha256):
@@ -127,9 +125,7 @@ class Prefetcher:
         versions_ahead: int = 2,
     ) -> None:
         if streams < 1 or max_held_bytes < 0 or versions_ahead < 1:
-            raise ValueError(
-                f"streams >= 1, max_held_bytes >= 0, versions_ahead >= 1 (got {streams}, {max_held_bytes}, {versions_ahead})"
-            )
+            raise ValueError(f"streams >= 1, max_held_bytes >= 0, versions_ahead >= 1 (got {streams}, {max_held_bytes}, {versions_ahead})")
         self.max_held_bytes = max_held_bytes
         self.versions_ahead = versions_ahead
         self.stats = PrefetchStats()
@@ -150,9 +146,7 @@ class Prefetcher:
         with self._lock:
             return {s.version for s in self._slots.values()}
 
-    def announce(
-        self, store: Store, version: int, key: str, size: str | int, sha256: str, held_version: int
-    ) -> bool:
+    def announce(self, store: Store, version: int, key: str, size: str | int, sha256: str, held_version: int) -> bool:
         """Start downloading one announced segment of ``version`` from ``store``; returns whether it was started.
 
         ``held_version``: the newest version the caller has staged; only the
@@ -166,9 +160,7 @@ class Prefetcher:
                 self.stats.refused += 1
                 return False
             if key in self._slots:
-                return (
-                    False  # announced twice (a Relay and origin, a retried publish): one download
-                )
+                return False  # announced twice (a Relay and origin, a retried publish): one download
             n = ref[1]
             if self._held + n > self.max_held_bytes:
                 self.stats.refused += 1

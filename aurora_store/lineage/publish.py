@@ -79,6 +79,7 @@ def _utc_now() -> str:
     """A manifest's ``created_at`` (FORMAT.md §4): UTC, to the second."""
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
+
 _MIB = 1 << 20
 _WEIGHTS_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
@@ -204,9 +205,7 @@ class PublishConfig:
 
     streams: int = streams_field()
     """Concurrent uploads (TCP connections) per version. Env ``AURORA_STREAMS``."""
-    segment_bytes: int | None = field(
-        default=None, metadata={"env": SEGMENT_MIB_ENV, "scale": _MIB}
-    )
+    segment_bytes: int | None = field(default=None, metadata={"env": SEGMENT_MIB_ENV, "scale": _MIB})
     """Target segment size in bytes; None (the default) adapts it to each delta with
     :func:`segment_bytes_for`. Env ``AURORA_SEGMENT_MIB``, in MiB (fractions allowed)."""
     options: EncodeOptions = field(default_factory=EncodeOptions, metadata={"env": False})
@@ -271,7 +270,12 @@ class _Uploader:
                 try:
                     done()
                 except Exception as e:  # noqa: BLE001 - an announcement is a hint: the manifest is the commit
-                    log.warning("segment %s is durable but its announcement failed (%s: %s); readers find it by the manifest", key, type(e).__name__, e)
+                    log.warning(
+                        "segment %s is durable but its announcement failed (%s: %s); readers find it by the manifest",
+                        key,
+                        type(e).__name__,
+                        e,
+                    )
 
         self.futures.append(self.pool.submit(run))
 
@@ -448,10 +452,7 @@ def publish_snapshot(
     finally:
         up.wait()
     segments = tuple(refs)
-    params = {
-        n: {"shape": list(t.shape), "dtype": spec_of(t, n).dtype}
-        for n, t in sorted(tensors.items())
-    }
+    params = {n: {"shape": list(t.shape), "dtype": spec_of(t, n).dtype} for n, t in sorted(tensors.items())}
     m = Manifest(
         kind="snapshot",
         run=run,

@@ -249,9 +249,7 @@ class Store(abc.ABC):
             raise ValueError(f"bad range [{start}, {stop})")
         path = self._path(key)
         try:
-            return self._retry(
-                f"get {self.where(key)}", lambda: bytes(self.fs.cat_file(path, start=start, end=stop, **self._deadline))
-            )
+            return self._retry(f"get {self.where(key)}", lambda: bytes(self.fs.cat_file(path, start=start, end=stop, **self._deadline)))
         except FileNotFoundError:
             raise self._missing(key) from None
 
@@ -307,9 +305,7 @@ class Store(abc.ABC):
             entries = self._retry(f"list {self.where(prefix)}", lambda: self.fs.ls(path, detail=True, **self._deadline))
         except FileNotFoundError:
             return []
-        return sorted(
-            os.path.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory"
-        )
+        return sorted(os.path.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory")
 
     def delete(self, key: str) -> None:
         """Remove an object (garbage collection only); a missing one is fine."""

@@ -80,9 +80,7 @@ class ClusterNode:
     def client(self, timeout_s: float = 2.0) -> Any:
         import redis
 
-        return redis.Redis(
-            host=_HOST, port=self.port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
-        )
+        return redis.Redis(host=_HOST, port=self.port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
 
 
 @dataclass
@@ -157,9 +155,7 @@ class RedisCluster:
                 except redis.ConnectionError:
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"redis-server did not answer on port {node.port} within {timeout_s}s"
-                    )
+                    raise RuntimeError(f"redis-server did not answer on port {node.port} within {timeout_s}s")
                 time.sleep(0.02)
         finally:
             client.close()
@@ -185,9 +181,7 @@ class RedisCluster:
             master = masters[j % self.masters]
             _cmd(node, "CLUSTER", "REPLICATE", master.node_id)
         self.wait_ok(timeout_s)
-        self.wait_until(
-            lambda: all(self._replicas_synced(m) for m in masters), timeout_s, "replicas syncing"
-        )
+        self.wait_until(lambda: all(self._replicas_synced(m) for m in masters), timeout_s, "replicas syncing")
 
     def _known(self, node: ClusterNode) -> int:
         try:
@@ -200,10 +194,7 @@ class RedisCluster:
             info = _s(_cmd(master, "INFO", "replication"))
         except Exception:
             return False
-        return (
-            f"connected_slaves:{self.replicas}" in info
-            and info.count("state=online") == self.replicas
-        )
+        return f"connected_slaves:{self.replicas}" in info and info.count("state=online") == self.replicas
 
     def close(self) -> None:
         """Stop every node and remove the folder."""
@@ -281,11 +272,7 @@ class RedisCluster:
             except Exception:
                 continue
             for row in table:
-                if (
-                    "master" in row["flags"]
-                    and "fail" not in row["flags"]
-                    and any(lo <= slot <= hi for lo, hi in row["slots"])
-                ):
+                if "master" in row["flags"] and "fail" not in row["flags"] and any(lo <= slot <= hi for lo, hi in row["slots"]):
                     node = self.node(row["port"])
                     if node.alive:
                         return node
@@ -293,9 +280,7 @@ class RedisCluster:
 
     def replicas_of(self, master: ClusterNode) -> list[ClusterNode]:
         """The nodes that replicate ``master`` (according to ``master``)."""
-        return [
-            self.node(r["port"]) for r in self._nodes_table(master) if r["master"] == master.node_id
-        ]
+        return [self.node(r["port"]) for r in self._nodes_table(master) if r["master"] == master.node_id]
 
     # -- faults --------------------------------------------------------------------
     def kill(self, node: ClusterNode) -> None:
@@ -359,17 +344,10 @@ class RedisCluster:
             except Exception:
                 return False
             owners = sorted(
-                (lo, hi, r["id"])
-                for r in table
-                if "master" in r["flags"] and "fail" not in r["flags"]
-                for lo, hi in r["slots"]
+                (lo, hi, r["id"]) for r in table if "master" in r["flags"] and "fail" not in r["flags"] for lo, hi in r["slots"]
             )
             maps.append(owners)
-        return (
-            bool(maps)
-            and all(m == maps[0] for m in maps)
-            and sum(hi - lo + 1 for lo, hi, _ in maps[0]) == CLUSTER_SLOTS
-        )
+        return bool(maps) and all(m == maps[0] for m in maps) and sum(hi - lo + 1 for lo, hi, _ in maps[0]) == CLUSTER_SLOTS
 
     def wait_ok(self, timeout_s: float = 60.0) -> None:
         self.wait_until(self.state_ok, timeout_s, "cluster_state:ok on every node")

@@ -60,8 +60,19 @@ class RedisServer:
             self.port = free_port()  # redis-server cannot bind port 0 and say which it got
         self.proc = subprocess.Popen(
             [
-                self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes" if self.appendonly else "no",
-                "--dir", self.dir, "--protected-mode", "yes",
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "yes" if self.appendonly else "no",
+                "--dir",
+                self.dir,
+                "--protected-mode",
+                "yes",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -37,8 +37,16 @@ from aurora_store.config import free_port, port_is_free
 from aurora_store.testing.redis_server import RedisServer, redis_server_binary
 
 __all__ = [
-    "S3Server", "RcloneS3Server", "RedisServer", "RcloneS3", "rclone_binary", "redis_server_binary", "free_port",
-    "port_is_free", "rclone_env", "stop_process",
+    "S3Server",
+    "RcloneS3Server",
+    "RedisServer",
+    "RcloneS3",
+    "rclone_binary",
+    "redis_server_binary",
+    "free_port",
+    "port_is_free",
+    "rclone_env",
+    "stop_process",
 ]
 
 _HOST = "127.0.0.1"
@@ -62,8 +70,12 @@ class _S3Access:
         from botocore.config import Config
 
         return boto3.client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
-            region_name=self.region, config=Config(**self.checksums) if self.checksums else None,
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name=self.region,
+            config=Config(**self.checksums) if self.checksums else None,
         )
 
     def new_bucket(self, prefix: str = "aurora") -> str:
@@ -74,7 +86,8 @@ class _S3Access:
     def storage_options(self) -> dict[str, Any]:
         """fsspec/s3fs options that reach this server (and nothing else)."""
         opts: dict[str, Any] = {
-            "key": self.access_key, "secret": self.secret_key,
+            "key": self.access_key,
+            "secret": self.secret_key,
             "client_kwargs": {"endpoint_url": self.endpoint, "region_name": self.region},
         }
         if self.checksums:
@@ -85,8 +98,10 @@ class _S3Access:
     def env_vars(self) -> dict[str, str]:
         """Environment variables that point S3 clients (boto3, s3fs, child processes) at this server."""
         env = {
-            "AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_DEFAULT_REGION": self.region,
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
         }
         env.update({f"AWS_{k.upper()}": v for k, v in self.checksums.items()})
         return env
@@ -294,7 +309,10 @@ class RcloneS3Server(_S3Access):
         self._log = open(Path(self._private) / "rclone.log", "wb")  # noqa: SIM115 - closed in stop()
         self._child = subprocess.Popen(
             [binary, "serve", "s3", "--addr", f"{_HOST}:{port}", "--etag-hash", self.etag_hash, str(self.root)],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         self.endpoint = f"http://{_HOST}:{port}"
         self.port = port
@@ -377,8 +395,14 @@ class RcloneS3(RcloneS3Server):
 
     def cli_options(self) -> list[str]:
         """``--storage-option`` flags that reach this server (test keys only: argv is world-readable)."""
-        return ["--storage-option", f"key={self.access_key}", "--storage-option", f"secret={self.secret_key}",
-                "--storage-option", f"endpoint_url={self.endpoint}"]
+        return [
+            "--storage-option",
+            f"key={self.access_key}",
+            "--storage-option",
+            f"secret={self.secret_key}",
+            "--storage-option",
+            f"endpoint_url={self.endpoint}",
+        ]
 
 
 def _serve_s3(argv: list[str]) -> int:

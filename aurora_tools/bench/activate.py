@@ -56,9 +56,7 @@ __all__ = ["add_arguments", "main", "measure"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--params", type=float, default=1e9, help="model size in parameters (default 1e9)"
-    )
+    p.add_argument("--params", type=float, default=1e9, help="model size in parameters (default 1e9)")
     p.add_argument(
         "--density",
         type=float,
@@ -159,17 +157,13 @@ def measure(
     ref = {n: t.clone() for n, t in weights.items()}  # version 0, for putting the weights back
     new = {n: t.clone() for n, t in ref.items()}
     sparse_update(new, dens, seed, 1)
-    say(
-        f"model of {shape.params:,} parameters and its step built in {time.perf_counter() - t0:.1f}s"
-    )
+    say(f"model of {shape.params:,} parameters and its step built in {time.perf_counter() - t0:.1f}s")
     t0 = time.perf_counter()
     segs = list(encode_segments(extract(plan, ref, new), 1, EncodeOptions()))
     delta_bytes = sum(len(s.data) for s in segs)
     staged = stage_segments([(f"segment {s.index}", s.data) for s in segs], 1, plan.specs())
     del segs
-    say(
-        f"delta encoded and decoded: {staged.nnz:,} changed elements, {delta_bytes:,} bytes ({time.perf_counter() - t0:.1f}s)"
-    )
+    say(f"delta encoded and decoded: {staged.nnz:,} changed elements, {delta_bytes:,} bytes ({time.perf_counter() - t0:.1f}s)")
     kernels.warm_up()
     digest_new = weights_digest(new, plan)
 
@@ -193,9 +187,7 @@ def measure(
     floor: list[tuple[str, np.ndarray, np.ndarray, bool]] = []
     for e in staged.entries:
         assert e.indices is not None, "the RL-regime delta has no dense entries"
-        bits = np.ascontiguousarray(
-            e.bits.view(np.uint16 if e.bits.dtype.itemsize == 2 else np.uint32)
-        )
+        bits = np.ascontiguousarray(e.bits.view(np.uint16 if e.bits.dtype.itemsize == 2 else np.uint32))
         for b in plan.params[e.param].blocks:
             lo, hi = np.searchsorted(e.indices, [b.offset, b.offset + b.numel])
             if hi > lo:
@@ -310,9 +302,7 @@ def measure(
     weights_digest(weights, plan)
     result["digest_s"] = time.perf_counter() - t0
     result["exact"] = bool(exact_all)
-    result["safe_point_over_bare"] = (
-        result["safe_point_s"] / result["bare_scatter_s"] if result["bare_scatter_s"] > 0 else None
-    )
+    result["safe_point_over_bare"] = result["safe_point_s"] / result["bare_scatter_s"] if result["bare_scatter_s"] > 0 else None
     result["reps"] = reps
     result["kernels"] = kernels.path()
     result["torch_threads"] = torch.get_num_threads()

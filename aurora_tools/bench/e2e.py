@@ -126,9 +126,15 @@ def synthetic_run(root: str, shape: Any, versions: int = 3, lr: float = 2e-7, se
     url = f"file://{os.path.abspath(root)}"
     store = open_store(url)
     cfg = Qwen3Config(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim, tie_word_embeddings=shape.tied, max_position_embeddings=512,
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        tie_word_embeddings=shape.tied,
+        max_position_embeddings=512,
         architectures=["Qwen3ForCausalLM"],
     )
     write_model_description(store, cfg.to_json_string(), CharTokenizer().to_json())
@@ -148,7 +154,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument(
-        "--parity", action="store_true",
+        "--parity",
+        action="store_true",
         help="the paper's parity check instead: held-out accuracy by version of an asynchronous delta run (K=1) "
         "against a synchronous run (K=0, each batch on the version just published), same model, task, seed and steps",
     )
@@ -162,13 +169,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--group", type=int, default=8, help="completions per prompt")
     g.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="longest completion (default: the Trainer's)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--tiny-size", nargs=2, type=int, default=None, metavar=("HIDDEN", "INTERMEDIATE"),
-                   help="widths of the built-in model (default: the demo's 256 768)")
+    g.add_argument(
+        "--tiny-size",
+        nargs=2,
+        type=int,
+        default=None,
+        metavar=("HIDDEN", "INTERMEDIATE"),
+        help="widths of the built-in model (default: the demo's 256 768)",
+    )
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the means")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--engine", default="torch", choices=("torch", "vllm"), help="the Actors' engine; vllm adds delta vs reload activation times")
     p.add_argument(
-        "--activation-shape", default=None, choices=("qwen3-0.6b",),
+        "--engine", default="torch", choices=("torch", "vllm"), help="the Actors' engine; vllm adds delta vs reload activation times"
+    )
+    p.add_argument(
+        "--activation-shape",
+        default=None,
+        choices=("qwen3-0.6b",),
         help="with --engine vllm: also time delta vs reload activation on random weights of this shape (about 1%% of elements change per delta)",
     )
 
@@ -190,13 +207,28 @@ def parity(args: argparse.Namespace) -> dict[str, Any]:
         for mode, lag in (("async", 1), ("sync", 0)):
             run = f"parity-{mode}"
             cfg = DemoConfig(
-                steps=args.steps, batch=args.batch, group=args.group, actors_relay=0, actors_origin=2, relay=False, kill_at=-1, join_at=-1,
-                redis=rs.url, run=run, workdir=tempfile.mkdtemp(prefix=f"aurora-parity-{mode}-"), display=False, seed=args.seed,
-                engine=args.engine, trainer_extra={**extra, "max_lag": lag, "min_actors": 2},
+                steps=args.steps,
+                batch=args.batch,
+                group=args.group,
+                actors_relay=0,
+                actors_origin=2,
+                relay=False,
+                kill_at=-1,
+                join_at=-1,
+                redis=rs.url,
+                run=run,
+                workdir=tempfile.mkdtemp(prefix=f"aurora-parity-{mode}-"),
+                display=False,
+                seed=args.seed,
+                engine=args.engine,
+                trainer_extra={**extra, "max_lag": lag, "min_actors": 2},
                 **({"tiny_hidden": args.tiny_size[0], "tiny_intermediate": args.tiny_size[1]} if args.tiny_size else {}),
             )
             if not args.json:
-                print(f"running {mode} ({'K=1: batch b on version b-1' if lag else 'K=0: batch b on version b'}), {args.steps} steps ...", flush=True)
+                print(
+                    f"running {mode} ({'K=1: batch b on version b-1' if lag else 'K=0: batch b on version b'}), {args.steps} steps ...",
+                    flush=True,
+                )
             t0 = time.perf_counter()
             res = run_system_demo(cfg, say=lambda *a, **k: None)
             curves[mode] = {v: e["accuracy"] for v, e in read_evals(connect(rs.url), RunKeys(run)).items()}
@@ -220,7 +252,9 @@ def _print_parity(out: dict[str, Any]) -> None:
     for v, a, b in zip(out["parity_versions"], out["parity_accuracy_async"], out["parity_accuracy_sync"], strict=True):
         print(f"{v:>8} {a:>10.3f} {b:>10.3f} {a - b:>+8.3f}")
     if out["parity_gap_mean"] is not None:
-        print(f"mean gap {out['parity_gap_mean']:+.3f}, last {out['parity_gap_last']:+.3f}; wall {out['wall_s_async']:.0f}s async, {out['wall_s_sync']:.0f}s sync")
+        print(
+            f"mean gap {out['parity_gap_mean']:+.3f}, last {out['parity_gap_last']:+.3f}; wall {out['wall_s_async']:.0f}s async, {out['wall_s_sync']:.0f}s sync"
+        )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -245,20 +279,35 @@ def main(args: argparse.Namespace) -> int:
     with RedisServer() as rs:
         for mode, transfer in (("aurora", True), ("ideal", False)):
             cfg = DemoConfig(
-                steps=args.steps, batch=args.batch, actors_relay=2, actors_origin=2, kill_at=-1, join_at=-1,
-                redis=rs.url, run=f"bench-{mode}", workdir=tempfile.mkdtemp(prefix=f"aurora-bench-{mode}-"),
-                display=False, weight_transfer=transfer, engine=args.engine,
+                steps=args.steps,
+                batch=args.batch,
+                actors_relay=2,
+                actors_origin=2,
+                kill_at=-1,
+                join_at=-1,
+                redis=rs.url,
+                run=f"bench-{mode}",
+                workdir=tempfile.mkdtemp(prefix=f"aurora-bench-{mode}-"),
+                display=False,
+                weight_transfer=transfer,
+                engine=args.engine,
             )
             workdirs[mode] = cfg.workdir
             if not args.json:
-                print(f"running {mode} ({'weights shipped as deltas' if transfer else 'no weight transfer'}), {args.steps} steps ...", flush=True)
+                print(
+                    f"running {mode} ({'weights shipped as deltas' if transfer else 'no weight transfer'}), {args.steps} steps ...",
+                    flush=True,
+                )
             res = run_system_demo(cfg, say=lambda *a, **k: None)
             results[mode] = res
             out[mode] = summarize(res, args.skip)
     a, i = out["aurora"], out["ideal"]
     out["weight_path_overhead_fraction"] = (a["step_s"] - i["step_s"]) / i["step_s"] if i["step_s"] > 0 else None
     out["bit_identical"] = results["aurora"].bit_identical
-    out["target"] = {"weight_path_overhead_fraction_max": 0.05, "met": out["weight_path_overhead_fraction"] is not None and out["weight_path_overhead_fraction"] < 0.05}
+    out["target"] = {
+        "weight_path_overhead_fraction_max": 0.05,
+        "met": out["weight_path_overhead_fraction"] is not None and out["weight_path_overhead_fraction"] < 0.05,
+    }
     if args.engine == "vllm":
         if not args.json:
             print("replaying the run's deltas in one vLLM engine: in-place activation vs full load_weights ...", flush=True)
@@ -274,12 +323,24 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    rows = ("step_s", "wait_rollouts_s", "train_s", "extract_publish_s", "stage_s", "activate_s", "tokens_per_s", "delta_bytes", "reward_last")
+    rows = (
+        "step_s",
+        "wait_rollouts_s",
+        "train_s",
+        "extract_publish_s",
+        "stage_s",
+        "activate_s",
+        "tokens_per_s",
+        "delta_bytes",
+        "reward_last",
+    )
     print(f"\n{'per step (mean)':<22} {'aurora':>12} {'ideal':>12}")
     for k in rows:
         print(f"{k:<22} {a[k]:>12.4f} {i[k]:>12.4f}")
     f = out["weight_path_overhead_fraction"]
-    print(f"\nweight path overhead: {100 * f:+.1f}% of step time (target < 5%: {'met' if out['target']['met'] else 'NOT met'}); bit-identical: {out['bit_identical']}")
+    print(
+        f"\nweight path overhead: {100 * f:+.1f}% of step time (target < 5%: {'met' if out['target']['met'] else 'NOT met'}); bit-identical: {out['bit_identical']}"
+    )
     if args.engine == "vllm":
         print(
             f"vLLM activation ({out['versions']} versions, {out['params']} parameters, {out['changed_mean']:.0f} changed per delta): "

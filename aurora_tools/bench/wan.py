@@ -46,16 +46,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="DIR", default=None, help="write PNG plots into DIR")
     p.add_argument("--params", type=float, default=None, help="synthetic model size (default 1e9; 1e8 with --quick)")
     p.add_argument("--streams", type=int, default=4, help="S of the multi-stream modes (default 4)")
-    p.add_argument("--measure", type=int, default=0, help="steps measured per run (0: 2 quick, 1 for full weights; 4, or 3 for full weights, otherwise)")
+    p.add_argument(
+        "--measure",
+        type=int,
+        default=0,
+        help="steps measured per run (0: 2 quick, 1 for full weights; 4, or 3 for full weights, otherwise)",
+    )
     p.add_argument("--warmup", type=int, default=-1, help="steps before them left out (default K + 1 for lag bound K)")
     p.add_argument("--experiments", default=",".join(EXPERIMENTS), help=f"comma list of {','.join(EXPERIMENTS)}")
-    p.add_argument("--net", choices=("auto", "netns", "loopback"), default="auto", help="auto: namespaces where permitted, else loopback proxies")
-    p.add_argument("--s3", choices=("moto", "rclone"), default="moto",
-                   help="S3 server: moto (objects in memory) or rclone (files under the work folder; the Trainer commits through Redis)")
+    p.add_argument(
+        "--net", choices=("auto", "netns", "loopback"), default="auto", help="auto: namespaces where permitted, else loopback proxies"
+    )
+    p.add_argument(
+        "--s3",
+        choices=("moto", "rclone"),
+        default="moto",
+        help="S3 server: moto (objects in memory) or rclone (files under the work folder; the Trainer commits through Redis)",
+    )
     p.add_argument("--gen-window-s", type=float, default=0.0, help="simulated generation time per step (0: 45 s x params / 8.2e9)")
     p.add_argument("--train-s", type=float, default=-1.0, help="simulated training time per step (< 0: 0.3 x the generation window)")
     p.add_argument("--prompts-per-actor", type=int, default=16)
-    p.add_argument("--max-gbps", type=float, default=None, help="top of the bandwidth sweep (default: unshaped, as fast as this machine goes)")
+    p.add_argument(
+        "--max-gbps", type=float, default=None, help="top of the bandwidth sweep (default: unshaped, as fast as this machine goes)"
+    )
     p.add_argument("--workdir", default=None, help="logs of every process (default: a temporary folder)")
     p.add_argument("--modes", default=",".join(MODES), help="modes to run, in every experiment (default: all)")
     p.add_argument("--actors", type=int, default=2, help="Actors of the modes experiment (default 2)")
@@ -77,11 +90,19 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
     if any(m not in MODES for m in modes):
         raise SystemExit(f"unknown mode(s) in {modes}; choose from {tuple(MODES)}")
     opts = SweepOptions(
-        quick=args.quick, streams=args.streams, measure=args.measure, warmup=args.warmup, max_gbps=args.max_gbps, experiments=exps,
-        modes=modes, actors=args.actors,
+        quick=args.quick,
+        streams=args.streams,
+        measure=args.measure,
+        warmup=args.warmup,
+        max_gbps=args.max_gbps,
+        experiments=exps,
+        modes=modes,
+        actors=args.actors,
     )
     configs = build_sweep(opts)
-    wl = Workload(params=params, prompts_per_actor=args.prompts_per_actor, gen_window_s=args.gen_window_s, train_s=args.train_s, digests=args.digests)
+    wl = Workload(
+        params=params, prompts_per_actor=args.prompts_per_actor, gen_window_s=args.gen_window_s, train_s=args.train_s, digests=args.digests
+    )
     net = args.net
     if net == "auto":
         from aurora_tools.wan.host import wan_unavailable_reason
@@ -103,7 +124,9 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
             if res["error"]:
                 log(f"    FAILED: {res['error']} (logs {res['logs']})")
             else:
-                log(f"    step {_f(res['step_s'])} s, transfer {_f(res['transfer_s'])} s, {_f(res['tokens_per_s'], 0)} tok/s, wall {res['wall_s']:.0f} s")
+                log(
+                    f"    step {_f(res['step_s'])} s, transfer {_f(res['transfer_s'])} s, {_f(res['tokens_per_s'], 0)} tok/s, wall {res['wall_s']:.0f} s"
+                )
     attach_ideal(configs, results)
     first = results[0] if results else {}
     out: dict[str, Any] = {
@@ -114,8 +137,12 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         "params": first.get("params"),
         "model_bytes": first.get("model_bytes"),
         "workload": {
-            "gen_window_s": first.get("gen_window_s"), "train_s": first.get("train_s"), "prompts_per_actor": wl.prompts_per_actor,
-            "group": wl.group, "tokens_per_completion": wl.tokens, "density": wl.density,
+            "gen_window_s": first.get("gen_window_s"),
+            "train_s": first.get("train_s"),
+            "prompts_per_actor": wl.prompts_per_actor,
+            "group": wl.group,
+            "tokens_per_completion": wl.tokens,
+            "density": wl.density,
             "gen_window_rule": "45 s x params / 8.2e9 (the paper's Qwen3-8B window, scaled)" if not args.gen_window_s else "given",
         },
         "streams": args.streams,
@@ -184,7 +211,10 @@ def format_table(r: dict[str, Any]) -> str:
         lines.append("")
         lines.append("  object bytes into each region per version, in deltas")
         for c in multi:
-            per = ", ".join(f"{reg} ({link}): {x:.2f}" for (reg, x), link in zip(sorted(c["cross_over_version_by_region"].items()), c["regions"], strict=False))
+            per = ", ".join(
+                f"{reg} ({link}): {x:.2f}"
+                for (reg, x), link in zip(sorted(c["cross_over_version_by_region"].items()), c["regions"], strict=False)
+            )
             lines.append(f"    {c['name']:<50} {per}")
     lines.append("")
     lines.append("  headline (modes, 1 Gbit/s, 20 ms RTT, 2 Actors): throughput relative to ideal")
@@ -211,8 +241,12 @@ def format_table(r: dict[str, Any]) -> str:
         shown = ", ".join(f"{k}: {x:.3f}" for k, x in v.items()) if isinstance(v, dict) else f"{v:.3f}"
         lines.append(f"    {name:<32} {shown:<40} goal {t['goal']}: {met}")
     if r.get("measured_max_gbps"):
-        lines.append(f"  this machine pushed at most {r['measured_max_gbps']:.2f} Gbit/s of objects into a region (unshaped link, full weights)")
-    lines.append(f"  {r['failed']} failed run(s); wall {r['wall_s']:.0f} s; {r['cpus']} CPUs, load average {r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}")
+        lines.append(
+            f"  this machine pushed at most {r['measured_max_gbps']:.2f} Gbit/s of objects into a region (unshaped link, full weights)"
+        )
+    lines.append(
+        f"  {r['failed']} failed run(s); wall {r['wall_s']:.0f} s; {r['cpus']} CPUs, load average {r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}"
+    )
     return "\n".join(lines)
 
 

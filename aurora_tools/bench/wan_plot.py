@@ -38,7 +38,11 @@ def write_plots(out: Mapping[str, Any], folder: str) -> list[str]:
     if rs:
         fig, ax = plt.subplots(figsize=(7, 3.4))
         vals = [r.get("throughput_vs_ideal") or 0 for r in rs]
-        bars = ax.bar([r["mode"] for r in rs], vals, color=["#777" if r["mode"] == "ideal" else "#c44" if r["transfer"] == "full" else "#36c" for r in rs])
+        bars = ax.bar(
+            [r["mode"] for r in rs],
+            vals,
+            color=["#777" if r["mode"] == "ideal" else "#c44" if r["transfer"] == "full" else "#36c" for r in rs],
+        )
         for b, v in zip(bars, vals, strict=True):
             ax.text(b.get_x() + b.get_width() / 2, v + 0.02, f"{v:.2f}", ha="center", fontsize=8)
         r0 = rs[0]
@@ -101,7 +105,9 @@ def write_plots(out: Mapping[str, Any], folder: str) -> list[str]:
     rs = _ok(res, "hetero")
     if rs:
         fig, ax = plt.subplots(figsize=(5, 3.2))
-        bars = ax.bar([r["split"] for r in rs], [r["tokens_per_s"] for r in rs], color=["#c44" if r["split"] == "uniform" else "#36c" for r in rs])
+        bars = ax.bar(
+            [r["split"] for r in rs], [r["tokens_per_s"] for r in rs], color=["#c44" if r["split"] == "uniform" else "#36c" for r in rs]
+        )
         for b, r in zip(bars, rs, strict=True):
             ax.text(b.get_x() + b.get_width() / 2, r["tokens_per_s"], f"{r['tokens_per_s']:.0f}", ha="center", va="bottom", fontsize=8)
         ax.set_ylabel("tokens/s")
@@ -150,7 +156,9 @@ def write_plots(out: Mapping[str, Any], folder: str) -> list[str]:
         for k, r in enumerate(rs):
             xs = [i + (k - (len(rs) - 1) / 2) * width for i in range(len(regions))]
             ys = [r["cross_over_version_by_region"].get(g, 0.0) for g in regions]
-            ax.bar(xs, ys, width, color="#36c" if r["relay"] else "#c44", label="with a Relay per region" if r["relay"] else "without Relays")
+            ax.bar(
+                xs, ys, width, color="#36c" if r["relay"] else "#c44", label="with a Relay per region" if r["relay"] else "without Relays"
+            )
         ax.axhline(1.0, color="#777", ls="--", lw=1, label="one delta")
         ax.set_xticks(range(len(regions)))
         ax.set_xticklabels([f"{g} ({link})" for g, link in zip(regions, rs[0].get("regions") or regions, strict=False)])

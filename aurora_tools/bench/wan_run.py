@@ -35,7 +35,6 @@ from aurora_tools.bench.wan_sweep import RunConfig, summarize
 __all__ = ["Servers", "Workload", "servers", "run_config"]
 
 
-
 @dataclass(frozen=True, slots=True)
 class Workload:
     """The synthetic workload every run of a sweep shares."""
@@ -186,8 +185,12 @@ def run_config(
     hold = cfg.actors * full_bytes * (2 if spec.transfer == "full" else 1) <= wl.hold_weights_budget
     profiles = {
         f"r{k + 1}": LinkProfile(
-            rate_mbit=None if link.gbps is None else link.gbps * 1000.0, delay_ms=link.rtt_ms / 2, jitter_ms=link.jitter_ms,
-            stall_prob=link.stall_prob, stall_ms=link.stall_ms or 500.0, seed=100 * index + k,
+            rate_mbit=None if link.gbps is None else link.gbps * 1000.0,
+            delay_ms=link.rtt_ms / 2,
+            jitter_ms=link.jitter_ms,
+            stall_prob=link.stall_prob,
+            stall_ms=link.stall_ms or 500.0,
+            seed=100 * index + k,
         )
         for k, link in enumerate(cfg.links)
     }
@@ -199,7 +202,13 @@ def run_config(
         if avail is not None and avail < need:
             _drop_bucket(srv, bucket)
             res = summarize(cfg, [], {}, {}, {}, full_bytes)
-            res.update(params=params, model_bytes=full_bytes, net_mode=net_mode, error=f"skipped: needs about {need / 1e9:.1f} GB of memory, {avail / 1e9:.1f} GB available", logs=logdir)
+            res.update(
+                params=params,
+                model_bytes=full_bytes,
+                net_mode=net_mode,
+                error=f"skipped: needs about {need / 1e9:.1f} GB of memory, {avail / 1e9:.1f} GB available",
+                logs=logdir,
+            )
             return res
     procs: dict[str, subprocess.Popen[bytes]] = {}
     files: list[Any] = []
@@ -233,32 +242,102 @@ def run_config(
             region_env[reg].update(redis_child_env(region_redis[reg]))
         start_counters = _stats(tb, s3_up_port)
         trainer_args = [
-            "bench", "synthetic-trainer", "--store", origin, "--run", run,
-            "--steps", str(cfg.steps), "--batch", str(batch), "--group", str(wl.group), "--streams", str(S),
-            "--transfer", spec.transfer, "--max-lag", str(spec.max_lag), "--split", cfg.split, "--params", str(wl.params),
-            "--density", str(wl.density), "--gen-s-per-prompt", f"{per_prompt:.6f}", "--train-s", f"{wl.train(params):.6f}",
-            "--tokens", str(wl.tokens), "--segment-bytes", str(seg), "--shard-bytes", str(shard),
-            "--heartbeat-timeout", str(wl.heartbeat_timeout_s), "--keep-snapshots", str(spec.max_lag + 1),
+            "bench",
+            "synthetic-trainer",
+            "--store",
+            origin,
+            "--run",
+            run,
+            "--steps",
+            str(cfg.steps),
+            "--batch",
+            str(batch),
+            "--group",
+            str(wl.group),
+            "--streams",
+            str(S),
+            "--transfer",
+            spec.transfer,
+            "--max-lag",
+            str(spec.max_lag),
+            "--split",
+            cfg.split,
+            "--params",
+            str(wl.params),
+            "--density",
+            str(wl.density),
+            "--gen-s-per-prompt",
+            f"{per_prompt:.6f}",
+            "--train-s",
+            f"{wl.train(params):.6f}",
+            "--tokens",
+            str(wl.tokens),
+            "--segment-bytes",
+            str(seg),
+            "--shard-bytes",
+            str(shard),
+            "--heartbeat-timeout",
+            str(wl.heartbeat_timeout_s),
+            "--keep-snapshots",
+            str(spec.max_lag + 1),
             # A lease must outlive one claim's generation (before any completion time is measured).
-            "--min-lease-s", f"{max(2.0, 3 * per_prompt * 2 * wl.prompts_per_actor * max(cfg.slowdowns)):.1f}",
+            "--min-lease-s",
+            f"{max(2.0, 3 * per_prompt * 2 * wl.prompts_per_actor * max(cfg.slowdowns)):.1f}",
             *(["--digests"] if wl.digests else []),
             *(["--commit-via", "redis"] if srv.commit_via == "redis" else []),
         ]
         # Everything starts at once (imports overlap); Actors wait for the run's description.
-        procs["trainer"] = subprocess.Popen(_cli(*trainer_args), env={**srv.env(), **redis_child_env(srv.redis_url)}, stdout=out("trainer"), stderr=subprocess.STDOUT)
+        procs["trainer"] = subprocess.Popen(
+            _cli(*trainer_args), env={**srv.env(), **redis_child_env(srv.redis_url)}, stdout=out("trainer"), stderr=subprocess.STDOUT
+        )
         if cfg.uses_relay:
             for reg in profiles:
                 procs[f"relay-{reg}"] = tb.popen(
-                    reg, _cli("relay", "--store", origin, "--mirror", f"file://{mirror_dir}/{reg}", "--run", run,
-                              "--region", reg, "--streams", str(S), "--fetch", cfg.fetch),
-                    env=region_env[reg], stdout=out(f"relay-{reg}" if len(profiles) > 1 else "relay"), stderr=subprocess.STDOUT,
+                    reg,
+                    _cli(
+                        "relay",
+                        "--store",
+                        origin,
+                        "--mirror",
+                        f"file://{mirror_dir}/{reg}",
+                        "--run",
+                        run,
+                        "--region",
+                        reg,
+                        "--streams",
+                        str(S),
+                        "--fetch",
+                        cfg.fetch,
+                    ),
+                    env=region_env[reg],
+                    stdout=out(f"relay-{reg}" if len(profiles) > 1 else "relay"),
+                    stderr=subprocess.STDOUT,
                 )
 
         def actor_argv(name: str, reg: str, slow: float, join: int | None = None) -> list[str]:
             a = [
-                "bench", "synthetic-actor", "--store", origin, "--run", run, "--region", reg,
-                "--id", name, "--transfer", spec.transfer, "--streams", str(S), "--claim", str(2 * wl.prompts_per_actor),
-                "--slowdown", f"{slow:g}", "--hold-weights", "yes" if hold else "no", "--fetch", cfg.fetch,
+                "bench",
+                "synthetic-actor",
+                "--store",
+                origin,
+                "--run",
+                run,
+                "--region",
+                reg,
+                "--id",
+                name,
+                "--transfer",
+                spec.transfer,
+                "--streams",
+                str(S),
+                "--claim",
+                str(2 * wl.prompts_per_actor),
+                "--slowdown",
+                f"{slow:g}",
+                "--hold-weights",
+                "yes" if hold else "no",
+                "--fetch",
+                cfg.fetch,
                 *(["--digests"] if wl.digests and hold else []),
             ]
             if cfg.uses_relay:
@@ -289,7 +368,9 @@ def run_config(
                     say(f"    churn: a0 killed (SIGKILL) after step {seen}")
                 if cfg.join_at is not None and seen == cfg.join_at:
                     name, reg = f"a{cfg.actors}", cfg.region_of(cfg.actors)
-                    procs[name] = tb.popen(reg, actor_argv(name, reg, 1.0, None), env=region_env[reg], stdout=out(name), stderr=subprocess.STDOUT)
+                    procs[name] = tb.popen(
+                        reg, actor_argv(name, reg, 1.0, None), env=region_env[reg], stdout=out(name), stderr=subprocess.STDOUT
+                    )
                     say(f"    churn: {name} joins after step {seen}")
                 seen += 1
                 say(f"    step {seen}/{cfg.steps}")
@@ -346,9 +427,18 @@ def run_config(
                 r.delete(*keys[i : i + 500])
         r.close()
     res.update(
-        params=params, model_bytes=full_bytes, net_mode=tb.mode, hold_weights=hold, segment_bytes=seg, shard_bytes=shard,
-        gen_window_s=wl.window(params), train_s=wl.train(params), batch=batch, wall_s=time.perf_counter() - t_start,
-        logs=logdir, error=error,
+        params=params,
+        model_bytes=full_bytes,
+        net_mode=tb.mode,
+        hold_weights=hold,
+        segment_bytes=seg,
+        shard_bytes=shard,
+        gen_window_s=wl.window(params),
+        train_s=wl.train(params),
+        batch=batch,
+        wall_s=time.perf_counter() - t_start,
+        logs=logdir,
+        error=error,
     )
     return res
 

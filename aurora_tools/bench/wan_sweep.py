@@ -147,8 +147,19 @@ class RunConfig:
     def key(self) -> tuple[Any, ...]:
         """What makes two configurations the same run (experiments aside)."""
         return (
-            self.mode, self.link, self.actors, self.uses_relay, self.conns, self.steps, self.warmup, self.slowdowns, self.split, self.kill_at, self.join_at,
-            self.extra_regions, self.fetch,
+            self.mode,
+            self.link,
+            self.actors,
+            self.uses_relay,
+            self.conns,
+            self.steps,
+            self.warmup,
+            self.slowdowns,
+            self.split,
+            self.kill_at,
+            self.join_at,
+            self.extra_regions,
+            self.fetch,
         )
 
     def ideal_key(self) -> tuple[Any, ...]:
@@ -413,7 +424,13 @@ def summarize(
         "cross_over_version_by_region": {r: b / delta_bytes for r, b in by_region.items()} if by_region and delta_bytes else None,
         "wire_floor_s": (delta_bytes * 8 / (cfg.link.gbps * 1e9)) if delta_bytes and cfg.link.gbps else None,
         "timeline": [
-            {"step": int(s["step"]), "step_s": float(s["step_s"]), "tokens": int(s["tokens"]), "tokens_per_s": float(s["tokens_per_s"]), "by_actor": s.get("by_actor", {})}
+            {
+                "step": int(s["step"]),
+                "step_s": float(s["step_s"]),
+                "tokens": int(s["tokens"]),
+                "tokens_per_s": float(s["tokens_per_s"]),
+                "by_actor": s.get("by_actor", {}),
+            }
             for s in steps
         ],
         "staged_from_mirror": mirror_share,
@@ -459,30 +476,46 @@ def targets(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
         full_slow = 1.0 / f["throughput_vs_ideal"]
         gap = 1.0 - d["throughput_vs_ideal"]
         out["delta_within_10pct_of_ideal"] = {
-            "value": gap, "goal": "<= 0.10 where full is >= 3x slower than ideal", "full_slowdown": full_slow,
+            "value": gap,
+            "goal": "<= 0.10 where full is >= 3x slower than ideal",
+            "full_slowdown": full_slow,
             "met": gap <= 0.10 if full_slow >= 3 else None,
         }
     one, many = _find(results, "streams", mode="delta-1stream"), _find(results, "streams", mode="delta")
     if one and many and one.get("transfer_s") and many.get("transfer_s"):
         ratio = one["transfer_s"] / many["transfer_s"]
         out["streams_speedup"] = {
-            "value": ratio, "goal": ">= 1.5 (transfer time, 1 vs S streams, 60 ms RTT with stalls)",
-            "throughput_ratio": (many["tokens_per_s"] / one["tokens_per_s"]) if one.get("tokens_per_s") else None, "met": ratio >= 1.5,
+            "value": ratio,
+            "goal": ">= 1.5 (transfer time, 1 vs S streams, 60 ms RTT with stalls)",
+            "throughput_ratio": (many["tokens_per_s"] / one["tokens_per_s"]) if one.get("tokens_per_s") else None,
+            "met": ratio >= 1.5,
         }
     relayed = [r for r in results if "relay" in r["experiments"] and r["relay"] and r.get("cross_over_version") is not None]
     if relayed:
         ratios = {int(r["actors"]): float(r["cross_over_version"]) for r in relayed}
         out["relay_one_delta_per_version"] = {
-            "value": ratios, "goal": "cross-region bytes per version / delta bytes ~ 1 for 2, 4, 8 Actors (<= 1.15 counted here)",
+            "value": ratios,
+            "goal": "cross-region bytes per version / delta bytes ~ 1 for 2, 4, 8 Actors (<= 1.15 counted here)",
             "met": all(x <= 1.15 for x in ratios.values()) and len(ratios) >= 2,
         }
     u, p = _find(results, "hetero", split="uniform"), _find(results, "hetero", split="proportional")
     if u and p:
         gain = p["tokens_per_s"] / u["tokens_per_s"] - 1.0
-        out["proportional_vs_uniform"] = {"value": gain, "goal": ">= 0.25 with a 2x speed spread", "expected": uniform_split_gain(p["slowdowns"]) - 1.0, "met": gain >= 0.25}
+        out["proportional_vs_uniform"] = {
+            "value": gain,
+            "goal": ">= 0.25 with a 2x speed spread",
+            "expected": uniform_split_gain(p["slowdowns"]) - 1.0,
+            "met": gain >= 0.25,
+        }
     clean = [
-        r for r in results
-        if r["mode"] == "delta" and r.get("wire_floor_s") and r.get("fetch_s") and not r["stall_prob"] and r["actors"] == 1 and not r["relay"]
+        r
+        for r in results
+        if r["mode"] == "delta"
+        and r.get("wire_floor_s")
+        and r.get("fetch_s")
+        and not r["stall_prob"]
+        and r["actors"] == 1
+        and not r["relay"]
     ]
     if any(r.get("fetch") == "manifest-first" for r in clean):
         # The Actor's own fetch time means "manifest, then segments" only on that path.
@@ -505,7 +538,9 @@ def targets(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
             "value": best["fetch_s"] / best["wire_floor_s"],
             "link_gbps": best["link_gbps"],
             "by_link_gbps": {str(r["link_gbps"]): r["fetch_s"] / r["wire_floor_s"] for r in clean},
-            "publish_to_staged_over_floor": {str(r["link_gbps"]): r["transfer_s"] / r["wire_floor_s"] for r in clean if r.get("transfer_s")},
+            "publish_to_staged_over_floor": {
+                str(r["link_gbps"]): r["transfer_s"] / r["wire_floor_s"] for r in clean if r.get("transfer_s")
+            },
             "goal": "<= 1.3 (the Actor's fetch + verify + decode of a delta, over delta bytes / link rate)",
             "met": best["fetch_s"] / best["wire_floor_s"] <= 1.3,
         }
@@ -531,8 +566,14 @@ def delta_over_wire_floor(results: Sequence[Mapping[str, Any]]) -> dict[str, dic
         row = out.setdefault(
             f"{r['link_gbps']:g}",
             {
-                "announced": None, "manifest_first": None, "announced_s": None, "manifest_first_s": None,
-                "announced_span_s": None, "manifest_first_span_s": None, "wire_floor_s": None, "delta_bytes": None,
+                "announced": None,
+                "manifest_first": None,
+                "announced_s": None,
+                "manifest_first_s": None,
+                "announced_span_s": None,
+                "manifest_first_span_s": None,
+                "wire_floor_s": None,
+                "delta_bytes": None,
             },
         )
         mode = str(r.get("fetch", "announced")).replace("-", "_")
@@ -553,4 +594,3 @@ def finite(x: Any) -> Any:
     if isinstance(x, list):
         return [finite(v) for v in x]
     return x
-

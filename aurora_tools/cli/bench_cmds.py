@@ -38,9 +38,7 @@ def add_codec_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--lr", type=float, default=None, help="learning rate of the measured step (default 2e-7: about 1%% density)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--json", action="store_true", help="print one JSON object instead of the table"
-    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
 def cmd_bench_codec(args: argparse.Namespace) -> int:

@@ -32,9 +32,7 @@ def add_encode_args(p: argparse.ArgumentParser) -> None:
         help="index encodings allowed (default: leb128,bitmask,dense,u32,u64)",
     )
     p.add_argument("--values", metavar="LIST", help="value modes allowed (default: new,xor)")
-    p.add_argument(
-        "--no-zstd", action="store_true", help="never compress streams (fast links, spare CPU)"
-    )
+    p.add_argument("--no-zstd", action="store_true", help="never compress streams (fast links, spare CPU)")
     p.add_argument(
         "--paper",
         action="store_true",
@@ -46,9 +44,7 @@ def add_encode_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="target segment size in MiB (default: adaptive to the delta, 64 KiB..16 MiB; env AURORA_SEGMENT_MIB)",
     )
-    p.add_argument(
-        "--streams", type=int, default=None, help="parallel uploads (default 8, env AURORA_STREAMS)"
-    )
+    p.add_argument("--streams", type=int, default=None, help="parallel uploads (default 8, env AURORA_STREAMS)")
 
 
 def _publish_config(args: argparse.Namespace) -> Any:
@@ -69,10 +65,7 @@ def _publish_config(args: argparse.Namespace) -> Any:
         if kw:
             opts = EncodeOptions(
                 **{
-                    **{
-                        f: getattr(opts, f)
-                        for f in ("index_encodings", "value_modes", "codecs", "zstd_level")
-                    },
+                    **{f: getattr(opts, f) for f in ("index_encodings", "value_modes", "codecs", "zstd_level")},
                     **kw,
                 }
             )
@@ -84,13 +77,17 @@ def _publish_config(args: argparse.Namespace) -> Any:
 def add_commit_args(p: argparse.ArgumentParser) -> None:
     """``--commit-via {store,redis}`` and the ``--redis URL`` that Redis-commit mode needs (FORMAT.md §1)."""
     p.add_argument(
-        "--commit-via", choices=("store", "redis"), default="store",
+        "--commit-via",
+        choices=("store", "redis"),
+        default="store",
         help="store (default): the create-only manifest write commits a version, and the store is first "
         "checked to honour create-only writes; redis: a Redis record commits it, for S3-compatible servers "
         "that ignore conditional writes (needs --redis and --run; Redis must persist its data)",
     )
     p.add_argument(
-        "--redis", default=None, metavar="URL",
+        "--redis",
+        default=None,
+        metavar="URL",
         help="the run's Redis, with --commit-via redis (default: $AURORA_REDIS_URL)",
     )
 
@@ -211,16 +208,21 @@ def cmd_delta_create(args: argparse.Namespace) -> int:
                 for n in sorted(set(model) | set(plan.specs()))
                 if model.get(n) != plan.specs().get(n)
             ][:3]
-            raise ConfigError(
-                f"delta {v}: {args.base} does not describe the run's model (first differences: {diff})"
-            )
+            raise ConfigError(f"delta {v}: {args.base} does not describe the run's model (first differences: {diff})")
     t0 = time.perf_counter()
     from aurora_store.apply.sink import weights_digest
 
     # The digest of the new weights binds a snapshot of this version (`aurora snapshot create`, FORMAT.md §4.1).
     m = publish_delta(
-        store, args.run, v, extract(plan, base, new), base_m.state, _publish_config(args), signer=signer,
-        commit=commit, weights_digest=weights_digest(new, plan),
+        store,
+        args.run,
+        v,
+        extract(plan, base, new),
+        base_m.state,
+        _publish_config(args),
+        signer=signer,
+        commit=commit,
+        weights_digest=weights_digest(new, plan),
     )
     numel = plan_numel = sum(p.spec.numel for p in plan)
     say(

@@ -182,9 +182,7 @@ def _pair_value(v: Any, where: str) -> str:
     raise ConfigError(f"{where}: expected a string, number or boolean, got {v!r}")
 
 
-def load_config_file(
-    parser: argparse.ArgumentParser, worker: str, path: str, others: OtherOptions | None = None
-) -> ConfigFile:
+def load_config_file(parser: argparse.ArgumentParser, worker: str, path: str, others: OtherOptions | None = None) -> ConfigFile:
     """Read ``path`` and make its values ``parser``'s defaults (``worker``: the table it reads).
 
     ``others()`` gives the other workers' option names, asked only for a top-level
@@ -263,9 +261,7 @@ def _other_workers(worker: str, fills: Mapping[str, Fill]) -> Mapping[str, froze
     return out
 
 
-def parse_worker_args(
-    parser: argparse.ArgumentParser, argv: Sequence[str], fills: Mapping[str, Fill] | None = None
-) -> argparse.Namespace:
+def parse_worker_args(parser: argparse.ArgumentParser, argv: Sequence[str], fills: Mapping[str, Fill] | None = None) -> argparse.Namespace:
     """``parser.parse_args(argv)``, with the ``--config`` file of a worker subcommand applied first.
 
     ``fills``: worker name -> what declares its options, to tell another worker's
@@ -387,7 +383,10 @@ def _worker_id(worker: str, args: argparse.Namespace) -> str:
 
 
 def config_record(
-    worker: str, args: argparse.Namespace, options: Mapping[str, Any], now: _dt.datetime | None = None,
+    worker: str,
+    args: argparse.Namespace,
+    options: Mapping[str, Any],
+    now: _dt.datetime | None = None,
     config: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON record of one start: who, when, which package, from which file, with what options
@@ -455,7 +454,8 @@ def announce(
         options = effective_options(parser, args)
     else:
         options = {
-            k.replace("_", "-"): _mask(k, v) for k, v in sorted(vars(args).items())
+            k.replace("_", "-"): _mask(k, v)
+            for k, v in sorted(vars(args).items())
             if not callable(v) and k not in ("command", "config_file", "config")
         }
     cfg = getattr(args, "config_file", None)
@@ -482,7 +482,9 @@ def _open_and_write(worker: str, url: str, storage_options: dict[str, Any], reco
 
     try:
         # One retry and short timeouts: this record must not hold a start up for minutes.
-        store = open_store(url, storage_options, StoreConfig.from_env(retries=1, connect_timeout_s=5.0, read_timeout_s=15.0, op_timeout_s=30.0))
+        store = open_store(
+            url, storage_options, StoreConfig.from_env(retries=1, connect_timeout_s=5.0, read_timeout_s=15.0, op_timeout_s=30.0)
+        )
     except (AuroraError, OSError, ValueError) as e:
         from aurora_tools.cli.console import say
 

@@ -49,15 +49,11 @@ class _Deferred:
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The ``aurora`` parser; with ``argv``, heavy subcommands' options only for the one ``argv`` runs."""
     later = _Deferred(argv)
-    ap = argparse.ArgumentParser(
-        prog="aurora", description="Versioned sparse delta checkpoints for RL policy updates."
-    )
+    ap = argparse.ArgumentParser(prog="aurora", description="Versioned sparse delta checkpoints for RL policy updates.")
     ap.add_argument("--version", action="version", version=f"aurora {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    snap = sub.add_parser("snapshot", help="full-weight snapshots").add_subparsers(
-        dest="action", required=True
-    )
+    snap = sub.add_parser("snapshot", help="full-weight snapshots").add_subparsers(dest="action", required=True)
     sc = snap.add_parser("create", help="write WEIGHTS as snapshot V (fused names)")
     sc.add_argument("weights", metavar="WEIGHTS.safetensors")
     sc.add_argument("--version", type=int, required=True)
@@ -73,9 +69,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     codec_cmds.add_commit_args(sc)
     sc.set_defaults(func=codec_cmds.cmd_snapshot_create)
 
-    delta = sub.add_parser("delta", help="sparse delta versions").add_subparsers(
-        dest="action", required=True
-    )
+    delta = sub.add_parser("delta", help="sparse delta versions").add_subparsers(dest="action", required=True)
     dc = delta.add_parser("create", help="write delta V = NEW - BASE on top of version V-1")
     dc.add_argument("base", metavar="BASE.safetensors")
     dc.add_argument("new", metavar="NEW.safetensors")
@@ -134,7 +128,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     later.fill(("relay",), rl, run_cmds.add_relay_arguments)
     rl.set_defaults(func=run_cmds.cmd_relay)
 
-    fo = sub.add_parser("follow", help="keep a local directory holding the run's newest version as a Hugging Face checkpoint (any inference server)")
+    fo = sub.add_parser(
+        "follow", help="keep a local directory holding the run's newest version as a Hugging Face checkpoint (any inference server)"
+    )
     later.fill(("follow",), fo, run_cmds.add_follow_arguments)
     fo.set_defaults(func=run_cmds.cmd_follow)
 
@@ -146,9 +142,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     tbu.add_argument("--s3-port", type=int, default=0, metavar="N", help="S3 server port (default: a free one)")
     tbu.add_argument("--redis-port", type=int, default=0, metavar="N", help="Redis port (default: a free one)")
     tbu.add_argument("--bucket", default="aurora", help="bucket to create (default aurora)")
-    tbu.add_argument("--s3", choices=("auto", "minio", "moto", "rclone"), default="auto",
-                     help="S3 server: auto (minio if on PATH, else moto, in memory), or rclone (files under DIR/rclone; "
-                          "no conditional writes: Redis persists and the Trainer runs with --commit-via redis)")
+    tbu.add_argument(
+        "--s3",
+        choices=("auto", "minio", "moto", "rclone"),
+        default="auto",
+        help="S3 server: auto (minio if on PATH, else moto, in memory), or rclone (files under DIR/rclone; "
+        "no conditional writes: Redis persists and the Trainer runs with --commit-via redis)",
+    )
     tbu.add_argument("--background", action="store_true", help="detach, write DIR/testbed.json and return")
     tbu.set_defaults(func=run_cmds.cmd_testbed)
     tbd = tbp.add_parser("down", help="stop the testbed started with --background (SIGTERM, then SIGKILL)")
@@ -157,7 +157,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     stp = sub.add_parser("status", help="a run at a glance: Trainer head, Relays, Actors, open steps")
     add_redis_args(stp)
-    stp.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS", help="refresh every SECONDS (default 2) until Ctrl-C")
+    stp.add_argument(
+        "--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS", help="refresh every SECONDS (default 2) until Ctrl-C"
+    )
     stp.add_argument("--json", action="store_true", help="one JSON object (one per refresh with --watch)")
     stp.set_defaults(func=run_cmds.cmd_status)
 
@@ -170,7 +172,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     tm.add_argument("--seed", type=int, default=0)
     tm.add_argument("--data-dir", metavar="DIR", default=None, help="also write gsm8k.jsonl and math.jsonl here (200 rows each)")
     tm.add_argument(
-        "--supervise-steps", type=int, default=0, metavar="N",
+        "--supervise-steps",
+        type=int,
+        default=0,
+        metavar="N",
         help="fine-tune on those rows for N steps first, so sampling earns some reward (needs --data-dir; 120 is enough)",
     )
     tm.set_defaults(func=run_cmds.cmd_tiny_model)
@@ -192,19 +197,30 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     be = bench.add_parser("e2e", help="what the weight path adds to step time: the demo's workload with and without weight transfer")
     later.fill(("bench", "e2e"), be, bench_cmds.add_e2e_arguments)
     be.set_defaults(func=bench_cmds.cmd_bench_e2e)
-    bw = bench.add_parser("wan", help="the paper's comparisons over an emulated WAN: delta vs full broadcast, lag bounds, streams, Relays, split, churn")
+    bw = bench.add_parser(
+        "wan", help="the paper's comparisons over an emulated WAN: delta vs full broadcast, lag bounds, streams, Relays, split, churn"
+    )
     later.fill(("bench", "wan"), bw, bench_cmds.add_wan_arguments)
     bw.set_defaults(func=bench_cmds.cmd_bench_wan)
-    bx = bench.add_parser("chaos", help="the real workers under a seeded fault schedule (Redis, S3, Trainer, Actor, Relay faults): what is guaranteed")
+    bx = bench.add_parser(
+        "chaos", help="the real workers under a seeded fault schedule (Redis, S3, Trainer, Actor, Relay faults): what is guaranteed"
+    )
     later.fill(("bench", "chaos"), bx, bench_cmds.add_chaos_arguments)
     bx.set_defaults(func=bench_cmds.cmd_bench_chaos)
-    bh = bench.add_parser("hostile", help="every attack of issue 13 against the real CLI: refused, nothing applied, no traceback; valid controls accepted")
+    bh = bench.add_parser(
+        "hostile", help="every attack of issue 13 against the real CLI: refused, nothing applied, no traceback; valid controls accepted"
+    )
     later.fill(("bench", "hostile"), bh, bench_cmds.add_hostile_arguments)
     bh.set_defaults(func=bench_cmds.cmd_bench_hostile)
-    bst = bench.add_parser("synthetic-trainer", help="the Trainer of aurora bench wan's synthetic workload: the real Trainer, simulated training on a large model")
+    bst = bench.add_parser(
+        "synthetic-trainer",
+        help="the Trainer of aurora bench wan's synthetic workload: the real Trainer, simulated training on a large model",
+    )
     later.fill(("bench", "synthetic-trainer"), bst, run_cmds.add_synthetic_trainer_arguments)
     bst.set_defaults(func=run_cmds.cmd_synthetic_trainer)
-    bsa = bench.add_parser("synthetic-actor", help="an Actor of aurora bench wan's synthetic workload: the real Actor, simulated generation")
+    bsa = bench.add_parser(
+        "synthetic-actor", help="an Actor of aurora bench wan's synthetic workload: the real Actor, simulated generation"
+    )
     later.fill(("bench", "synthetic-actor"), bsa, run_cmds.add_synthetic_actor_arguments)
     bsa.set_defaults(func=run_cmds.cmd_synthetic_actor)
     ba = bench.add_parser("activate", help="the Actor's safe point against a bare scatter of the same delta and a full copy of the weights")
@@ -217,7 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
     # ``aurora trainer|actor|relay|follow --config FILE.toml``: the file's values are the defaults flags override.
     fills = {
-        "trainer": run_cmds.add_trainer_arguments, "actor": run_cmds.add_actor_arguments, "relay": run_cmds.add_relay_arguments,
+        "trainer": run_cmds.add_trainer_arguments,
+        "actor": run_cmds.add_actor_arguments,
+        "relay": run_cmds.add_relay_arguments,
         "follow": run_cmds.add_follow_arguments,
     }
     args = config_file.parse_worker_args(build_parser(args_list), args_list, fills)

@@ -76,7 +76,10 @@ def commands() -> tuple[Command, ...]:
     from workers.trainer.config import TrainerConfig
 
     shared = dict(SHARED)
-    actor = {**shared, MIRROR_OPTIONS_ENV: ("--mirror-option", "fsspec options of the mirror store, a JSON object (credentials off the command line)")}
+    actor = {
+        **shared,
+        MIRROR_OPTIONS_ENV: ("--mirror-option", "fsspec options of the mirror store, a JSON object (credentials off the command line)"),
+    }
     trainer = {k: v for k, v in shared.items() if v[0] != "--trust-key"}
     return (
         Command("trainer", TrainerConfig, TRAINER, trainer),
@@ -101,8 +104,18 @@ def settings() -> tuple[Settings, ...]:
     from workers.trainer.config import ENCODE_ENV_PREFIX
 
     return (
-        Settings("Encodings", EncodeOptions, ENCODE_ENV_PREFIX, "the Trainer (`aurora trainer`), resolved by the worker and passed to the encoder"),
-        Settings("Publishing", PublishConfig, "AURORA_", "`aurora_store.Publisher` (`PublishConfig.from_env`); the Trainer takes streams and segment size from its own options"),
+        Settings(
+            "Encodings",
+            EncodeOptions,
+            ENCODE_ENV_PREFIX,
+            "the Trainer (`aurora trainer`), resolved by the worker and passed to the encoder",
+        ),
+        Settings(
+            "Publishing",
+            PublishConfig,
+            "AURORA_",
+            "`aurora_store.Publisher` (`PublishConfig.from_env`); the Trainer takes streams and segment size from its own options",
+        ),
         Settings("Object store", StoreConfig, STORE, "every process that opens a store"),
         Settings("Redis clients", RedisConfig, REDIS_ENV_PREFIX, "every process that connects to Redis"),
         Settings("Ledger", LedgerConfig, LEDGER_ENV_PREFIX, "every process that opens the run's ledger"),
@@ -182,25 +195,39 @@ def render() -> str:
         "only. Secrets are never flags: a Redis password is read from a file",
         "(`--redis-password-file`), store credentials from the environment or the",
         "`KEY=VALUE` storage options. Byte counts are set in MiB where the flag or",
-        "variable says so. See docs/WORKERS.md, \"Configuration files\".",
+        'variable says so. See docs/WORKERS.md, "Configuration files".',
     ]
     for c in commands():
         lines += ["", f"## `aurora {c.name}`", "", "| flag | variable | default | what |", "|---|---|---|---|"]
         for d in c.options():
-            lines.append(f"| {f'`{d.flag}`' if d.flag else '(none)'} | {f'`{d.env}`' if d.env else '(none)'} | {_cell(d.shown_default)} | {_cell(d.help)} |")
+            lines.append(
+                f"| {f'`{d.flag}`' if d.flag else '(none)'} | {f'`{d.env}`' if d.env else '(none)'} | {_cell(d.shown_default)} | {_cell(d.help)} |"
+            )
         for var, (flag, help) in c.extra.items():
             lines.append(f"| `{flag}` | `{var}` | none | {_cell(help)} |")
-    lines += ["", "## Settings of the library and the engines", "",
-              "Read from the environment where they are used; no flags."]
+    lines += ["", "## Settings of the library and the engines", "", "Read from the environment where they are used; no flags."]
     for s in settings():
         docs = _field_docs(s.config)
-        lines += ["", f"### {s.title} (`{s.config.__name__}`)", "", f"Read by {s.where}.", "",
-                  "| variable | default | what |", "|---|---|---|"]
+        lines += [
+            "",
+            f"### {s.title} (`{s.config.__name__}`)",
+            "",
+            f"Read by {s.where}.",
+            "",
+            "| variable | default | what |",
+            "|---|---|---|",
+        ]
         for f, var in s.fields():
             lines.append(f"| `{var}` | {_cell(_default(f))} | {_cell(docs.get(f.name, ''))} |")
-    lines += ["", "## Process switches", "",
-              "Per process, not per run: debugging aids and measurement modes, declared beside their one reader.", "",
-              "| variable | default | what |", "|---|---|---|"]
+    lines += [
+        "",
+        "## Process switches",
+        "",
+        "Per process, not per run: debugging aids and measurement modes, declared beside their one reader.",
+        "",
+        "| variable | default | what |",
+        "|---|---|---|",
+    ]
     for w in switches():
         lines.append(f"| `{w.env}` | {'none' if w.default is None else w.default} | {_cell(w.help)} |")
     return "\n".join(lines) + "\n"

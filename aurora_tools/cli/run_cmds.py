@@ -49,7 +49,10 @@ def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _announce(
-    worker: str, args: argparse.Namespace, fill: Callable[[argparse.ArgumentParser], None], options: dict[str, Any],
+    worker: str,
+    args: argparse.Namespace,
+    fill: Callable[[argparse.ArgumentParser], None],
+    options: dict[str, Any],
     resolve: Callable[[argparse.Namespace], Any] | None = None,
 ) -> None:
     """Print the effective options and record them in the run root (:mod:`.config_file`).
@@ -263,7 +266,12 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
         if args.supervise_steps:
             from workers.task import make_task
 
-            pairs = [(p.prompt_text, p.solution) for name, data in (("gsm8k", g), ("math", m)) for p in make_task(name, data).train_problems(0, 150, 0) if p.solution]
+            pairs = [
+                (p.prompt_text, p.solution)
+                for name, data in (("gsm8k", g), ("math", m))
+                for p in make_task(name, data).train_problems(0, 150, 0)
+                if p.solution
+            ]
             loss = supervise(path, pairs, steps=args.supervise_steps, seed=args.seed)
             print(f"fine-tuned {args.supervise_steps} steps on {len(pairs)} worked answers (last loss {loss:.3f})")
     return 0

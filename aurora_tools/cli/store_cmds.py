@@ -28,7 +28,9 @@ def trust_of(args: argparse.Namespace) -> TrustKeys | None:
 def add_commit_check_args(p: argparse.ArgumentParser) -> None:
     """``--redis URL --run NAME``: check a Redis-commit run's manifests against their records (FORMAT.md §1)."""
     p.add_argument(
-        "--redis", default=None, metavar="URL",
+        "--redis",
+        default=None,
+        metavar="URL",
         help="the run's Redis, for a run that commits through Redis (--commit-via redis): every manifest "
         "is checked against its commit record (with --run)",
     )
@@ -102,7 +104,9 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     for r in lin.rows:
         dens = f"{100 * r.density:.3f}%" if r.density is not None else "-"
         base = "-" if r.base is None else str(r.base)
-        print(f"{r.version:>8} {r.kind:<8} {base:>6} {r.state[7:23]:<20} {r.bytes:>12} {r.changed:>11} {dens:>8} {r.segments:>5}  {r.created_at}")
+        print(
+            f"{r.version:>8} {r.kind:<8} {base:>6} {r.state[7:23]:<20} {r.bytes:>12} {r.changed:>11} {dens:>8} {r.segments:>5}  {r.created_at}"
+        )
     signers = sorted({r.key_id for r in lin.rows if r.key_id})
     unsigned = sum(1 for r in lin.rows if r.key_id is None)
     if signers:
@@ -125,8 +129,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     store = open_store(args.url, storage_options(args.storage_option))
     rep = verify_run(
-        store, args.from_version, args.to_version, deep=args.deep, progress=say if args.verbose else None,
-        trust=trust_of(args), commits=commits_of(args, store),
+        store,
+        args.from_version,
+        args.to_version,
+        deep=args.deep,
+        progress=say if args.verbose else None,
+        trust=trust_of(args),
+        commits=commits_of(args, store),
     )
     for w in rep.warnings:
         say(f"warning: {w}")
@@ -143,25 +152,39 @@ def add_gc_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``aurora gc``."""
     p.add_argument("url", metavar="URL")
     p.add_argument(
-        "--keep-snapshots", type=int, default=2, metavar="K",
+        "--keep-snapshots",
+        type=int,
+        default=2,
+        metavar="K",
         help="keep the newest K snapshots and every version after the oldest of them (default %(default)s)",
     )
     p.add_argument("--apply", action="store_true", help="really delete (default: only print)")
     p.add_argument(
-        "--grace-s", "--min-orphan-age", dest="grace_s", type=float, default=3600.0, metavar="SECONDS",
+        "--grace-s",
+        "--min-orphan-age",
+        dest="grace_s",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
         help="spare orphans and temporary files younger than this: they may be a write in flight (default 3600)",
     )
     p.add_argument(
-        "--redis", default=None, metavar="URL",
+        "--redis",
+        default=None,
+        metavar="URL",
         help="the run's Redis: never delete what live Actors hold or stage, or live Relays mirror",
     )
     p.add_argument("--run", default=None, metavar="NAME", help="run name (with --redis)")
     p.add_argument(
-        "--force", action="store_true",
+        "--force",
+        action="store_true",
         help="delete versions live Actors or Relays still need, too (with --apply)",
     )
     p.add_argument(
-        "--actor-timeout-s", type=float, default=60.0, metavar="SECONDS",
+        "--actor-timeout-s",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
         help="an Actor silent for longer than this holds nothing (default %(default)s)",
     )
     add_storage_option(p, help=None)

@@ -24,15 +24,11 @@ from aurora_tools.synthetic.shapes import MasterWeights, Qwen3Shape, make_weight
 
 __all__ = ["DEMO_SHAPE", "run_demo"]
 
-DEMO_SHAPE = Qwen3Shape(
-    vocab=8192, hidden=256, layers=4, intermediate=768, heads=4, kv_heads=2, head_dim=64
-)
+DEMO_SHAPE = Qwen3Shape(vocab=8192, hidden=256, layers=4, intermediate=768, heads=4, kv_heads=2, head_dim=64)
 
 
 def run_demo(folder: str, steps: int = 5) -> int:
-    print(
-        f"Aurora demo: a Qwen3-shaped model of {DEMO_SHAPE.params / 1e6:.1f} M parameters, {steps} RL-like steps"
-    )
+    print(f"Aurora demo: a Qwen3-shaped model of {DEMO_SHAPE.params / 1e6:.1f} M parameters, {steps} RL-like steps")
     root = os.path.abspath(os.path.join(folder, "store"))
     shutil.rmtree(root, ignore_errors=True)
     store = open_store(f"file://{root}")
@@ -41,18 +37,14 @@ def run_demo(folder: str, steps: int = 5) -> int:
     weights = make_weights(DEMO_SHAPE, seed=0)
     plan = plan_of(weights, tied=False)
     full_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-    print(
-        f"  {len(weights)} Hugging Face tensors -> {len(plan)} fused parameters (qkv_proj, gate_up_proj)"
-    )
+    print(f"  {len(weights)} Hugging Face tensors -> {len(plan)} fused parameters (qkv_proj, gate_up_proj)")
     snap = publish_snapshot(store, "demo", 0, fuse_weights(weights, plan), None, cfg)
     print(f"  snapshot v0: {snap.total_bytes / 1e6:.2f} MB, state {snap.state[:23]}…")
 
     master = MasterWeights(weights, seed=0)
     state = snap.state
     current = weights
-    print(
-        f"  {'version':>7} {'changed':>9} {'density':>8} {'bytes':>10} {'B/changed':>9} {'vs full':>8} {'time':>7}"
-    )
+    print(f"  {'version':>7} {'changed':>9} {'density':>8} {'bytes':>10} {'B/changed':>9} {'vs full':>8} {'time':>7}")
     for v in range(1, steps + 1):
         new = master.step(lr=2.5e-7)
         t0 = time.perf_counter()
@@ -71,9 +63,7 @@ def run_demo(folder: str, steps: int = 5) -> int:
     actor_digest = weights_digest(rebuilt)
     ok = got_state == state and trainer_digest == actor_digest
     print(f"    state  {got_state[:23]}… {'==' if got_state == state else '!='} trainer's")
-    print(
-        f"    weights digest {actor_digest[:23]}… {'== (bit-identical)' if trainer_digest == actor_digest else '!= MISMATCH'}"
-    )
+    print(f"    weights digest {actor_digest[:23]}… {'== (bit-identical)' if trainer_digest == actor_digest else '!= MISMATCH'}")
 
     # Split weights (Hugging Face layout) reach the same bits through the reverse map.
     split = {n: t.clone() for n, t in weights.items()}
@@ -81,9 +71,7 @@ def run_demo(folder: str, steps: int = 5) -> int:
     for v in range(1, steps + 1):
         apply_delta(fetch_delta(store, v, plan.specs())[1], sink)
     split_ok = weights_digest(split, plan) == trainer_digest
-    print(
-        f"    split-weight Actor (q/k/v, gate/up kept apart): {'bit-identical' if split_ok else 'MISMATCH'}"
-    )
+    print(f"    split-weight Actor (q/k/v, gate/up kept apart): {'bit-identical' if split_ok else 'MISMATCH'}")
 
     # A corrupted segment is refused before any weight changes.
     seg_key = next(k for k in store.list(version_dir("delta", 1)) if k.endswith(".safetensors"))

@@ -154,9 +154,19 @@ class DemoResult:
             "wall_s": self.wall_s,
             "per_step": [
                 {
-                    "step": lg.step, "version": lg.version, "gen_version": lg.gen_version, "reward": lg.reward,
-                    "delta_bytes": lg.delta_bytes, "changed": lg.changed, "density": density(lg), "publish_s": lg.extract_publish_s, "train_s": lg.train_s,
-                    "wait_s": lg.wait_s, "step_s": lg.step_s, "tokens_per_s": lg.tokens_per_s, "by_actor": lg.by_actor,
+                    "step": lg.step,
+                    "version": lg.version,
+                    "gen_version": lg.gen_version,
+                    "reward": lg.reward,
+                    "delta_bytes": lg.delta_bytes,
+                    "changed": lg.changed,
+                    "density": density(lg),
+                    "publish_s": lg.extract_publish_s,
+                    "train_s": lg.train_s,
+                    "wait_s": lg.wait_s,
+                    "step_s": lg.step_s,
+                    "tokens_per_s": lg.tokens_per_s,
+                    "by_actor": lg.by_actor,
                 }
                 for lg in self.logs
             ],
@@ -179,7 +189,9 @@ class _Procs:
 
     def start(self, name: str, args: list[str]) -> None:
         out = open(os.path.join(self.logdir, f"{name}.log"), "wb")  # noqa: SIM115 - owned by the child
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "aurora_tools.cli", *args], env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "aurora_tools.cli", *args], env=self.env, stdout=out, stderr=subprocess.STDOUT
+        )
 
     def kill(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGKILL)
@@ -233,7 +245,9 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
             origin_url = f"s3://{s3.new_bucket('origin')}/{cfg.run}"
             mirror_url = f"s3://{s3.new_bucket('mirror-eu')}/{cfg.run}"
             storage_options = s3.storage_options()
-            env.update(AWS_ENDPOINT_URL=s3.endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+            env.update(
+                AWS_ENDPOINT_URL=s3.endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1"
+            )
             os.environ.update({k: env[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")})
         else:
             origin_url = cfg.store
@@ -245,7 +259,9 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
         kill_at = cfg.steps // 3 if cfg.kill_at is None else cfg.kill_at
         join_at = 2 * cfg.steps // 3 if cfg.join_at is None else cfg.join_at
         common = ["--run", cfg.run]  # --redis: in the environment (AURORA_REDIS_URL)
-        actors: list[tuple[str, str]] = [(f"eu-{i}", "eu") for i in range(cfg.actors_relay)] + [(f"us-{i}", "us") for i in range(cfg.actors_origin)]
+        actors: list[tuple[str, str]] = [(f"eu-{i}", "eu") for i in range(cfg.actors_relay)] + [
+            (f"us-{i}", "us") for i in range(cfg.actors_origin)
+        ]
         events: list[str] = []
         killed = joined = 0
 
@@ -272,9 +288,18 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
                 say(f"  ++ us-late joins after step {lg.step}: bootstraps from the newest snapshot + deltas, then gets work")
 
         tcfg = TrainerConfig(
-            steps=cfg.steps, batch=cfg.batch, group=cfg.group, snapshot_every=cfg.snapshot_every, seed=cfg.seed, weight_transfer=cfg.weight_transfer,
-            model=cfg.model, task=cfg.task, data=cfg.data, eval_data=cfg.eval_data,
-            tiny_hidden=cfg.tiny_hidden, tiny_intermediate=cfg.tiny_intermediate,
+            steps=cfg.steps,
+            batch=cfg.batch,
+            group=cfg.group,
+            snapshot_every=cfg.snapshot_every,
+            seed=cfg.seed,
+            weight_transfer=cfg.weight_transfer,
+            model=cfg.model,
+            task=cfg.task,
+            data=cfg.data,
+            eval_data=cfg.eval_data,
+            tiny_hidden=cfg.tiny_hidden,
+            tiny_intermediate=cfg.tiny_intermediate,
         )
         if cfg.eval_every is not None:
             tcfg = dataclasses.replace(tcfg, eval_every=cfg.eval_every)
@@ -310,11 +335,31 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
             # The eu Actors are told their mirror; the Relay's key only says that it is alive.
             mirror = ["--mirror", mirror_url] if region == "eu" and mirror_url is not None else []
             engine = cfg.engines[i] if i < len(cfg.engines) else cfg.engine
-            procs.start(name, ["actor", "--store", origin_url, *common, "--region", region, "--id", name, "--engine", engine, *grace, *mirror])
+            procs.start(
+                name, ["actor", "--store", origin_url, *common, "--region", region, "--id", name, "--engine", engine, *grace, *mirror]
+            )
         if 0 < join_at < cfg.steps:
             # Started now so its imports are done, it joins when the run reaches join_at.
-            procs.start("us-late", ["actor", "--store", origin_url, *common, "--region", "us", "--id", "us-late", "--join-at-version", str(join_at), "--engine", cfg.engine])
-        say(f"trainer ready at v0; {len(actors)} actors starting ({cfg.actors_relay} in eu behind a relay, {cfg.actors_origin} in us from origin)")
+            procs.start(
+                "us-late",
+                [
+                    "actor",
+                    "--store",
+                    origin_url,
+                    *common,
+                    "--region",
+                    "us",
+                    "--id",
+                    "us-late",
+                    "--join-at-version",
+                    str(join_at),
+                    "--engine",
+                    cfg.engine,
+                ],
+            )
+        say(
+            f"trainer ready at v0; {len(actors)} actors starting ({cfg.actors_relay} in eu behind a relay, {cfg.actors_origin} in us from origin)"
+        )
         try:
             t.join()
         finally:
@@ -425,14 +470,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch", type=int, default=d.batch)
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the model, the problems and every batch's sampling")
-    p.add_argument("--model", default=None, metavar="DIR", help="a local Hugging Face model directory for the Trainer (default: the built-in tiny Qwen3)")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="a local Hugging Face model directory for the Trainer (default: the built-in tiny Qwen3)",
+    )
     p.add_argument("--task", default=d.task, metavar="NAME", help="arithmetic, gsm8k, math or package.module:factory")
     p.add_argument("--data", default=None, metavar="FILE", help="training problems of --task (JSON lines or Parquet)")
     p.add_argument("--eval-data", default=None, metavar="FILE", help="held-out problems (default: the Trainer's held-out set)")
     p.add_argument("--eval-every", type=int, default=None, metavar="N", help="score the held-out set every N versions (0: never)")
     p.add_argument("--store", default=None, metavar="URL", help="use this run root instead of a local S3 server")
-    p.add_argument("--redis", default=None, metavar="URL", help="use this Redis instead of a local one (default: $AURORA_REDIS_URL, else a local one)")
-    p.add_argument("--redis-password-file", default=None, metavar="FILE", help="first line: the password of --redis (default: $AURORA_REDIS_PASSWORD_FILE)")
+    p.add_argument(
+        "--redis", default=None, metavar="URL", help="use this Redis instead of a local one (default: $AURORA_REDIS_URL, else a local one)"
+    )
+    p.add_argument(
+        "--redis-password-file",
+        default=None,
+        metavar="FILE",
+        help="first line: the password of --redis (default: $AURORA_REDIS_PASSWORD_FILE)",
+    )
     p.add_argument("--run", default=d.run)
     p.add_argument("--dir", default="demo-run", help="work folder (logs, local mirror)")
     p.add_argument("--json", action="store_true", help="no live display; print one JSON object at the end")
@@ -440,7 +497,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-at", type=int, default=None, help="step at which an Actor is SIGKILLed (-1: never)")
     p.add_argument("--join-at", type=int, default=None, help="step at which a new Actor joins (-1: never)")
     p.add_argument("--codec", action="store_true", help="only the codec demonstration (no servers, no workers)")
-    p.add_argument("--engine", default="torch", choices=("torch", "vllm"), help="the Actors' engine (vllm: pip install 'aurora-store[vllm]')")
+    p.add_argument(
+        "--engine", default="torch", choices=("torch", "vllm"), help="the Actors' engine (vllm: pip install 'aurora-store[vllm]')"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -459,13 +518,26 @@ def main(args: argparse.Namespace) -> int:
 
         import_vllm()  # before any server starts: a missing vLLM is one clear line
     cfg = DemoConfig(
-        steps=args.steps, batch=args.batch, store=args.store, run=args.run,
+        steps=args.steps,
+        batch=args.batch,
+        store=args.store,
+        run=args.run,
         redis=args.redis or os.environ.get(REDIS_URL_ENV) or None,
         redis_password_file=args.redis_password_file or os.environ.get(REDIS_PASSWORD_FILE_ENV) or None,
-        workdir=os.path.abspath(args.dir), display=not args.json, relay=not args.no_relay,
-        kill_at=args.kill_at, join_at=args.join_at, engine=args.engine, seed=args.seed,
-        model=args.model, task=args.task, data=args.data, eval_data=args.eval_data, eval_every=args.eval_every,
+        workdir=os.path.abspath(args.dir),
+        display=not args.json,
+        relay=not args.no_relay,
+        kill_at=args.kill_at,
+        join_at=args.join_at,
+        engine=args.engine,
+        seed=args.seed,
+        model=args.model,
+        task=args.task,
+        data=args.data,
+        eval_data=args.eval_data,
+        eval_every=args.eval_every,
     )
+
     def say(*a: Any, **k: Any) -> None:
         if args.json:
             return
@@ -488,13 +560,21 @@ def main(args: argparse.Namespace) -> int:
     print(summary_table(res))
     j = res.to_json()
     print()
-    print(f"reward {j['reward_first']:.3f} (first 5 steps) -> {j['reward_last']:.3f} (last 5 steps); mean delta {j['delta_bytes_mean'] / 1e3:.1f} kB vs {j['full_bytes'] / 1e3:.1f} kB full")
-    print(f"mean density {100 * res.density_mean:.2f}% of {res.logs[-1].elements if res.logs else 0} elements changed per version; deltas are {100 * res.delta_over_full:.1f}% of the full bf16 weights")
+    print(
+        f"reward {j['reward_first']:.3f} (first 5 steps) -> {j['reward_last']:.3f} (last 5 steps); mean delta {j['delta_bytes_mean'] / 1e3:.1f} kB vs {j['full_bytes'] / 1e3:.1f} kB full"
+    )
+    print(
+        f"mean density {100 * res.density_mean:.2f}% of {res.logs[-1].elements if res.logs else 0} elements changed per version; deltas are {100 * res.delta_over_full:.1f}% of the full bf16 weights"
+    )
     if res.eval_accuracy:
         print("held-out accuracy by version: " + ", ".join(f"v{v} {a:.3f}" for v, a in sorted(res.eval_accuracy.items())))
-    print(f"actors killed {res.actors_killed}, joined {res.actors_joined}; prompts lost {res.prompts_lost}, accepted twice {res.accepted_twice}, on a wrong version {res.accepted_wrong_version}")
+    print(
+        f"actors killed {res.actors_killed}, joined {res.actors_joined}; prompts lost {res.prompts_lost}, accepted twice {res.accepted_twice}, on a wrong version {res.accepted_wrong_version}"
+    )
     if res.bit_identical:
-        print(f"every Actor's weights matched the Trainer's bit for bit at every version it activated ({res.activations_compared} activations compared)")
+        print(
+            f"every Actor's weights matched the Trainer's bit for bit at every version it activated ({res.activations_compared} activations compared)"
+        )
     else:
         print(f"MISMATCH: {len(res.mismatches)} activation(s) differ from the Trainer's weights: {res.mismatches[:10]}")
     print(f"demo {'passed' if ok else 'FAILED'} in {res.wall_s:.0f}s; logs in {os.path.join(cfg.workdir or '', 'logs')}")

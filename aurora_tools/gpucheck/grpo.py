@@ -123,7 +123,9 @@ def run_grpo_check(
             t_train = time.perf_counter() - t1
             digest = weights_digest(new, plan)
             t2 = time.perf_counter()
-            m = publish_delta(store, RUN, v, extract(plan, published, new), states[v - 1], cfg, producer={"step": step}, weights_digest=digest)
+            m = publish_delta(
+                store, RUN, v, extract(plan, published, new), states[v - 1], cfg, producer={"step": step}, weights_digest=digest
+            )
             t_pub = time.perf_counter() - t2
             states[v] = m.state
             t3 = time.perf_counter()
@@ -133,17 +135,19 @@ def run_grpo_check(
             got = engine.digest()
             checks[f"step{v}_changed"] = m.nnz > 0
             checks[f"step{v}_digest"] = got == digest and engine.version == v
-            steps_out.append({
-                "version": v,
-                "sampled_reward": round(sum(sampled) / max(1, len(sampled)), 3),
-                "nnz": m.nnz,
-                "delta_bytes": m.total_bytes,
-                "gen_s": round(t_gen, 3),
-                "train_s": round(t_train, 3),
-                "publish_s": round(t_pub, 3),
-                "fetch_apply_s": round(t_apply, 3),
-                "digest": digest,
-            })
+            steps_out.append(
+                {
+                    "version": v,
+                    "sampled_reward": round(sum(sampled) / max(1, len(sampled)), 3),
+                    "nnz": m.nnz,
+                    "delta_bytes": m.total_bytes,
+                    "gen_s": round(t_gen, 3),
+                    "train_s": round(t_train, 3),
+                    "publish_s": round(t_pub, 3),
+                    "fetch_apply_s": round(t_apply, 3),
+                    "digest": digest,
+                }
+            )
             published = new
     ok = len(steps_out) == steps and all(checks.values())
     return {

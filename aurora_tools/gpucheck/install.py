@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", required=True, help="folder to install into; put it first on PYTHONPATH")
     args = p.parse_args(argv)
     if not os.path.isdir(args.wheels) or not glob.glob(os.path.join(args.wheels, "*.whl")):
-        print(f"install.py: {args.wheels}: no wheels there; run `make gpu-wheels` on a machine with network and carry the folder", file=sys.stderr)
+        print(
+            f"install.py: {args.wheels}: no wheels there; run `make gpu-wheels` on a machine with network and carry the folder",
+            file=sys.stderr,
+        )
         return 2
     todo, present = needed(args.wheels)
     for line in present:
@@ -97,8 +100,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     has_pip = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode == 0
     if has_pip:
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--upgrade",
-               "--disable-pip-version-check", "--target", args.target, *todo]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-index",
+            "--no-deps",
+            "--upgrade",
+            "--disable-pip-version-check",
+            "--target",
+            args.target,
+            *todo,
+        ]
         rc = subprocess.run(cmd).returncode
         if rc:
             print(f"install.py: pip install --target {args.target} failed (exit {rc})", file=sys.stderr)

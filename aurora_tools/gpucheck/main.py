@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
 
         _log(f"GRPO part: two steps on {device}")
         small = {"hidden": 64, "intermediate": 192}  # about 0.1 M parameters: CI's CPU run
-        kw: dict[str, Any] = small if args.small else {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "head_dim": 32, "intermediate": 768}
+        kw: dict[str, Any] = (
+            small if args.small else {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "head_dim": 32, "intermediate": 768}
+        )
         report |= run_grpo_check(device, model_kw=kw)
     report["vllm"] = vllm_status()
     report["seconds"] = round(time.perf_counter() - t0, 1)

@@ -142,11 +142,7 @@ def _device_scan(plan: FusionPlan, base: dict[str, torch.Tensor], new: dict[str,
 
 def _staged(deltas: list[ParamDelta]) -> StagedDelta:
     """The delta as the engine receives it: one ``new``-values entry per changed parameter."""
-    entries = tuple(
-        DecodedEntry(d.name, d.spec, 0, d.spec.numel, d.nnz, d.indices, d.new_bits, "new")
-        for d in deltas
-        if d.nnz
-    )
+    entries = tuple(DecodedEntry(d.name, d.spec, 0, d.spec.numel, d.nnz, d.indices, d.new_bits, "new") for d in deltas if d.nnz)
     return StagedDelta(1, 0, entries)
 
 

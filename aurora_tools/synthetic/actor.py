@@ -138,8 +138,16 @@ class WanRecorder:
 
     def staged(self, version: int, nbytes: int, seconds: float, from_mirror: bool) -> None:
         c = self.ctx
-        record = {"t_ms": time.time() * 1000, "stage_s": seconds, "bytes": nbytes, "mirror": from_mirror, "origin_bytes": self.counter.bytes_read}
-        c.redis_call(lambda: c.redis.hset(wan_key(c.ep.run, "staged"), f"{c.cfg.actor_id}|{version}", json.dumps(record)), "record a staged version")
+        record = {
+            "t_ms": time.time() * 1000,
+            "stage_s": seconds,
+            "bytes": nbytes,
+            "mirror": from_mirror,
+            "origin_bytes": self.counter.bytes_read,
+        }
+        c.redis_call(
+            lambda: c.redis.hset(wan_key(c.ep.run, "staged"), f"{c.cfg.actor_id}|{version}", json.dumps(record)), "record a staged version"
+        )
 
 
 class AnnouncedStaging:

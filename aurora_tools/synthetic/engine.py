@@ -147,4 +147,3 @@ class SyntheticEngine:
 
     def close(self) -> None:
         """Nothing to end: everything lives in this process."""
-

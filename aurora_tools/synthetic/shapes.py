@@ -67,17 +67,11 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 #: A few hundred thousand parameters: the demo and unit tests.
-QWEN3_TINY = Qwen3Shape(
-    vocab=512, hidden=64, layers=2, intermediate=192, heads=4, kv_heads=2, head_dim=16
-)
+QWEN3_TINY = Qwen3Shape(vocab=512, hidden=64, layers=2, intermediate=192, heads=4, kv_heads=2, head_dim=16)
 #: Qwen3-0.6B's published dimensions (about 0.6 B parameters, tied embeddings).
-QWEN3_0_6B = Qwen3Shape(
-    vocab=151936, hidden=1024, layers=28, intermediate=3072, heads=16, kv_heads=8, head_dim=128
-)
+QWEN3_0_6B = Qwen3Shape(vocab=151936, hidden=1024, layers=28, intermediate=3072, heads=16, kv_heads=8, head_dim=128)
 #: Qwen3-1.7B's published dimensions (hidden 2048, 28 layers, tied embeddings).
-QWEN3_1_7B = Qwen3Shape(
-    vocab=151936, hidden=2048, layers=28, intermediate=6144, heads=16, kv_heads=8, head_dim=128
-)
+QWEN3_1_7B = Qwen3Shape(vocab=151936, hidden=2048, layers=28, intermediate=6144, heads=16, kv_heads=8, head_dim=128)
 
 
 def qwen3_shapes(s: Qwen3Shape) -> dict[str, tuple[int, ...]]:
@@ -148,9 +142,7 @@ def _chunks(n: int) -> range:
     return range(0, n, _CHUNK)
 
 
-def make_weights(
-    s: Qwen3Shape, seed: int = 0, dtype: torch.dtype = torch.bfloat16
-) -> dict[str, torch.Tensor]:
+def make_weights(s: Qwen3Shape, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """Random weights: N(0, 0.02) matrices, norms near 1."""
     g = torch.Generator().manual_seed(seed)
     buf = torch.empty(_CHUNK)

@@ -162,7 +162,10 @@ class WanRecorder:
 
 
 def synthetic_trainer(
-    ep: Endpoints, cfg: TrainerConfig, spec: SyntheticSpec, opts: SyntheticTrainerOptions | None = None,
+    ep: Endpoints,
+    cfg: TrainerConfig,
+    spec: SyntheticSpec,
+    opts: SyntheticTrainerOptions | None = None,
     on_step: Callable[[StepLog], None] | None = None,
 ) -> Trainer:
     """The real :class:`~workers.trainer.trainer.Trainer` running the synthetic workload (``run()`` it)."""
@@ -174,7 +177,14 @@ def synthetic_trainer(
     work = SyntheticWorkload(spec, cfg.transfer, cfg.batch, opts.train_s, stop)
     recorder = WanRecorder(connect(ep.redis), ep.run, open_store(ep.store, dict(ep.storage_options)), cfg.transfer, opts.keep_snapshots)
     return Trainer(
-        ep, cfg, on_step, steps=work, weights=work, publish_config=cfg.publish_config(shard_bytes=opts.shard_bytes), on_version=recorder, stop=stop,
+        ep,
+        cfg,
+        on_step,
+        steps=work,
+        weights=work,
+        publish_config=cfg.publish_config(shard_bytes=opts.shard_bytes),
+        on_version=recorder,
+        stop=stop,
     )
 
 
@@ -199,7 +209,9 @@ def trainer_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -
     def on_step(lg: Any) -> None:
         r.rpush(wan_key(args.run, "steps"), json.dumps({**dataclasses.asdict(lg), "t_ms": time.time() * 1000}))
 
-    opts = SyntheticTrainerOptions(train_s=train_s, digests=args.digests, shard_bytes=args.shard_bytes, keep_snapshots=args.keep_snapshots or 6)
+    opts = SyntheticTrainerOptions(
+        train_s=train_s, digests=args.digests, shard_bytes=args.shard_bytes, keep_snapshots=args.keep_snapshots or 6
+    )
     tr = synthetic_trainer(ep, cfg, spec, opts, on_step)
     install_stop_handlers(tr.stop)
     try:
@@ -207,4 +219,3 @@ def trainer_main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -
     except KeyboardInterrupt:
         return 130
     return 0
-

@@ -40,7 +40,6 @@ description, the base weights, the update); the parts are
 ``aurora bench synthetic-trainer|synthetic-actor``).
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -95,7 +94,9 @@ class SyntheticSpec:
 
     def __post_init__(self) -> None:
         if not 0 < self.density < 1 or self.gen_s_per_prompt < 0 or self.tokens < 1:
-            raise ValueError(f"bad synthetic workload: density {self.density}, gen_s_per_prompt {self.gen_s_per_prompt}, tokens {self.tokens}")
+            raise ValueError(
+                f"bad synthetic workload: density {self.density}, gen_s_per_prompt {self.gen_s_per_prompt}, tokens {self.tokens}"
+            )
 
     @property
     def params(self) -> int:
@@ -181,4 +182,3 @@ def sparse_update(weights: Mapping[str, torch.Tensor], density: float, seed: int
 def default_gen_s_per_prompt(params: float, prompts_per_actor: int) -> float:
     """The paper's 45 s generation window for 8.2 B parameters, scaled to ``params``, per prompt."""
     return PAPER_GEN_WINDOW_S * params / PAPER_PARAMS / max(1, prompts_per_actor)
-

@@ -39,16 +39,34 @@ def start_background(
     check_free(d, lambda m: print(f"aurora testbed: {m}", file=sys.stderr, flush=True))
     log_path = d / LOG_FILE
     cmd = [
-        sys.executable, "-m", "aurora_tools.testbed", "serve", "--dir", str(d),
-        "--s3-port", str(s3_port), "--redis-port", str(redis_port), "--bucket", bucket, "--s3", s3,
+        sys.executable,
+        "-m",
+        "aurora_tools.testbed",
+        "serve",
+        "--dir",
+        str(d),
+        "--s3-port",
+        str(s3_port),
+        "--redis-port",
+        str(redis_port),
+        "--bucket",
+        bucket,
+        "--s3",
+        s3,
     ]
     env = dict(os.environ)
     pkg_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, close_fds=True, env=env, cwd=str(d),
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+            env=env,
+            cwd=str(d),
         )
     deadline = time.monotonic() + timeout_s
     state: dict[str, Any] | None = None
@@ -109,4 +127,3 @@ def stop_background(dir: str | os.PathLike[str] = DEFAULT_DIR, timeout_s: float 
     with contextlib.suppress(FileNotFoundError):
         (d / STATE_FILE).unlink()
     return {"pid": pid, "how": how, "stopped": stopped}
-

@@ -81,7 +81,6 @@ def terminate(pid: int, timeout_s: float) -> str:
     return "killed"
 
 
-
 def http_answers(url: str, timeout_s: float = 1.0) -> bool:
     """Any HTTP answer (even 403) counts: the server is up. No proxies: loopback only."""
     import urllib.error
@@ -117,4 +116,3 @@ def wait_for(pred: Callable[[], bool], timeout_s: float, what: str, alive: Calla
         if time.monotonic() > deadline:
             raise TestbedError(f"{what} did not answer within {timeout_s:.0f}s")
         time.sleep(0.05)
-

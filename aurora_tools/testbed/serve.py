@@ -92,4 +92,3 @@ def serve(
         remove_state_if_ours(d, os.getpid())
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-

@@ -101,4 +101,3 @@ def check_free(dir: Path, say: Callable[[str], None]) -> None:
         )
     stopped = clear_stale(dir, state)
     say(f"removed the stale state file of testbed pid {pid} (not running)" + (f"; stopped {', '.join(stopped)}" if stopped else ""))
-

@@ -274,11 +274,19 @@ class Testbed:
             "dir": str(self.dir),
             "bucket": self.bucket,
             "run": self.run,
-            "redis": {"pid": redis_pid, "port": self._redis.port if self._redis else None, "url": self.redis_url,
-                      "binary": self._redis.binary if self._redis else None},
-            "s3": {"kind": self.s3_kind, "pid": s3_pid, "port": int(self.s3_endpoint.rsplit(":", 1)[1]) if self.s3_endpoint else None,
-                   "endpoint": self.s3_endpoint, "commit_via": self.commit_via},
+            "redis": {
+                "pid": redis_pid,
+                "port": self._redis.port if self._redis else None,
+                "url": self.redis_url,
+                "binary": self._redis.binary if self._redis else None,
+            },
+            "s3": {
+                "kind": self.s3_kind,
+                "pid": s3_pid,
+                "port": int(self.s3_endpoint.rsplit(":", 1)[1]) if self.s3_endpoint else None,
+                "endpoint": self.s3_endpoint,
+                "commit_via": self.commit_via,
+            },
             "urls": self.urls,
             "env": self.env,
         }
-

@@ -66,8 +66,28 @@ def shape_egress(ns: str | None, dev: str, rate_mbit: float) -> None:
     # 2 ms of line rate (>= two 64 KiB GSO packets) keeps it within a few percent.
     burst = max(128 * 1024, int(rate_mbit * 1e6 / 8 * 0.002))
     sh(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
-    sh(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate,
-        "ceil", rate, "burst", str(burst), "cburst", str(burst), "quantum", "60000")
+    sh(
+        *tc,
+        "class",
+        "add",
+        "dev",
+        dev,
+        "parent",
+        "1:",
+        "classid",
+        "1:1",
+        "htb",
+        "rate",
+        rate,
+        "ceil",
+        rate,
+        "burst",
+        str(burst),
+        "cburst",
+        str(burst),
+        "quantum",
+        "60000",
+    )
 
 
 def netns_list() -> list[str]:
@@ -104,6 +124,7 @@ def cleanup_stale(prefix: str = "aur", *, force: bool = False) -> list[str]:
     explicit prefix: name it to remove it). ``force`` removes every P starting
     with ``prefix``. Returns what was deleted.
     """
+
     def stale(p: str) -> bool:
         if not p.startswith(prefix):
             return False

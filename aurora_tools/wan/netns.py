@@ -152,8 +152,9 @@ class WanTestbed:
     bucket cannot be shared across processes).
     """
 
-    def __init__(self, regions: Mapping[str, LinkProfile], *, prefix: str | None = None,
-                 mode: Mode = "netns", proxy_workers: int | None = None) -> None:
+    def __init__(
+        self, regions: Mapping[str, LinkProfile], *, prefix: str | None = None, mode: Mode = "netns", proxy_workers: int | None = None
+    ) -> None:
         for name in regions:
             if not _REGION.match(name):
                 raise ConfigError(f"WanTestbed region {name!r}: must match {_REGION.pattern}")
@@ -216,20 +217,20 @@ class WanTestbed:
                 k = next(free, None)
                 if k is None:
                     raise WanUnavailable(f"no free {SUBNET}.<k>.0/24 subnet left for region {name!r}")
-                region = _Region(name, prof, k, ns=f"{self.prefix}-{name}",
-                                 veth_root=f"{self.prefix}v{k}", veth_ns=f"{self.prefix}p{k}")
+                region = _Region(name, prof, k, ns=f"{self.prefix}-{name}", veth_root=f"{self.prefix}v{k}", veth_ns=f"{self.prefix}p{k}")
                 assert region.ns and region.veth_root and region.veth_ns
                 if region.ns in existing:
                     if self._explicit_prefix:
-                        raise WanUnavailable(f"network namespace {region.ns!r} already exists; "
-                                             f"another testbed uses prefix {self.prefix!r}, or run cleanup_stale")
+                        raise WanUnavailable(
+                            f"network namespace {region.ns!r} already exists; "
+                            f"another testbed uses prefix {self.prefix!r}, or run cleanup_stale"
+                        )
                     sh("ip", "netns", "del", region.ns, check=False)  # ours: same pid, dead process
                 self._regions[name] = region
                 sh("ip", "netns", "add", region.ns)
                 # Created with its peer already inside the namespace: no window in which a
                 # half-built pair sits in the root namespace.
-                sh("ip", "link", "add", region.veth_root, "type", "veth",
-                    "peer", "name", region.veth_ns, "netns", region.ns)
+                sh("ip", "link", "add", region.veth_root, "type", "veth", "peer", "name", region.veth_ns, "netns", region.ns)
                 sh("ip", "addr", "add", f"{region.host_ip}/24", "dev", region.veth_root)
                 sh("ip", "link", "set", region.veth_root, "up")
                 sh("ip", "-n", region.ns, "addr", "add", f"{region.region_ip}/24", "dev", region.veth_ns)
@@ -349,16 +350,14 @@ class WanTestbed:
         ns = self._region(region).ns
         return ["ip", "netns", "exec", ns, *argv] if ns else list(argv)
 
-    def popen(self, region: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
-              **kw: Any) -> subprocess.Popen[Any]:
+    def popen(self, region: str, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` inside the region; stopped (SIGTERM, then SIGKILL) at teardown."""
         r = self._region(region)
         proc = subprocess.Popen(self.command(region, argv), env=dict(env) if env is not None else None, **kw)
         r.procs.append(proc)
         return proc
 
-    def run(self, region: str, argv: Sequence[str], *, timeout: float | None = None,
-            **kw: Any) -> subprocess.CompletedProcess[Any]:
+    def run(self, region: str, argv: Sequence[str], *, timeout: float | None = None, **kw: Any) -> subprocess.CompletedProcess[Any]:
         """Run ``argv`` inside the region to completion (``subprocess.run`` semantics)."""
         return subprocess.run(self.command(region, argv), timeout=timeout, **kw)
 
@@ -413,15 +412,27 @@ def main(argv: list[str] | None = None) -> int:
     from aurora_tools.wan.profile import parse_region_spec
     from aurora_tools.wan.proxy import parse_address
 
-    ap = argparse.ArgumentParser(prog="python -m aurora_tools.wan.netns",
-                                 description="Bring a WAN testbed up (foreground, Ctrl-C tears it down) or "
-                                             "remove leftovers of dead ones.")
+    ap = argparse.ArgumentParser(
+        prog="python -m aurora_tools.wan.netns",
+        description="Bring a WAN testbed up (foreground, Ctrl-C tears it down) or remove leftovers of dead ones.",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="create regions and expose loopback services into them")
-    up.add_argument("--regions", nargs="+", required=True, metavar="SPEC",
-                    help="NAME:RATE:RTT[:key=value...], e.g. eu:1000mbit:60ms:jitter=5ms:stall=0.01/300ms")
-    up.add_argument("--expose", nargs="*", default=[], type=parse_address, metavar="HOST:PORT",
-                    help="loopback services to expose into every region (S3, Redis, ...)")
+    up.add_argument(
+        "--regions",
+        nargs="+",
+        required=True,
+        metavar="SPEC",
+        help="NAME:RATE:RTT[:key=value...], e.g. eu:1000mbit:60ms:jitter=5ms:stall=0.01/300ms",
+    )
+    up.add_argument(
+        "--expose",
+        nargs="*",
+        default=[],
+        type=parse_address,
+        metavar="HOST:PORT",
+        help="loopback services to expose into every region (S3, Redis, ...)",
+    )
     up.add_argument("--prefix", default=None, help="name prefix (default aur<pid>)")
     up.add_argument("--mode", choices=["netns", "loopback", "auto"], default="netns")
     down = sub.add_parser("down", help="delete namespaces and veths of testbeds whose process is gone")
@@ -444,8 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in tb.regions:
             ns = tb.namespace(name)
             print(f"region {name}: {tb.profile(name)}")
-            print(f"  namespace {ns or '-'}  host side {tb.host_address(name)}  "
-                  f"region side {tb.region_address(name)}")
+            print(f"  namespace {ns or '-'}  host side {tb.host_address(name)}  region side {tb.region_address(name)}")
             for upstream in args.expose:
                 host, port = tb.expose(name, upstream)
                 print(f"  {upstream[0]}:{upstream[1]} -> {host}:{port}")

@@ -81,9 +81,7 @@ class LinkProfile:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"LinkProfile.{name}={getattr(self, name)!r}: must be in [0, 1]")
         if self.reset_prob + self.truncate_prob > 1.0:
-            raise ConfigError(
-                f"LinkProfile.reset_prob + truncate_prob = {self.reset_prob + self.truncate_prob}: must be <= 1"
-            )
+            raise ConfigError(f"LinkProfile.reset_prob + truncate_prob = {self.reset_prob + self.truncate_prob}: must be <= 1")
         if self.window_bytes < 64 * 1024:
             raise ConfigError(f"LinkProfile.window_bytes={self.window_bytes}: must be >= 65536")
         if self.fault_within_bytes < 1:
@@ -100,10 +98,7 @@ class LinkProfile:
     @property
     def impaired(self) -> bool:
         """True when the proxy has anything to do besides forwarding (rate aside)."""
-        return bool(
-            self.delay_ms or self.jitter_ms or self.stall_prob or self.reset_prob
-            or self.truncate_prob or self.loss_prob
-        )
+        return bool(self.delay_ms or self.jitter_ms or self.stall_prob or self.reset_prob or self.truncate_prob or self.loss_prob)
 
     def with_(self, **changes: object) -> LinkProfile:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -273,10 +268,6 @@ class ImpairmentPlan:
         p = self.profile
         rng = random.Random(f"{p.seed}/{self.conn_index}/fault")
         r, at = rng.random(), rng.randrange(p.fault_within_bytes)
-        self.fault = (
-            Fault("reset", at) if r < p.reset_prob
-            else Fault("truncate", at) if r < p.reset_prob + p.truncate_prob
-            else None
-        )
+        self.fault = Fault("reset", at) if r < p.reset_prob else Fault("truncate", at) if r < p.reset_prob + p.truncate_prob else None
         self.up = DirectionPlan(p, self.conn_index, "up")
         self.down = DirectionPlan(p, self.conn_index, "down")

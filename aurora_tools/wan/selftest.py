@@ -91,10 +91,14 @@ class Row:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "configured_mbit": self.configured_mbit,
-            "mbytes_per_s": round(self.mbytes_per_s, 1), "mbit_per_s": round(self.mbytes_per_s * 8, 1),
+            "name": self.name,
+            "configured_mbit": self.configured_mbit,
+            "mbytes_per_s": round(self.mbytes_per_s, 1),
+            "mbit_per_s": round(self.mbytes_per_s * 8, 1),
             "vs_configured": None if self.vs_configured is None else round(self.vs_configured, 3),
-            "bytes": self.nbytes, "seconds": round(self.seconds, 3), "streams": self.streams,
+            "bytes": self.nbytes,
+            "seconds": round(self.seconds, 3),
+            "streams": self.streams,
             "proxy_cpu_s_per_gb": None if self.cpu_s is None else round(self.cpu_s / (self.nbytes / 1e9), 3),
         }
 
@@ -125,8 +129,9 @@ def _pids_cpu(pids: list[int]) -> float:
     return total
 
 
-def _row(name: str, rate: float | None, address: Address, nbytes: int, prefix: list[str] | None = None,
-         streams: int = 1, proxy: Any = None) -> Row:
+def _row(
+    name: str, rate: float | None, address: Address, nbytes: int, prefix: list[str] | None = None, streams: int = 1, proxy: Any = None
+) -> Row:
     """One measurement; ``proxy`` (a ProxyThread, ProxyWorkers or WanTestbed) gets its CPU time counted."""
     cpu = _proxy_cpu(proxy)
     got, secs = measure(address, nbytes, prefix, streams)
@@ -185,8 +190,11 @@ def run(quick: bool = False, streams: int = 8, workers: int | None = None, repea
     try:
         upstream = source()
         add(_row("direct loopback", None, upstream, cap))
-        add(_row(f"direct loopback, {S} streams", None, upstream, cap, streams=S), "loopback",
-            lambda: _row(f"direct loopback, {S} streams", None, upstream, cap, streams=S))
+        add(
+            _row(f"direct loopback, {S} streams", None, upstream, cap, streams=S),
+            "loopback",
+            lambda: _row(f"direct loopback, {S} streams", None, upstream, cap, streams=S),
+        )
         proxied: list[tuple[str, LinkProfile]] = [
             ("proxy, no impairment", LinkProfile()),
             ("proxy, 60 ms RTT", LinkProfile(delay_ms=30.0, window_bytes=32 * MIB)),
@@ -225,8 +233,12 @@ def run(quick: bool = False, streams: int = 8, workers: int | None = None, repea
                 add(many(), f"netns_proxy_{nw}_workers", many)
             with WanTestbed({"r": LinkProfile(delay_ms=30.0, window_bytes=32 * MIB)}, proxy_workers=nw) as tb:
                 addr = tb.expose("r", upstream)
-                add(_row(f"netns + proxy ({nw} workers), 60 ms RTT, {S} streams", None, addr, cap, tb.command("r", []),
-                         streams=S, proxy=tb), f"netns_proxy_{nw}_workers_60ms")
+                add(
+                    _row(
+                        f"netns + proxy ({nw} workers), 60 ms RTT, {S} streams", None, addr, cap, tb.command("r", []), streams=S, proxy=tb
+                    ),
+                    f"netns_proxy_{nw}_workers_60ms",
+                )
             for rate, delay in ((250.0, 0.0), (1000.0, 0.0), (1000.0, 30.0), (10000.0, 0.0)):
                 prof = LinkProfile(rate_mbit=rate, delay_ms=delay, window_bytes=32 * MIB)
                 name = f"netns + tc htb {rate:.0f} Mbit/s" + (f", {2 * delay:.0f} ms RTT" if delay else "")
@@ -234,13 +246,22 @@ def run(quick: bool = False, streams: int = 8, workers: int | None = None, repea
                     addr = tb.expose("r", upstream)
                     rows.append(_row(name, rate, addr, _size_for(rate, secs, cap), tb.command("r", []), proxy=tb))
                     if rate >= 10000:
-                        rows.append(_row(f"{name}, {S} streams", rate, addr, _size_for(rate, secs, cap), tb.command("r", []),
-                                         streams=S, proxy=tb))
+                        rows.append(
+                            _row(f"{name}, {S} streams", rate, addr, _size_for(rate, secs, cap), tb.command("r", []), streams=S, proxy=tb)
+                        )
             # tc alone (no proxy): what qdiscs give where no delay is needed.
             with WanTestbed({"r": LinkProfile(rate_mbit=10000.0)}, proxy_workers=nw) as tb:
                 direct = source(tb.host_address("r"))
-                rows.append(_row(f"netns + tc htb 10000 Mbit/s, no proxy, {S} streams", 10000.0, direct,
-                                 _size_for(10000.0, secs, cap), tb.command("r", []), streams=S))
+                rows.append(
+                    _row(
+                        f"netns + tc htb 10000 Mbit/s, no proxy, {S} streams",
+                        10000.0,
+                        direct,
+                        _size_for(10000.0, secs, cap),
+                        tb.command("r", []),
+                        streams=S,
+                    )
+                )
     finally:
         for src in sources:
             src.kill()
@@ -250,9 +271,15 @@ def run(quick: bool = False, streams: int = 8, workers: int | None = None, repea
     kind = "1_loop" if dw == 1 else f"{nw}_workers"
     best = ceiling.get(f"netns_proxy_{kind}", ceiling.get(f"loopback_proxy_{kind}"))
     return {
-        "rows": [r.as_dict() for r in rows], "skipped": skipped, "streams": S, "proxy_workers": nw,
-        "default_proxy_workers": dw, "repeat": repeat,
-        "cores": len(os.sched_getaffinity(0)), "unshaped_ceiling_gbit": best, "unshaped_ceiling_detail_gbit": ceiling,
+        "rows": [r.as_dict() for r in rows],
+        "skipped": skipped,
+        "streams": S,
+        "proxy_workers": nw,
+        "default_proxy_workers": dw,
+        "repeat": repeat,
+        "cores": len(os.sched_getaffinity(0)),
+        "unshaped_ceiling_gbit": best,
+        "unshaped_ceiling_detail_gbit": ceiling,
     }
 
 
@@ -265,9 +292,11 @@ def _table(result: dict[str, Any]) -> str:
         lines.append(f"{r['name']:<56} {r['mbytes_per_s']:>9.1f} {r['mbit_per_s']:>9.0f} {conf:>11} {ratio:>6} {cpu:>15}")
     for what, why in result["skipped"].items():
         lines.append(f"({what} rows skipped: {why})")
-    lines.append(f"unshaped ceiling into a region (the default {result['default_proxy_workers']} proxy worker(s), {result['streams']} streams, "
-                 f"{result['cores']} cores): {result['unshaped_ceiling_gbit']} Gbit/s; "
-                 + ", ".join(f"{k} {v}" for k, v in result["unshaped_ceiling_detail_gbit"].items()))
+    lines.append(
+        f"unshaped ceiling into a region (the default {result['default_proxy_workers']} proxy worker(s), {result['streams']} streams, "
+        f"{result['cores']} cores): {result['unshaped_ceiling_gbit']} Gbit/s; "
+        + ", ".join(f"{k} {v}" for k, v in result["unshaped_ceiling_detail_gbit"].items())
+    )
     return "\n".join(lines)
 
 
@@ -276,9 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
     ap.add_argument("--quick", action="store_true", help="smaller transfers")
     ap.add_argument("--streams", type=int, default=8, help="parallel connections of the multi-stream rows")
-    ap.add_argument("--workers", type=int, default=None,
-                    help="worker processes of the multi-process rows (default: AURORA_WAN_PROXY_WORKERS or half the cores, at least 2)")
-    ap.add_argument("--repeat", type=int, default=1, help="measure each ceiling row this many times and keep the best (load on a shared machine)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes of the multi-process rows (default: AURORA_WAN_PROXY_WORKERS or half the cores, at least 2)",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="measure each ceiling row this many times and keep the best (load on a shared machine)"
+    )
     args = ap.parse_args(argv)
     result = run(quick=args.quick, streams=args.streams, workers=args.workers, repeat=max(1, args.repeat))
     if not args.json:

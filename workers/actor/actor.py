@@ -194,7 +194,13 @@ class Actor:
         h.start_at(*got)
         me = c.cfg.actor_id
         c.redis_call(partial(c.records.record_digest, me, h.active, c.engine.digest()), "record a digest")
-        log.info("%s bootstrapped at v%d in %.2fs%s", me, h.active, time.perf_counter() - t0, " (the run appeared)" if self.boot.waited_for_run else "")
+        log.info(
+            "%s bootstrapped at v%d in %.2fs%s",
+            me,
+            h.active,
+            time.perf_counter() - t0,
+            " (the run appeared)" if self.boot.waited_for_run else "",
+        )
         c.redis_call(self.membership.register, "register")
         released = c.redis_call(self.membership.release_previous, "release a previous incarnation's work")
         if released:

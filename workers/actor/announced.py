@@ -58,9 +58,7 @@ class AnnouncedFetch:
     def segment(self, store: Store, ev: Event, held_version: int) -> None:
         """A ``segment`` announcement: start its download from ``store`` (where the announcement says it is)."""
         self.prefetch.drop_through(held_version)
-        self.prefetch.announce(
-            store, ev.version, ev.get("key"), ev.get("bytes"), ev.get("sha256"), held_version
-        )
+        self.prefetch.announce(store, ev.version, ev.get("key"), ev.get("bytes"), ev.get("sha256"), held_version)
 
     def version(
         self,

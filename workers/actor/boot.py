@@ -107,9 +107,13 @@ class StoreBoot:
             return
         # Version 0's manifest lists the files (FORMAT.md §1), written right after them: one
         # read before it exists (the Trainer still setting up) is checked once it does (reach).
-        listed = c.store_call(lambda: c.origin.exists(manifest_key("snapshot", 0)) or bool(scan_versions(c.origin).snapshots), "look for version 0")
+        listed = c.store_call(
+            lambda: c.origin.exists(manifest_key("snapshot", 0)) or bool(scan_versions(c.origin).snapshots), "look for version 0"
+        )
         used: dict[str, str] = {}
-        model, tokenizer = c.store_call(lambda: read_model_description(c.origin, used, unlisted_ok=not listed), "read the model description")
+        model, tokenizer = c.store_call(
+            lambda: read_model_description(c.origin, used, unlisted_ok=not listed), "read the model description"
+        )
         self._model_unchecked = None if listed else used
         engine = make_engine(c.cfg.engine, tokenizer, c.cfg.device)
         engine.load(model)

@@ -45,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     region = p.add_argument_group("region and mirror")
     add_declared(region, ActorConfig, ENV_PREFIX, "region", "mirror")
     region.add_argument(
-        "--mirror-option", action="append", metavar="KEY=VALUE",
+        "--mirror-option",
+        action="append",
+        metavar="KEY=VALUE",
         help=f"fsspec option of the mirror store (repeatable; or ${MIRROR_OPTIONS_ENV}, a JSON object)",
     )
     add_declared(region, ActorConfig, ENV_PREFIX, "mirror_grace_s", "relay_wait_s")
@@ -66,7 +68,11 @@ def config_from_args(args: argparse.Namespace, engine: str | None = None, enviro
     ``engine`` overrides them all (the synthetic workload's own engine)."""
     env = os.environ if environ is None else environ
     cfg = resolve(
-        ActorConfig, ENV_PREFIX, args, env, engine=engine,
+        ActorConfig,
+        ENV_PREFIX,
+        args,
+        env,
+        engine=engine,
         mirror_options=mirror_options(vars(args).get("mirror_option"), env) or None,
         trust=trust_from_option(trust_key_paths(vars(args).get("trust_key"), env)),
     )
@@ -131,5 +137,3 @@ def run_until_stopped(actor: Actor, join_at_version: int | None = None) -> int:
         print(f"aurora: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0
-
-

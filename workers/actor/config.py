@@ -32,11 +32,16 @@ class ActorConfig:
     """How an Actor works, where it reads versions from, and how it waits."""
 
     actor_id: str = option(
-        help="Actor id, its name in the ledger", flag="--id", env="AURORA_ACTOR_ID", default_factory=_random_id,
+        help="Actor id, its name in the ledger",
+        flag="--id",
+        env="AURORA_ACTOR_ID",
+        default_factory=_random_id,
         default_text="actor- and 8 random hex digits",
     )
     """Name in the ledger (default: ``actor-`` and 8 random hex digits)."""
-    region: str = option("default", default_text='"default"', help="region name; the Actor uses its Relay's mirror (--mirror) while that Relay is alive")
+    region: str = option(
+        "default", default_text='"default"', help="region name; the Actor uses its Relay's mirror (--mirror) while that Relay is alive"
+    )
     """Region: the Actor stages from its Relay's mirror while that Relay heartbeats."""
     mirror: str | None = option(
         None, metavar="URL", help="run root of the region's mirror, the only one this Actor reads", default_text="none: origin only"
@@ -54,7 +59,9 @@ class ActorConfig:
     """Accept only versions signed by these keys (FORMAT.md §4.1; ``--trust-key``, env
     ``AURORA_TRUST_KEYS``): an unsigned, untrusted or badly signed manifest, from origin or
     the mirror, is refused before any of its segments is read, and quarantined. None: no check."""
-    engine: str = option("torch", choices=("torch", "vllm"), help="inference engine; vllm: pip install 'aurora-store[vllm]' (docs/WORKERS.md)")
+    engine: str = option(
+        "torch", choices=("torch", "vllm"), help="inference engine; vllm: pip install 'aurora-store[vllm]' (docs/WORKERS.md)"
+    )
     """Inference engine (``torch``, ``vllm``; see :func:`workers.engine.make_engine`)."""
     device: str | None = option(
         None, env=False, metavar="DEV", help="torch engine only: cpu, cuda or cuda:N", default_text="$AURORA_ENGINE_DEVICE, else cpu"
@@ -71,9 +78,7 @@ class ActorConfig:
     """Mixed with each lease's token into the sampling seed."""
     heartbeat_s: float = option(1.0, flag=None, help="period of the ledger heartbeat (seconds)")
     """Period of the ledger heartbeat (active and staged versions)."""
-    idle: Backoff = field(
-        default_factory=lambda: Backoff(initial_s=0.05, max_s=0.25, factor=1.5, jitter=0.0), metadata={"env": False}
-    )
+    idle: Backoff = field(default_factory=lambda: Backoff(initial_s=0.05, max_s=0.25, factor=1.5, jitter=0.0), metadata={"env": False})
     """Pauses between looks for work while there is none: idle Actors polling Redis steal CPU
     from whoever shares the machine."""
     slowdown: float = option(1.0, metavar="X", help="run X times slower (heterogeneity experiments)")
@@ -83,7 +88,8 @@ class ActorConfig:
     )
     """Parallel segment fetches per staged version (env ``AURORA_STREAMS``)."""
     fetch: str = option(
-        "announced", choices=FETCH_MODES,
+        "announced",
+        choices=FETCH_MODES,
         help="announced: fetch each segment from its announcement, before the manifest (held until the manifest lists it); "
         "manifest-first: read the manifest, then its segments",
     )
@@ -93,7 +99,10 @@ class ActorConfig:
     sha256: :mod:`aurora_store.lineage.prefetch`); ``manifest-first``, the manifest and then
     the segments it lists (the path before prefetching, kept to measure against)."""
     max_prefetch_bytes: int = option(
-        DEFAULT_MAX_HELD_BYTES, flag=None, env="AURORA_ACTOR_MAX_PREFETCH_MIB", scale=_MIB,
+        DEFAULT_MAX_HELD_BYTES,
+        flag=None,
+        env="AURORA_ACTOR_MAX_PREFETCH_MIB",
+        scale=_MIB,
         help="most MiB of announced segments held before their manifest is read",
     )
     """Most bytes of announced segments held before their manifest is read (env
@@ -120,7 +129,9 @@ class ActorConfig:
     """How often an Actor started before the Trainer looks for the run to appear (its model
     description, its first version): Actors and the Trainer start in any order."""
     outage_budget_s: float = option(
-        DEFAULT_OUTAGE_BUDGET_S, env=OUTAGE_BUDGET_ENV, metavar="S",
+        DEFAULT_OUTAGE_BUDGET_S,
+        env=OUTAGE_BUDGET_ENV,
+        metavar="S",
         help="give up (exit 1, one line) once Redis or the store has been unreachable this long",
     )
     """How long Redis or the store may stay unreachable before the Actor gives up (exits
@@ -131,7 +142,11 @@ class ActorConfig:
     """Pauses between attempts to reach Redis or the store while one is away (exponential with
     jitter: many Actors do not come back in step and knock together)."""
     max_staged_bytes: int = option(
-        1 << 30, flag="--max-staged-mib", env="AURORA_ACTOR_MAX_STAGED_MIB", scale=_MIB, metavar="MIB",
+        1 << 30,
+        flag="--max-staged-mib",
+        env="AURORA_ACTOR_MAX_STAGED_MIB",
+        scale=_MIB,
+        metavar="MIB",
         help="most staged data (MiB) held beside the active weights",
     )
     """Most staged data (decoded deltas, or a whole version for a catch-up) the Actor holds
@@ -198,5 +213,3 @@ class ActorStats:
     spilled: int = 0
     """Deltas an engine whose workers read a store (vLLM) staged from segments held from their
     announcements (``--fetch announced``), not from the store."""
-
-

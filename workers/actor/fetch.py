@@ -156,10 +156,14 @@ class Fetcher:
             broken = check_chain(chain)
             if broken is not None:
                 raise Refused("delta", broken, chain_error(broken, chain))
-            _attributed("delta" if plan.deltas else "snapshot", plan.target, lambda: self.check_expected(plan.target, chain[-1].state, store))
+            _attributed(
+                "delta" if plan.deltas else "snapshot", plan.target, lambda: self.check_expected(plan.target, chain[-1].state, store)
+            )
             return StagedFull(plan.target, chain[-1].state, None, sn, plan.bytes or 0, manifests=tuple(chain))
         s = plan.snapshot
-        sm, tensors = _attributed("snapshot", s, lambda: fetch_snapshot(store, s, streams, self._checked(store, reader, "snapshot", s), trust=trust))
+        sm, tensors = _attributed(
+            "snapshot", s, lambda: fetch_snapshot(store, s, streams, self._checked(store, reader, "snapshot", s), trust=trust)
+        )
         specs = engine.param_specs()
 
         def fits() -> None:
@@ -173,8 +177,11 @@ class Fetcher:
         sink, state = FusedWeights(tensors), sm.state
         for v in plan.deltas:
             m, staged = _attributed(
-                "delta", v,
-                lambda v=v, st=state: fetch_delta(store, v, specs, streams, expect_base_state=st, manifest=self._checked(store, reader, "delta", v), trust=trust),  # type: ignore[misc]
+                "delta",
+                v,
+                lambda v=v, st=state: fetch_delta(
+                    store, v, specs, streams, expect_base_state=st, manifest=self._checked(store, reader, "delta", v), trust=trust
+                ),  # type: ignore[misc]
             )
             apply_delta(staged, sink)
             state = m.state
@@ -211,7 +218,14 @@ class Fetcher:
         each = engine.prepare_segment if isinstance(engine, PreparingEngine) else None
         if early is None:
             return fetch_delta(
-                store, version, engine.param_specs(), cfg.streams, expect_base_state=base_state, manifest=known, trust=self.trust, prepare=each,
+                store,
+                version,
+                engine.param_specs(),
+                cfg.streams,
+                expect_base_state=base_state,
+                manifest=known,
+                trust=self.trust,
+                prepare=each,
             )
         t0 = time.perf_counter()
         early.expect(version)  # the state check after the fetch: read beside it, not after it
@@ -222,8 +236,15 @@ class Fetcher:
         try:
             # Held segments are taken only once the manifest is read and trusted, each checked against it.
             fetched = fetch_delta(
-                store, version, engine.param_specs(), cfg.streams, expect_base_state=base_state, manifest=known,
-                trust=self.trust, held=early.held(version), prepare=each,
+                store,
+                version,
+                engine.param_specs(),
+                cfg.streams,
+                expect_base_state=base_state,
+                manifest=known,
+                trust=self.trust,
+                held=early.held(version),
+                prepare=each,
             )
         except VersionNotFound:
             raise  # not committed yet (here): what is held waits for its manifest
@@ -234,8 +255,13 @@ class Fetcher:
         log.debug(
             "%s: delta %d: %d of %d segments prefetched; %.3fs for the manifest read when announced, then %.3fs to fetch and decode "
             "(%.3fs waited for downloads under way, summed over threads)",
-            cfg.actor_id, version, early.prefetch.stats.taken - taken, len(fetched[0].segments), t1 - t0,
-            time.perf_counter() - t1, early.prefetch.stats.waited_s - waited,
+            cfg.actor_id,
+            version,
+            early.prefetch.stats.taken - taken,
+            len(fetched[0].segments),
+            t1 - t0,
+            time.perf_counter() - t1,
+            early.prefetch.stats.waited_s - waited,
         )
         return fetched
 
@@ -276,7 +302,11 @@ class Fetcher:
 
 
 def _manifest(
-    store: Store, reader: ManifestReader | None, kind: str, version: int, trust: TrustKeys | None = None,
+    store: Store,
+    reader: ManifestReader | None,
+    kind: str,
+    version: int,
+    trust: TrustKeys | None = None,
     commits: CommitRecords | None = None,
 ) -> Any:
     """The manifest ``reader`` holds, else read now; either way accepted by ``trust`` (FORMAT.md §4.1)

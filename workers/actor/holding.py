@@ -26,6 +26,7 @@ from workers.actor.quarantine import StagedFull, staged_nbytes
 
 __all__ = ["Holding", "Staged", "StagedItem"]
 
+
 class StagedItem(Protocol):
     """What the queue holds: a delta decoded in this process (prepared or not), the engine's
     handle of one staged in its own processes, or a whole version (:class:`StagedFull`)."""

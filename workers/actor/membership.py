@@ -17,6 +17,7 @@ __all__ = ["Membership"]
 
 log = logging.getLogger("aurora.actor")
 
+
 class Membership:
     """One Actor's ledger record. Its methods make raw Redis calls: callers ride outages."""
 

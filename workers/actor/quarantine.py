@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Quarantine", "StagedFull", "VersionId", "staged_nbytes"]
 
+
 class Quarantine(QuarantineBook):
     """Versions that failed validation, with their back-off; thread-safe, timed on ``clock``.
 
@@ -53,7 +54,11 @@ class Quarantine(QuarantineBook):
         if n == 1:
             self.log.error(
                 "%s %d failed validation (%s: %s); quarantined: not fetched again for %.0fs, then less and less often",
-                kind, version, type(error).__name__, _short(reason), delay,
+                kind,
+                version,
+                type(error).__name__,
+                _short(reason),
+                delay,
             )
         else:
             self.log.debug("%s %d failed validation again (%d times); next attempt in %.0fs", kind, version, n, delay)

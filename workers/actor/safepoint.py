@@ -89,7 +89,13 @@ class SafePoint:
                     if isinstance(staged, StagedFull):
                         self.fetcher.load_full(staged)
                         c.stats.rebootstraps += 1
-                        log.info("%s swapped in v%d (snapshot %d and %d delta(s))", c.cfg.actor_id, staged.version, staged.snapshot, staged.version - staged.snapshot)
+                        log.info(
+                            "%s swapped in v%d (snapshot %d and %d delta(s))",
+                            c.cfg.actor_id,
+                            staged.version,
+                            staged.snapshot,
+                            staged.version - staged.snapshot,
+                        )
                     else:
                         c.engine.apply(staged)
                 except INVALID as e:

@@ -62,7 +62,10 @@ class Sources:
             why = "it is not this Actor's --mirror" if cfg.mirror is not None else "this Actor has no --mirror"
             log.warning(
                 "%s: the Relay key of region %s names mirror %s; ignored (%s): reading origin",
-                cfg.actor_id, cfg.region, _shown_url(relay_url), why,
+                cfg.actor_id,
+                cfg.region,
+                _shown_url(relay_url),
+                why,
             )
         return False
 
@@ -88,7 +91,9 @@ class Sources:
         since = max(self._missing_since.setdefault(version, now), self._relay_progress.get(version, 0.0))
         if now - since < cfg.mirror_grace_s:
             return False
-        log.warning("mirror of region %s lacks v%d after %.1fs; reading from origin until it catches up", region, version, cfg.mirror_grace_s)
+        log.warning(
+            "mirror of region %s lacks v%d after %.1fs; reading from origin until it catches up", region, version, cfg.mirror_grace_s
+        )
         self.mirror_behind = True
         return True
 

@@ -110,7 +110,9 @@ class Stager:
                         self.sources.relay_progress(ev.version, now)  # the Relay is copying it
                     self.announcement(ev, region, polled.relay_url)
                 if (
-                    self.fetcher.announced is not None and events and all(ev.type == SEGMENT for ev in events)
+                    self.fetcher.announced is not None
+                    and events
+                    and all(ev.type == SEGMENT for ev in events)
                     and now - polled_at < c.cfg.stage_block_ms / 1000
                 ):
                     # Only segments of a version still being published, and the run's head read

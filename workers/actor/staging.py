@@ -156,7 +156,9 @@ class DeltaStaging:
             self._delta_bytes.append(m.total_bytes)
             if v >= self._replay_until:
                 self._manifests = None  # the planned replay is done
-            metrics.active().staged(c.cfg.actor_id, c.cfg.region, v, "delta", m.total_bytes, "mirror" if from_mirror else "origin", time.perf_counter() - t0)
+            metrics.active().staged(
+                c.cfg.actor_id, c.cfg.region, v, "delta", m.total_bytes, "mirror" if from_mirror else "origin", time.perf_counter() - t0
+            )
             self._told(v, m.total_bytes, time.perf_counter() - t0, from_mirror)
             v += 1
             store = mirror  # the next version: the region's copy first, again
@@ -208,8 +210,13 @@ class DeltaStaging:
         if not self.room():
             return False
         log.info(
-            "%s: catching up from v%d to v%d through snapshot %d (%d bytes%s)", c.cfg.actor_id, h.staged_version, target,
-            plan.snapshot, plan.bytes or 0, "; the chain is broken" if broken else ", fewer than replaying the deltas",
+            "%s: catching up from v%d to v%d through snapshot %d (%d bytes%s)",
+            c.cfg.actor_id,
+            h.staged_version,
+            target,
+            plan.snapshot,
+            plan.bytes or 0,
+            "; the chain is broken" if broken else ", fewer than replaying the deltas",
         )
         t0 = time.perf_counter()
         try:
@@ -230,7 +237,15 @@ class DeltaStaging:
         h.stage_whole(Staged(full, full.state, time.perf_counter() - t0))
         c.quarantine.forget_below(full.version + 1)
         from_mirror = store is not c.origin
-        metrics.active().staged(c.cfg.actor_id, c.cfg.region, full.version, "snapshot", full.nbytes, "mirror" if from_mirror else "origin", time.perf_counter() - t0)
+        metrics.active().staged(
+            c.cfg.actor_id,
+            c.cfg.region,
+            full.version,
+            "snapshot",
+            full.nbytes,
+            "mirror" if from_mirror else "origin",
+            time.perf_counter() - t0,
+        )
         self._told(full.version, full.nbytes, time.perf_counter() - t0, from_mirror)
         return True
 
@@ -243,5 +258,11 @@ class DeltaStaging:
         self._replan_at = c.clock.monotonic() + delay
         self._stuck_at = c.holding.staged_version + 1
         if self._replan_failures == 1:
-            log.error("%s: stuck at v%d: %s; looking again in %.0fs, then less and less often", c.cfg.actor_id, c.holding.staged_version, why, delay)
+            log.error(
+                "%s: stuck at v%d: %s; looking again in %.0fs, then less and less often",
+                c.cfg.actor_id,
+                c.holding.staged_version,
+                why,
+                delay,
+            )
         return False

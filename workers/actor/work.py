@@ -67,7 +67,11 @@ class WorkLoop:
             self._state_refused = (step, h.active)
             log.error(
                 "%s: step %d asks for state %s… on v%d, this Actor holds %s…: not claiming",
-                c.cfg.actor_id, step, str(want)[:19], h.active, h.active_state[:19],
+                c.cfg.actor_id,
+                step,
+                str(want)[:19],
+                h.active,
+                h.active_state[:19],
             )
         return False
 
@@ -77,7 +81,9 @@ class WorkLoop:
         prompts = [b["ids"] for b in bodies]
         group = leases[0].group
         t0 = time.perf_counter()
-        gen = c.engine.generate(prompts, group, max_new_tokens(bodies, cfg.max_new_tokens), seed=cfg.seed ^ leases[0].token, temperature=cfg.temperature)
+        gen = c.engine.generate(
+            prompts, group, max_new_tokens(bodies, cfg.max_new_tokens), seed=cfg.seed ^ leases[0].token, temperature=cfg.temperature
+        )
         if cfg.slowdown > 1:
             c.clock.wait(c.stop, gen.seconds * (cfg.slowdown - 1))
         gen_s = time.perf_counter() - t0

@@ -290,9 +290,5 @@ def evaluate(
     """Mean :func:`workers.task.reward` of ``samples`` completions per problem."""
     prompts = [tokenizer.encode(p.prompt_text, bos=True) for p in problems]
     g = engine.generate(prompts, samples, max_new_tokens, seed, temperature)
-    scores = [
-        reward(c.text, p.answer)
-        for p, group in zip(problems, g.completions, strict=True)
-        for c in group
-    ]
+    scores = [reward(c.text, p.answer) for p, group in zip(problems, g.completions, strict=True) for c in group]
     return EvalResult(sum(scores) / max(1, len(scores)), len(scores), g)

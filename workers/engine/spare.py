@@ -122,18 +122,12 @@ class SpareWeights:
 
     def _bring_to(self, version: int, held: Mapping[str, torch.Tensor]) -> bool:
         """Replay activated deltas onto the spare up to ``version``, or copy the held weights."""
-        while (
-            self.activated
-            and self.version is not None
-            and self.activated[0].version <= self.version
-        ):
+        while self.activated and self.version is not None and self.activated[0].version <= self.version:
             self.activated.popleft()  # the spare has it already
         if self.tensors is not None and self.version is not None and self.version <= version:
             todo = [p for p in list(self.activated) if self.version < p.version <= version]
             chain = [p.version for p in todo]
-            if chain == list(range(self.version + 1, version + 1)) and all(
-                p.base_version == p.version - 1 for p in todo
-            ):
+            if chain == list(range(self.version + 1, version + 1)) and all(p.base_version == p.version - 1 for p in todo):
                 for p in todo:
                     self.version = None
                     p.write(self.tensors)
@@ -144,16 +138,11 @@ class SpareWeights:
                 self.tensors is None
                 or set(self.tensors) != set(held)
                 or any(
-                    self.tensors[n].shape != t.shape
-                    or self.tensors[n].dtype != t.dtype
-                    or self.tensors[n].device != t.device
+                    self.tensors[n].shape != t.shape or self.tensors[n].dtype != t.dtype or self.tensors[n].device != t.device
                     for n, t in held.items()
                 )
             ):
-                self.tensors = {
-                    n: torch.empty_like(t, memory_format=torch.contiguous_format)
-                    for n, t in held.items()
-                }
+                self.tensors = {n: torch.empty_like(t, memory_format=torch.contiguous_format) for n, t in held.items()}
                 log.info(
                     "engine: keeping a spare copy of the weights (%d MiB) for swap activation",
                     sum(t.numel() * t.element_size() for t in held.values()) >> 20,
@@ -168,12 +157,7 @@ class SpareWeights:
 
         The caller swaps them in and hands the old weights back with :meth:`give`.
         """
-        if (
-            self.ready is None
-            or self.ready[0] is not prepared
-            or self.ready[1] != seq
-            or self.tensors is None
-        ):
+        if self.ready is None or self.ready[0] is not prepared or self.ready[1] != seq or self.tensors is None:
             return None
         out, self.tensors, self.ready = self.tensors, None, None
         return out

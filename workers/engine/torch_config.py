@@ -44,25 +44,17 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES_BY_NAME:
-            raise ConfigError(
-                f"EngineConfig.dtype must be one of {sorted(DTYPES_BY_NAME)}, got {self.dtype!r}"
-            )
+            raise ConfigError(f"EngineConfig.dtype must be one of {sorted(DTYPES_BY_NAME)}, got {self.dtype!r}")
         try:
             dev = torch.device(self.device)
         except (RuntimeError, TypeError):
-            raise ConfigError(
-                f"EngineConfig.device: {self.device!r} is not a torch device"
-            ) from None
+            raise ConfigError(f"EngineConfig.device: {self.device!r} is not a torch device") from None
         if dev.type not in ("cpu", "cuda"):
             raise ConfigError(f"EngineConfig.device must be cpu or cuda, got {self.device!r}")
         if self.max_batch_rows < 1:
-            raise ConfigError(
-                f"EngineConfig.max_batch_rows must be >= 1, got {self.max_batch_rows}"
-            )
+            raise ConfigError(f"EngineConfig.max_batch_rows must be >= 1, got {self.max_batch_rows}")
         if self.activation not in ("in-place", "swap", "auto"):
-            raise ConfigError(
-                f"EngineConfig.activation must be in-place, swap or auto, got {self.activation!r}"
-            )
+            raise ConfigError(f"EngineConfig.activation must be in-place, swap or auto, got {self.activation!r}")
 
     @classmethod
     def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> EngineConfig:

@@ -92,9 +92,7 @@ class TorchEngine:
             embedding = cast(Any, model).get_input_embeddings()
             weights = hf_weights(model)
             plan = fusion_plan_for(weights)
-            sink = SplitWeights(
-                {n: weights[n] for p in plan for n in (b.source for b in p.blocks)}, plan
-            )
+            sink = SplitWeights({n: weights[n] for p in plan for n in (b.source for b in p.blocks)}, plan)
             self._seq += 2
             self._model, self._weights, self._plan, self._sink = model, weights, plan, sink
             if self._spare is not None:
@@ -192,10 +190,7 @@ class TorchEngine:
 
     def _base_check(self, version: int, base: int) -> None:
         if self._version is not None and base != self._version:
-            raise ChainError(
-                f"delta {version} is based on version {base}, "
-                f"the engine holds version {self._version}"
-            )
+            raise ChainError(f"delta {version} is based on version {base}, the engine holds version {self._version}")
 
     def _apply_impl(self, staged: StagedDelta) -> None:
         _, plan = self._need()
@@ -306,8 +301,7 @@ class TorchEngine:
                 t = tensors[p.name]
                 if spec_of(t, p.name) != p.spec:
                     raise ModelMismatchError(
-                        f"{p.name}: given {list(t.shape)} {t.dtype}, the engine holds "
-                        f"{list(p.spec.shape)} {p.spec.dtype}"
+                        f"{p.name}: given {list(t.shape)} {t.dtype}, the engine holds {list(p.spec.shape)} {p.spec.dtype}"
                     )
                 flat = t.reshape(-1)
                 copies += [(b.source, flat[b.offset : b.offset + b.numel]) for b in p.blocks]
@@ -317,15 +311,13 @@ class TorchEngine:
                 t = tensors[name]
                 if spec_of(t, name) != b.spec:
                     raise ModelMismatchError(
-                        f"{name}: given {list(t.shape)} {t.dtype}, the engine holds "
-                        f"{list(b.spec.shape)} {b.spec.dtype}"
+                        f"{name}: given {list(t.shape)} {t.dtype}, the engine holds {list(b.spec.shape)} {b.spec.dtype}"
                     )
                 copies.append((name, t.reshape(-1)))
         else:
             lack = sorted(fused - tensors.keys())
             raise ModelMismatchError(
-                f"weights lack {len(lack)} of the engine's parameters (e.g. {lack[:3]}), "
-                "under fused and under Hugging Face names"
+                f"weights lack {len(lack)} of the engine's parameters (e.g. {lack[:3]}), under fused and under Hugging Face names"
             )
         if self._spare is not None:
             self._spare.forget()
@@ -392,9 +384,7 @@ class TorchEngine:
         log-probabilities are those the samples were drawn from.
         """
         if group < 1 or max_new_tokens < 1:
-            raise ValueError(
-                f"group and max_new_tokens must be >= 1, got {group}, {max_new_tokens}"
-            )
+            raise ValueError(f"group and max_new_tokens must be >= 1, got {group}, {max_new_tokens}")
         if not temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         with self._lock:
@@ -426,9 +416,7 @@ class TorchEngine:
         step = self.config.max_batch_rows
         with torch.inference_mode():
             for lo in range(0, len(rows), step):
-                out.extend(
-                    sample_rows(model, self.tokenizer, self.device, rows[lo : lo + step], max_new_tokens, temperature, gen)
-                )
+                out.extend(sample_rows(model, self.tokenizer, self.device, rows[lo : lo + step], max_new_tokens, temperature, gen))
         seconds = time.perf_counter() - t0
         done = tuple(tuple(out[i * group : (i + 1) * group]) for i in range(len(prompts)))
         return Generation(done, sum(len(c.token_ids) for c in out), seconds)
@@ -455,27 +443,16 @@ def _check_entries(staged: StagedDelta, specs: Mapping[str, ParamSpec]) -> None:
         spec = specs.get(e.param)
         where = f"delta {staged.version}: {e.param}"
         if spec is None:
-            raise ModelMismatchError(
-                f"delta {staged.version}: the model has no parameter {e.param!r}"
-            )
+            raise ModelMismatchError(f"delta {staged.version}: the model has no parameter {e.param!r}")
         if not 0 <= e.start <= e.stop <= spec.numel:
-            raise ModelMismatchError(
-                f"{where} range [{e.start}, {e.stop}) does not fit its {spec.numel} elements"
-            )
+            raise ModelMismatchError(f"{where} range [{e.start}, {e.stop}) does not fit its {spec.numel} elements")
         width = DTYPES[spec.dtype].bits.itemsize
         if e.bits.dtype.itemsize != width:
-            raise ModelMismatchError(
-                f"{where} carries {e.bits.dtype.itemsize}-byte values, the engine holds {spec.dtype}"
-            )
+            raise ModelMismatchError(f"{where} carries {e.bits.dtype.itemsize}-byte values, the engine holds {spec.dtype}")
         if e.indices is None:
             if e.bits.size != e.stop - e.start:
-                raise ModelMismatchError(
-                    f"{where} dense range of {e.stop - e.start} elements carries {e.bits.size} values"
-                )
-        elif e.bits.size != e.indices.size or (
-            e.indices.size and (int(e.indices.min()) < e.start or int(e.indices.max()) >= e.stop)
-        ):
+                raise ModelMismatchError(f"{where} dense range of {e.stop - e.start} elements carries {e.bits.size} values")
+        elif e.bits.size != e.indices.size or (e.indices.size and (int(e.indices.min()) < e.start or int(e.indices.max()) >= e.stop)):
             raise ModelMismatchError(
-                f"{where} has {e.indices.size} indices and {e.bits.size} values, "
-                f"indices must lie in [{e.start}, {e.stop})"
+                f"{where} has {e.indices.size} indices and {e.bits.size} values, indices must lie in [{e.start}, {e.stop})"
             )

@@ -34,9 +34,7 @@ def sample_rows(
         attn[i, width - len(r) :] = 1
     ids, attn = ids.to(dev), attn.to(dev)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    out = model(
-        input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1
-    )
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
     next_pos = pos[:, -1:] + 1
     finished = torch.zeros(b, dtype=torch.bool, device=dev)
     lengths = torch.zeros(b, dtype=torch.long, device=dev)
@@ -69,9 +67,4 @@ def sample_rows(
     toks = torch.stack(steps, dim=1).cpu().tolist()
     lens = lengths.cpu().tolist()
     fin = finished.cpu().tolist()
-    return [
-        Completion(
-            tuple(toks[i][: lens[i]]), tokenizer.decode(toks[i][: lens[i]]), bool(fin[i])
-        )
-        for i in range(b)
-    ]
+    return [Completion(tuple(toks[i][: lens[i]]), tokenizer.decode(toks[i][: lens[i]]), bool(fin[i])) for i in range(b)]

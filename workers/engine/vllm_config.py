@@ -78,9 +78,7 @@ class VLLMConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"VLLMConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1 or self.stage_poll_s <= 0:
-            raise ConfigError(
-                f"VLLMConfig.max_model_len must be >= 1 and stage_poll_s > 0 (got {self.max_model_len}, {self.stage_poll_s})"
-            )
+            raise ConfigError(f"VLLMConfig.max_model_len must be >= 1 and stage_poll_s > 0 (got {self.max_model_len}, {self.stage_poll_s})")
 
     @classmethod
     def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> VLLMConfig:
@@ -104,4 +102,6 @@ def spawn_env(values: Mapping[str, str]) -> Iterator[None]:
 
 
 #: Declared here, not in vllm_worker (which imports vLLM), so the options doc can list it cheaply.
-VLLM_PREPARE = Switch("AURORA_VLLM_PREPARE", bool, True, "off: the vLLM workers apply the decoded delta instead of a prepared one (to measure both)")
+VLLM_PREPARE = Switch(
+    "AURORA_VLLM_PREPARE", bool, True, "off: the vLLM workers apply the decoded delta instead of a prepared one (to measure both)"
+)

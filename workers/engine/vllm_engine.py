@@ -114,16 +114,16 @@ class VLLMEngine:
         if not cfg_dict.get("architectures"):
             from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-            arch = type(model).__name__ if hasattr(model, "config") else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg_dict.get("model_type", ""))
+            arch = (
+                type(model).__name__ if hasattr(model, "config") else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg_dict.get("model_type", ""))
+            )
             if not arch:
                 raise ConfigError("the model config names no architecture (config.architectures)")
             cfg_dict["architectures"] = [arch]
         head = cfg_dict.get("head_dim") or cfg_dict["hidden_size"] // cfg_dict["num_attention_heads"]
         on_cpu = not torch.cuda.is_available()
         if on_cpu and head not in CPU_HEAD_SIZES:
-            raise ConfigError(
-                f"vLLM's CPU attention supports head sizes {list(CPU_HEAD_SIZES)}; this model's is {head}"
-            )
+            raise ConfigError(f"vLLM's CPU attention supports head sizes {list(CPU_HEAD_SIZES)}; this model's is {head}")
         with self._lock:
             self.close()
             self._dir = tempfile.mkdtemp(prefix="aurora-vllm-")
@@ -290,8 +290,7 @@ class VLLMEngine:
             self._need()
             if self._version is not None and staged.base_version != self._version:
                 raise ChainError(
-                    f"delta {staged.version} is based on version {staged.base_version}, "
-                    f"the engine holds version {self._version}"
+                    f"delta {staged.version} is based on version {staged.base_version}, the engine holds version {self._version}"
                 )
             if isinstance(staged, RemoteStaged):
                 # Each rank refuses, before writing, a staged delta of another state.
@@ -425,14 +424,11 @@ class VLLMEngine:
         if self._specs.keys() <= tensors.keys():
             out = {n: tensors[n] for n in self._specs}
         else:
-            plan = FusionPlan.from_specs(
-                {n: spec_of(t, n) for n, t in tensors.items()}, tied_lm_head=TIED_HEAD not in self._specs
-            )
+            plan = FusionPlan.from_specs({n: spec_of(t, n) for n, t in tensors.items()}, tied_lm_head=TIED_HEAD not in self._specs)
             if plan.specs().keys() != self._specs.keys():
                 lack = sorted(self._specs.keys() - plan.specs().keys())
                 raise ModelMismatchError(
-                    f"weights lack {len(lack)} of the engine's parameters (e.g. {lack[:3]}), "
-                    "under fused and under Hugging Face names"
+                    f"weights lack {len(lack)} of the engine's parameters (e.g. {lack[:3]}), under fused and under Hugging Face names"
                 )
             out = fuse_weights(tensors, plan)
         for n, t in out.items():

@@ -44,9 +44,18 @@ def encode_entries(staged: StagedDelta) -> dict[str, Any]:
         "version": staged.version,
         "base_version": staged.base_version,
         "entries": [
-            [e.param, list(e.spec.shape), e.spec.dtype, e.start, e.stop, e.nnz,
-             None if e.indices is None else e.indices.astype("<i8").tobytes(),
-             e.bits.dtype.str, e.bits.tobytes(), e.values]
+            [
+                e.param,
+                list(e.spec.shape),
+                e.spec.dtype,
+                e.start,
+                e.stop,
+                e.nnz,
+                None if e.indices is None else e.indices.astype("<i8").tobytes(),
+                e.bits.dtype.str,
+                e.bits.tobytes(),
+                e.values,
+            ]
             for e in staged.entries
         ],
     }
@@ -60,9 +69,14 @@ def decode_entries(wire: Mapping[str, Any]) -> StagedDelta:
     for param, shape, dtype, start, stop, nnz, idx, bits_dtype, bits, values in wire["entries"]:
         entries.append(
             DecodedEntry(
-                param, ParamSpec(tuple(shape), dtype), int(start), int(stop), int(nnz),
+                param,
+                ParamSpec(tuple(shape), dtype),
+                int(start),
+                int(stop),
+                int(nnz),
                 None if idx is None else np.frombuffer(idx, dtype="<i8").copy(),
-                np.frombuffer(bits, dtype=bits_dtype).copy(), values,
+                np.frombuffer(bits, dtype=bits_dtype).copy(),
+                values,
             )
         )
     return StagedDelta(int(wire["version"]), int(wire["base_version"]), tuple(entries))

@@ -157,8 +157,7 @@ class AuroraWorkerExtension:
             sm, tensors = fetch_snapshot(store, plan.snapshot, streams, reader.get("snapshot", plan.snapshot))
             if set(tensors) != set(h.sink.tensors):
                 raise ModelMismatchError(
-                    f"snapshot {plan.snapshot} names {sorted(set(tensors) ^ set(h.sink.tensors))[:3]} "
-                    "that the model lacks or misses"
+                    f"snapshot {plan.snapshot} names {sorted(set(tensors) ^ set(h.sink.tensors))[:3]} that the model lacks or misses"
                 )
             for name in sorted(tensors):
                 if spec_of(tensors[name], name) != h.sink.specs()[name]:
@@ -204,9 +203,7 @@ class AuroraWorkerExtension:
                 old = h.staging.get(version)
                 if old is not None and not (old.done() and old.exception() is not None):
                     return  # already staged or on its way
-                h.staging[version] = h.pool.submit(
-                    _fetch_prepared, h, store, version, streams, expect_base_state, m
-                )
+                h.staging[version] = h.pool.submit(_fetch_prepared, h, store, version, streams, expect_base_state, m)
 
         return reply(go)
 
@@ -383,7 +380,12 @@ def _fetch_prepared(h: Held, store: Any, version: int, streams: int, base_state:
     specs = h.sink.specs()
     # Each segment prepared in its download thread as it is decoded; the join is what is left.
     got, staged = fetch_delta(
-        store, version, specs, streams, base_state, m,
+        store,
+        version,
+        specs,
+        streams,
+        base_state,
+        m,
         prepare=lambda seg: prepare_part(seg.version, seg.entries, specs, layout, basis=h.sink),
     )
     return got, prepare_delta(staged, specs, layout, device=lambda n: h.sink.tensors[n].device, parts=parts_of(staged, h.sink))
@@ -391,9 +393,7 @@ def _fetch_prepared(h: Held, store: Any, version: int, streams: int, base_state:
 
 def _apply(h: Held, staged: StagedDelta | PreparedDelta, state: str | None) -> None:
     if h.version is not None and staged.base_version != h.version:
-        raise ChainError(
-            f"delta {staged.version} is based on version {staged.base_version}, the worker holds version {h.version}"
-        )
+        raise ChainError(f"delta {staged.version} is based on version {staged.base_version}, the worker holds version {h.version}")
     if isinstance(staged, PreparedDelta):
         staged.write(h.sink.tensors)  # every target checked before the first write
     else:

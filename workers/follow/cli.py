@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_argument_group("where the run lives")
     add_store_args(where, store_help="run root to follow: s3://bucket/prefix/run, file:///path, or a path")
     add_redis_args(
-        where, run_default="",
+        where,
+        run_default="",
         redis_help="the run's Redis, to wake on its announcements (default: $AURORA_REDIS_URL; none: poll the store)",
         run_help="run name (default: the one the run's manifests name)",
     )
@@ -44,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_declared(where, FollowConfig, ENV_PREFIX, "mirror")
     where.add_argument("--mirror-option", action="append", metavar="KEY=VALUE", help="fsspec option of the mirror store (repeatable)")
     what = p.add_argument_group("what to keep")
-    what.add_argument("--out", required=True, metavar="DIR", help="symlink kept pointing at the newest complete version's Hugging Face directory")
+    what.add_argument(
+        "--out", required=True, metavar="DIR", help="symlink kept pointing at the newest complete version's Hugging Face directory"
+    )
     add_declared(what, FollowConfig, ENV_PREFIX, "until", "poll_s")
     checks = p.add_argument_group("checks and recovery")
     add_trust_key_arg(checks)
@@ -60,8 +63,14 @@ def config_from_args(
     """Defaults < ``AURORA_FOLLOW_*`` (and the shared variables) < the ``--config`` file < the flags."""
     env = os.environ if environ is None else environ
     return resolve(
-        FollowConfig, ENV_PREFIX, args, env,
-        store=args.store, out=args.out, redis=args.redis or None, run=args.run or None,
+        FollowConfig,
+        ENV_PREFIX,
+        args,
+        env,
+        store=args.store,
+        out=args.out,
+        redis=args.redis or None,
+        run=args.run or None,
         storage_options=dict(storage_options if storage_options is not None else parse_storage_options(args.storage_option)),
         mirror_options=parse_storage_options(args.mirror_option, "--mirror-option"),
         trust=trust_from_option(trust_key_paths(args.trust_key, env)),

@@ -71,21 +71,28 @@ class FollowConfig:
     """Default: the run the manifests name (needed only to follow Redis announcements)."""
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False, metadata={"env": False})
     mirror: str | None = option(
-        None, metavar="URL", help="run root of a mirror to read segments from, checked against origin's manifests",
+        None,
+        metavar="URL",
+        help="run root of a mirror to read segments from, checked against origin's manifests",
         default_text="none: origin only",
     )
     """Run root of a mirror to read segments from; every version is checked against origin's manifests."""
     mirror_options: Mapping[str, Any] = field(default_factory=dict, repr=False, metadata={"env": False})
     trust: TrustKeys | None = field(default=None, metadata={"env": False})
     until: int | None = option(
-        None, env=False, metavar="V", help="exit 0 once version V (or a newer one) is in place",
+        None,
+        env=False,
+        metavar="V",
+        help="exit 0 once version V (or a newer one) is in place",
         default_text="none: follow until SIGTERM/SIGINT",
     )
     """Exit 0 once a version >= this is in place; None: follow until stopped."""
     poll_s: float = option(1.0, metavar="S", help="how often to look for a new version without Redis, or between announcements")
     """How often to look for a new version without Redis, or between announcements."""
     outage_budget_s: float = option(
-        DEFAULT_OUTAGE_BUDGET_S, env=OUTAGE_BUDGET_ENV, metavar="S",
+        DEFAULT_OUTAGE_BUDGET_S,
+        env=OUTAGE_BUDGET_ENV,
+        metavar="S",
         help="give up (exit 1, one line) once Redis or the store has been unreachable this long",
     )
     """How long Redis or the store may stay unreachable before the follower gives up."""
@@ -118,8 +125,14 @@ def follow(cfg: FollowConfig, stop: threading.Event) -> int:
             return 0
         raise
     f = Follower(
-        raw, redis=cfg.redis, run=cfg.run, mirror=cfg.mirror, mirror_options=cfg.mirror_options,
-        trust_keys=cfg.trust, outage_budget=cfg.outage_budget_s, poll_s=cfg.poll_s,
+        raw,
+        redis=cfg.redis,
+        run=cfg.run,
+        mirror=cfg.mirror,
+        mirror_options=cfg.mirror_options,
+        trust_keys=cfg.trust,
+        outage_budget=cfg.outage_budget_s,
+        poll_s=cfg.poll_s,
     )
     relay = threading.Thread(target=_relay_stop, args=(stop, f.stop), name="aurora-follow-stop", daemon=True)
     relay.start()
@@ -177,10 +190,12 @@ def _skeleton(store: Store) -> tuple[Any, dict[str, bytes]]:
     try:
         model, _tokenizer = read_model_description(store, used)
     except ConfigError as e:
-        raise ConfigError(f"{e}; aurora follow builds DIR from the run's model/ description (a Publisher writes it with model_files=)") from None
+        raise ConfigError(
+            f"{e}; aurora follow builds DIR from the run's model/ description (a Publisher writes it with model_files=)"
+        ) from None
     files: dict[str, bytes] = {}
     for key, sha in sorted(used.items()):
-        name = key[len(MODEL_PREFIX):]
+        name = key[len(MODEL_PREFIX) :]
         if name not in DESCRIPTION_FILES:
             continue  # only the files a model directory holds, never a path of the store's choosing
         data = store.get(key)
@@ -234,5 +249,11 @@ def _one_version(out: OutDir, f: Follower, model: Any, files: Mapping[str, bytes
     how = f"{u.deltas} delta{'s' if u.deltas != 1 else ''}" if u.path == "deltas" else f"snapshot + {u.deltas} deltas"
     log.info(
         "v%d in place: %s, %d bytes fetched, %.2f s (update %.2f s); %s -> %s",
-        u.version, how, u.bytes, time.perf_counter() - t0, u.seconds, out.path, os.path.relpath(final, out.parent),
+        u.version,
+        how,
+        u.bytes,
+        time.perf_counter() - t0,
+        u.seconds,
+        out.path,
+        os.path.relpath(final, out.parent),
     )

@@ -52,7 +52,13 @@ class Marker:
     time: str
 
     def to_json(self) -> bytes:
-        return (json.dumps({"version": self.version, "state": self.state, "weights_digest": self.weights_digest, "run": self.run, "time": self.time}, indent=1) + "\n").encode()
+        return (
+            json.dumps(
+                {"version": self.version, "state": self.state, "weights_digest": self.weights_digest, "run": self.run, "time": self.time},
+                indent=1,
+            )
+            + "\n"
+        ).encode()
 
     @classmethod
     def read(cls, path: str) -> Marker | None:
@@ -85,11 +91,15 @@ class OutDir:
         if os.path.islink(self.path):
             target = os.readlink(self.path)
             if os.path.dirname(target) != self.hidden_name:
-                raise ConfigError(f"--out {self.path}: a symlink to {target}, not one aurora follow made (to {self.hidden_name}/...): remove it or choose another --out")
+                raise ConfigError(
+                    f"--out {self.path}: a symlink to {target}, not one aurora follow made (to {self.hidden_name}/...): remove it or choose another --out"
+                )
             return
         if os.path.lexists(self.path):
             kind = "a directory" if os.path.isdir(self.path) else "a file"
-            raise ConfigError(f"--out {self.path}: {kind} exists there; aurora follow keeps DIR as a symlink it switches: remove it or choose another --out")
+            raise ConfigError(
+                f"--out {self.path}: {kind} exists there; aurora follow keeps DIR as a symlink it switches: remove it or choose another --out"
+            )
 
     def current(self) -> tuple[str, Marker] | None:
         """(the directory ``DIR`` points to, its marker); None when there is none yet (or it is unreadable)."""
@@ -124,7 +134,9 @@ class OutDir:
         cur = self.current()
         if os.path.lexists(final):
             if cur is not None and os.path.samefile(cur[0], final):
-                raise ConfigError(f"{final}: DIR points there already (version {marker.version} written twice)")  # pragma: no cover - the loop never asks
+                raise ConfigError(
+                    f"{final}: DIR points there already (version {marker.version} written twice)"
+                )  # pragma: no cover - the loop never asks
             shutil.rmtree(final)  # left by a process that stopped before switching to it
         os.rename(tmp, final)
         _fsync_path(self.hidden)

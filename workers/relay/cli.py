@@ -51,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_declared(rec, RelayConfig, ENV_PREFIX, "outage_budget_s", "keep_snapshots", "gc_every_s", "grace_s")
     conf = p.add_argument_group("config and logging")
     add_config_arg(conf)
-    conf.add_argument("-v", "--verbose", action="store_true", help="Aurora's own loggers at DEBUG (vendors' stay at INFO: see --debug-logger)")
+    conf.add_argument(
+        "-v", "--verbose", action="store_true", help="Aurora's own loggers at DEBUG (vendors' stay at INFO: see --debug-logger)"
+    )
     add_debug_logger_arg(conf)
     add_metrics_args(conf)
 
@@ -59,8 +61,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RelayConfig:
     """Defaults < ``AURORA_RELAY_*`` (and the shared variables) < the ``--config`` file < the flags."""
     return resolve(
-        RelayConfig, ENV_PREFIX, args, environ,
-        origin=args.store, mirror=args.mirror, redis=args.redis, run=args.run, region=args.region,
+        RelayConfig,
+        ENV_PREFIX,
+        args,
+        environ,
+        origin=args.store,
+        mirror=args.mirror,
+        redis=args.redis,
+        run=args.run,
+        region=args.region,
         origin_options=storage_options(args.storage_option),
         mirror_options=storage_options(args.mirror_option, "--mirror-option"),
         trust=trust_from_option(trust_key_paths(vars(args).get("trust_key"), environ)),
@@ -79,7 +88,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     stats = run_relay(config, stop)
     log.info(
         "relay %s stopped: %d version(s) mirrored, %d bytes copied",
-        config.region, stats.versions_mirrored, stats.bytes_copied,
+        config.region,
+        stats.versions_mirrored,
+        stats.bytes_copied,
     )
     return 0
 

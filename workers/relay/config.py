@@ -64,7 +64,9 @@ class RelayConfig:
     backoff: Backoff = field(default_factory=Backoff, metadata={"env": False})
     """First and longest delay between attempts to reach Redis or a store while it is away."""
     outage_budget_s: float = option(
-        DEFAULT_OUTAGE_BUDGET_S, env=OUTAGE_BUDGET_ENV, metavar="S",
+        DEFAULT_OUTAGE_BUDGET_S,
+        env=OUTAGE_BUDGET_ENV,
+        metavar="S",
         help="give up (exit 1, one line) once Redis, origin or the mirror has been unreachable this long",
     )
     """How long Redis, origin or the mirror may stay unreachable before the Relay gives up
@@ -72,7 +74,8 @@ class RelayConfig:
     quarantine_max_s: float = option(600.0, flag=None, help="longest wait between attempts at a version that failed verification")
     """Longest wait between attempts at a version that failed verification (the first is ``retry_s``, then doubling)."""
     keep_snapshots: int = option(
-        2, metavar="K",
+        2,
+        metavar="K",
         help="mirror retention: keep the newest K snapshots and everything after the oldest, plus what the region's live Actors hold; 0: keep everything",
     )
     """Mirror retention: keep the newest N snapshots and every version after the oldest of them,
@@ -89,7 +92,8 @@ class RelayConfig:
     actor_timeout_s: float = option(60.0, flag=None, help="a region Actor silent this long holds nothing the mirror must keep")
     """A region Actor silent for longer than this holds nothing the mirror must keep."""
     fetch: str = option(
-        "announced", choices=FETCH_MODES,
+        "announced",
+        choices=FETCH_MODES,
         help="announced: copy each segment when origin announces it, before its manifest; "
         "manifest-first: copy only what a manifest lists, once it is read",
     )
@@ -107,9 +111,7 @@ class RelayConfig:
         if self.origin.rstrip("/") == self.mirror.rstrip("/"):
             raise ConfigError(f"mirror {self.mirror!r} is the origin itself")
         if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
-            raise ConfigError(
-                f"need 0 < heartbeat_s < ttl_s (got heartbeat_s={self.heartbeat_s}, ttl_s={self.ttl_s})"
-            )
+            raise ConfigError(f"need 0 < heartbeat_s < ttl_s (got heartbeat_s={self.heartbeat_s}, ttl_s={self.ttl_s})")
         if self.block_ms < 1:
             raise ConfigError(f"block_ms must be >= 1 (0 would block forever), got {self.block_ms}")
         if not 1 <= self.streams <= 256:

@@ -225,7 +225,10 @@ class Copier:
             return self._rejected(
                 key,
                 "relay %s: mirror object %s is %d bytes with another sha256 than expected; not replacing it",
-                self.region, self.mirror.where(key), len(have), fetched=False,
+                self.region,
+                self.mirror.where(key),
+                len(have),
+                fetched=False,
             )
         with self._lock:
             self._traffic.started.setdefault(vid, self.clock.monotonic())
@@ -237,7 +240,9 @@ class Copier:
                 self._logged.add(key)
             log.log(
                 logging.ERROR if first else logging.DEBUG,
-                "relay %s: %s was announced but is not in the origin store", self.region, self.origin.where(key),
+                "relay %s: %s was announced but is not in the origin store",
+                self.region,
+                self.origin.where(key),
             )
             return MISSING
         with self._lock:
@@ -246,8 +251,14 @@ class Copier:
             return self._rejected(
                 key,
                 "relay %s: %s %d: %s is %d bytes with sha256 %s…, expected %d bytes with %s…; not mirrored",
-                self.region, vid[0], vid[1], self.origin.where(key), len(data),
-                hashlib.sha256(data).hexdigest()[:12], size, sha[:12],
+                self.region,
+                vid[0],
+                vid[1],
+                self.origin.where(key),
+                len(data),
+                hashlib.sha256(data).hexdigest()[:12],
+                size,
+                sha[:12],
             )
         self.mirror.put(key, data, mode="create")
         with self._lock:

@@ -217,9 +217,7 @@ class Follower:
                 return  # manifest-first: the version event copies what its manifest lists
             ref = segment_ref(ev)
             if ref is None:
-                log.warning(
-                    "relay %s: ignoring malformed segment event %s (key %r)", self.region, ev.id, ev.get("key")[:200]
-                )
+                log.warning("relay %s: ignoring malformed segment event %s (key %r)", self.region, ev.id, ev.get("key")[:200])
                 return
             self.copier.copy_async(*ref, announce=ev)
         elif ev.type == VERSION:

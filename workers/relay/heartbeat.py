@@ -151,5 +151,9 @@ class Heartbeat:
             # Said already if Redis is away (the outage's own line): quietly, then.
             log.log(
                 logging.DEBUG if self.dep.away else logging.WARNING,
-                "relay %s: could not delete %s (it expires in %.0f s): %s", self.region, self.key, self.ttl_s, e,
+                "relay %s: could not delete %s (it expires in %.0f s): %s",
+                self.region,
+                self.key,
+                self.ttl_s,
+                e,
             )

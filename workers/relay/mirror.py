@@ -157,7 +157,12 @@ class VersionMirror:
         log.log(
             logging.ERROR if failures == 1 else logging.DEBUG,
             "relay %s: %s %d not mirrored: %s; quarantined: next attempt in %.1f s, then twice as long each time (up to %.0f s)",
-            self.region, kind, version, problem, delay, self.quarantine.max_s,
+            self.region,
+            kind,
+            version,
+            problem,
+            delay,
+            self.quarantine.max_s,
         )
         self._want_resync(delay)
         return False
@@ -204,7 +209,11 @@ class VersionMirror:
         if ev is not None and ev.get("state") and ev.get("state") != m.state:
             log.warning(
                 "relay %s: %s %d announced with state %s…, its manifest says %s…; the store wins",
-                self.region, kind, version, ev.get("state")[:19], m.state[:19],
+                self.region,
+                kind,
+                version,
+                ev.get("state")[:19],
+                m.state[:19],
             )
         vdir = version_dir(kind, version)
         refs = [(f"{vdir}/{r.key}", r.bytes, r.sha256) for r in m.segments]
@@ -222,10 +231,7 @@ class VersionMirror:
         if missing:
             if self.copier.halt.is_set():
                 return _NOT_YET  # stopping: a copy was cut short, nothing is known to be wrong
-            return (
-                f"{len(missing)} of {len(refs)} object(s) missing or failed verification "
-                f"(first: {self.origin.where(missing[0][0])})"
-            )
+            return f"{len(missing)} of {len(refs)} object(s) missing or failed verification (first: {self.origin.where(missing[0][0])})"
         self.mirror.put(mk, data, mode="create")
         with self._lock:
             self._traffic.bytes_copied += len(data)
@@ -236,7 +242,12 @@ class VersionMirror:
         metrics.active().mirrored(self.region, kind, version, self.clock.monotonic() - t0)
         log.info(
             "relay %s: %s %d mirrored: %d bytes in %.3f s (%d object(s))",
-            self.region, kind, version, fetched, self.clock.monotonic() - t0, len(refs),
+            self.region,
+            kind,
+            version,
+            fetched,
+            self.clock.monotonic() - t0,
+            len(refs),
         )
         self.announce_version(m)
         return None
@@ -256,8 +267,13 @@ class VersionMirror:
                 return
             self._announced.add(vid)
         self._announce(
-            VERSION, m.version, kind=m.kind, state=m.state, base_state=m.base_state or "",
-            bytes=m.total_bytes, segments=len(m.segments),
+            VERSION,
+            m.version,
+            kind=m.kind,
+            state=m.state,
+            base_state=m.base_state or "",
+            bytes=m.total_bytes,
+            segments=len(m.segments),
         )
 
     # -- every version -----------------------------------------------------------
@@ -281,15 +297,20 @@ class VersionMirror:
                 self._waiting = True
                 log.info(
                     "relay %s: nothing at %s yet (no model description, no version): waiting for the run to appear",
-                    self.region, self.origin.url,
+                    self.region,
+                    self.origin.url,
                 )
             return False
         if self._waiting:
             self._waiting = False
             log.info("relay %s: the run appeared at %s", self.region, self.origin.url)
         floor = retention_floor(index.snapshots, self.keep_snapshots) if self.keep_snapshots else None
-        at_origin = [(kind, v) for v in sorted(index.deltas | index.snapshots)
-                     for kind, have in (("delta", index.deltas), ("snapshot", index.snapshots)) if v in have]
+        at_origin = [
+            (kind, v)
+            for v in sorted(index.deltas | index.snapshots)
+            for kind, have in (("delta", index.deltas), ("snapshot", index.snapshots))
+            if v in have
+        ]
         self.quarantine.keep_only(at_origin)
         ok = True
         for kind, v in at_origin:

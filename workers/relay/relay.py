@@ -110,36 +110,76 @@ class Relay:
         self._traffic = Traffic()
         self._closed = False
         self.copier = Copier(
-            self.origin, self.mirror, config.streams, config.region, self._lock, self._traffic, clock,
-            self._segment_copied, self.halt,
+            self.origin,
+            self.mirror,
+            config.streams,
+            config.region,
+            self._lock,
+            self._traffic,
+            clock,
+            self._segment_copied,
+            self.halt,
         )
         self.schedule = ListingSchedule(config.resync_s, config.retry_s, clock)
         self.quarantine = Quarantine(config.retry_s, config.quarantine_max_s, clock)
         self.versions = VersionMirror(
-            self.origin, self.mirror, self.copier, config.region, config.retry_s, self._lock, self._traffic, clock,
-            self._announce, self.schedule.want_resync, self.quarantine, config.keep_snapshots,
+            self.origin,
+            self.mirror,
+            self.copier,
+            config.region,
+            config.retry_s,
+            self._lock,
+            self._traffic,
+            clock,
+            self._announce,
+            self.schedule.want_resync,
+            self.quarantine,
+            config.keep_snapshots,
             trust=config.trust,
         )
         self.versions.resolve_commits = self._commit_records
         self.heartbeat = Heartbeat(
-            self.redis, config.run, config.region, config.mirror, config.heartbeat_s, config.ttl_s,
-            self.versions.held_versions, self.redis_dep, clock,
+            self.redis,
+            config.run,
+            config.region,
+            config.mirror,
+            config.heartbeat_s,
+            config.ttl_s,
+            self.versions.held_versions,
+            self.redis_dep,
+            clock,
         )
         self.region_held = LedgerHeldVersions(self.ledger, int(config.actor_timeout_s * 1000), region=config.region)
         self.follower = Follower(
-            self.bus, Bus(self._reader, config.run), self.copier, self.versions, self.schedule, config.region,
-            config.origin, config.mirror, config.block_ms, self.redis_dep, self.halt, clock, self._announce,
-            self._serve, self.clean_mirror if config.keep_snapshots else None, config.gc_every_s,
+            self.bus,
+            Bus(self._reader, config.run),
+            self.copier,
+            self.versions,
+            self.schedule,
+            config.region,
+            config.origin,
+            config.mirror,
+            config.block_ms,
+            self.redis_dep,
+            self.halt,
+            clock,
+            self._announce,
+            self._serve,
+            self.clean_mirror if config.keep_snapshots else None,
+            config.gc_every_s,
             cut_through=config.fetch == "announced",
         )
 
     def _commit_records(self) -> CommitRecords | None:
         """The run's Redis commit records when it commits through Redis (:mod:`workers.commits`)."""
         found = resolve_commit_records(
-            self.redis, self.cfg.run, self.origin_store,
+            self.redis,
+            self.cfg.run,
+            self.origin_store,
             lambda fn, what: self.redis_dep.call(fn, what, self.halt.event),
             lambda fn, what: self.origin_dep.call(fn, what, self.halt.event),
-            log, f"relay {self.cfg.region}",
+            log,
+            f"relay {self.cfg.region}",
         )
         return None if found is None else RidingRecords(found, self.redis_dep, self.halt.event)
 
@@ -183,6 +223,7 @@ class Relay:
         first listing that origin refuses (credentials, a bad URL). ``stop``
         is set when this returns or raises.
         """
+
         # The Relay's own threads wait on its halt event; a stop from outside is one more reason to set it.
         def relay_stop() -> None:
             stop.wait()

@@ -95,7 +95,10 @@ def all_problems(difficulty: int = 1) -> list[Problem]:
     (alo, ahi), (blo, bhi), ops = _ranges(difficulty)
     return [
         _problem(a, b, op, f"arith-d{difficulty}-{a}{op}{b}")
-        for op in ops for a in range(alo, ahi + 1) for b in range(blo, bhi + 1) if op == "+" or a >= b
+        for op in ops
+        for a in range(alo, ahi + 1)
+        for b in range(blo, bhi + 1)
+        if op == "+" or a >= b
     ]
 
 

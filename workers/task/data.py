@@ -98,9 +98,7 @@ def _read(src: str, path: str, builder: str) -> list[dict[str, Any]]:
         ds_logging.set_verbosity(logging.CRITICAL)  # its own "Failed to load JSON" lines
         try:
             with tempfile.TemporaryDirectory(prefix="aurora-datasets-") as cache:
-                ds = datasets.load_dataset(
-                    builder, data_files=path, split="train", cache_dir=cache, keep_in_memory=True
-                )
+                ds = datasets.load_dataset(builder, data_files=path, split="train", cache_dir=cache, keep_in_memory=True)
                 rows: list[dict[str, Any]] = ds.to_list()
                 del ds
             return rows
@@ -152,9 +150,7 @@ def _explain_json(src: str, path: str) -> None:
             kind = type(value).__name__
             first = types.setdefault(key, (kind, n))
             if first[0] != kind:
-                raise TaskDataError(
-                    f"{src}: {what} {n}: field {key!r} is {kind}, but {first[0]} on {what} {first[1]}"
-                )
+                raise TaskDataError(f"{src}: {what} {n}: field {key!r} is {kind}, but {first[0]} on {what} {first[1]}")
 
 
 def _first_line(e: BaseException) -> str:

@@ -60,8 +60,7 @@ class FileTask:
             shared = {p.id for p in train} & {p.id for p in held}
             if shared:
                 raise TaskDataError(
-                    f"{eval_data}: {len(shared)} row id(s) also in {data} (e.g. {min(shared)!r}): "
-                    "held-out rows must not be trained on"
+                    f"{eval_data}: {len(shared)} row id(s) also in {data} (e.g. {min(shared)!r}): held-out rows must not be trained on"
                 )
         else:
             if len(train) < 2:

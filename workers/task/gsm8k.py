@@ -33,9 +33,7 @@ def gsm8k_reward(completion: str, reference_answer_text: str) -> float:
     """
     ref = parse_final_answer(reference_answer_text)
     if ref is None:
-        raise TaskDataError(
-            f"reference answer has no final '{ANSWER_MARK} <int>': {_preview(reference_answer_text)}"
-        )
+        raise TaskDataError(f"reference answer has no final '{ANSWER_MARK} <int>': {_preview(reference_answer_text)}")
     return reward(completion, ref)
 
 
@@ -47,9 +45,7 @@ def _parse_row(rec: Any, where: str) -> tuple[str, int, str]:
     answer = string_field(rec, where, "answer")
     ans = parse_final_answer(answer)
     if ans is None:
-        raise TaskDataError(
-            f"{where}: field 'answer' has no final '{ANSWER_MARK} <int>': {_preview(answer)}"
-        )
+        raise TaskDataError(f"{where}: field 'answer' has no final '{ANSWER_MARK} <int>': {_preview(answer)}")
     return question.strip(), ans, _CALC.sub("", answer.strip())
 
 
@@ -76,9 +72,7 @@ def load_gsm8k_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> 
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise TaskDataError(
-                    f"{where}: not valid JSON ({e.msg} at column {e.colno})"
-                ) from None
+                raise TaskDataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             question, ans, solution = _parse_row(rec, where)
             rid = rec.get("id")
             out.append(

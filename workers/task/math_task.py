@@ -132,9 +132,7 @@ class MathTask(FileTask):
             if answer is None:
                 raise TaskDataError(f"{where}: no 'answer' field and no \\boxed{{}} in 'solution'")
         elif isinstance(answer, bool) or not isinstance(answer, str | int | float):
-            raise TaskDataError(
-                f"{where}: field 'answer' must be a string or a number, got {type(answer).__name__}"
-            )
+            raise TaskDataError(f"{where}: field 'answer' must be a string or a number, got {type(answer).__name__}")
         ref = str(answer).strip()
         if _clean(ref) is None:
             raise TaskDataError(f"{where}: field 'answer' is empty or longer than {_MAX_ANSWER_CHARS} characters")

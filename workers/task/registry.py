@@ -60,15 +60,11 @@ def make_task(
         cls = Gsm8kTask if name == "gsm8k" else MathTask
         return cls(data, eval_data, seed=seed, holdout=holdout, storage_options=storage_options)
     if ":" not in name:
-        raise ConfigError(
-            f"unknown task {name!r}: use one of {', '.join(BUILTIN_TASKS)} or package.module:factory"
-        )
+        raise ConfigError(f"unknown task {name!r}: use one of {', '.join(BUILTIN_TASKS)} or package.module:factory")
     return _custom(name, data, eval_data, seed, storage_options)
 
 
-def _custom(
-    spec: str, data: str | None, eval_data: str | None, seed: int, storage_options: Mapping[str, Any] | None
-) -> Task:
+def _custom(spec: str, data: str | None, eval_data: str | None, seed: int, storage_options: Mapping[str, Any] | None) -> Task:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"task {spec!r}: expected package.module:factory")
@@ -95,15 +91,11 @@ def _custom(
         try:
             inspect.signature(factory).bind(**kwargs)
         except TypeError as e:
-            raise ConfigError(
-                f"task {spec!r}: the factory must accept data=, eval_data=, seed= keywords ({e})"
-            ) from None
+            raise ConfigError(f"task {spec!r}: the factory must accept data=, eval_data=, seed= keywords ({e})") from None
     task = factory(**kwargs)
     missing = [m for m in TASK_METHODS if not callable(getattr(task, m, None))]
     if missing:
-        raise ConfigError(
-            f"task {spec!r}: the factory returned {type(task).__name__}, which lacks {', '.join(missing)}"
-        )
+        raise ConfigError(f"task {spec!r}: the factory returned {type(task).__name__}, which lacks {', '.join(missing)}")
     if not isinstance(getattr(task, "name", None), str):
         raise ConfigError(f"task {spec!r}: the factory's {type(task).__name__} has no string 'name'")
     return task

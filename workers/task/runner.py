@@ -139,9 +139,7 @@ class RewardRunner:
     def __enter__(self) -> RewardRunner:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
     # -- the loop -------------------------------------------------------------
@@ -192,9 +190,7 @@ class RewardRunner:
             for c in busy:
                 if c in self._children and now >= c.deadline:
                     if not c.ready:
-                        raise ConfigError(
-                            f"reward process of task {self.name!r} did not start within {self.start_timeout_s:g}s"
-                        )
+                        raise ConfigError(f"reward process of task {self.name!r} did not start within {self.start_timeout_s:g}s")
                     self._lost(c, pairs, queue, scores, "timeouts", f"took longer than {self.timeout_s:g}s")
 
     def _lost(
@@ -208,9 +204,7 @@ class RewardRunner:
     ) -> None:
         """``c``'s current item scores 0 (``why``); the rest of its chunk goes back in the queue."""
         if not c.ready:
-            raise ConfigError(
-                f"reward process of task {self.name!r} stopped while starting (exit code {self._exitcode(c)})"
-            )
+            raise ConfigError(f"reward process of task {self.name!r} stopped while starting (exit code {self._exitcode(c)})")
         i = c.pending.popleft()
         scores[i] = 0.0
         self.stats[stat] += 1
@@ -240,9 +234,7 @@ class RewardRunner:
         try:
             msg = c.conn.recv()
         except (EOFError, OSError):
-            raise ConfigError(
-                f"reward process of task {self.name!r} exited with code {self._exitcode(c)} while starting"
-            ) from None
+            raise ConfigError(f"reward process of task {self.name!r} exited with code {self._exitcode(c)} while starting") from None
         self._on_start_message(c, msg)
 
     def _on_start_message(self, c: _Child, msg: Any) -> None:

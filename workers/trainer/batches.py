@@ -90,7 +90,13 @@ class BatchBook:
                 self.tau[a] = plan.taus[a]
                 self.ledger.set_tau(a, plan.taus[a])
         self.ledger.create_step(
-            b, self.states[gen_version], prompts, quotas, self.cfg.group, step_lease_ms(self.completion_ms, self.cfg.scheduler), version=gen_version,
+            b,
+            self.states[gen_version],
+            prompts,
+            quotas,
+            self.cfg.group,
+            step_lease_ms(self.completion_ms, self.cfg.scheduler),
+            version=gen_version,
             epoch=self.records.epoch,
         )
         self.gen_of[b] = gen_version
@@ -132,7 +138,14 @@ class BatchBook:
         self.restore_fence()  # the fence went with the rest of Redis's data
         self.gen_of[b] = gen
         self.ledger.create_step(
-            b, self.states[gen], left, {}, self.cfg.group, step_lease_ms(self.completion_ms, self.cfg.scheduler), version=gen, epoch=self.records.epoch
+            b,
+            self.states[gen],
+            left,
+            {},
+            self.cfg.group,
+            step_lease_ms(self.completion_ms, self.cfg.scheduler),
+            version=gen,
+            epoch=self.records.epoch,
         )
         raise _Reissued(b)
 
@@ -141,10 +154,22 @@ class BatchBook:
         while True:
             try:
                 collect_batch(
-                    self.ledger, b, self.gen_of[b], len(self.prompts[b]), self.collected[b], self.completion_ms, self.counts,
-                    int(self.cfg.heartbeat_timeout_s * 1000), self.cfg.progress_s, self.cfg.poll_s, self.stop, self.clock,
+                    self.ledger,
+                    b,
+                    self.gen_of[b],
+                    len(self.prompts[b]),
+                    self.collected[b],
+                    self.completion_ms,
+                    self.counts,
+                    int(self.cfg.heartbeat_timeout_s * 1000),
+                    self.cfg.progress_s,
+                    self.cfg.poll_s,
+                    self.stop,
+                    self.clock,
                     lambda: self._recreate(b),
-                    batch_deadline_s=self.cfg.batch_deadline_s, min_batch_fraction=self.cfg.min_batch_fraction, epoch=self.records.epoch,
+                    batch_deadline_s=self.cfg.batch_deadline_s,
+                    min_batch_fraction=self.cfg.min_batch_fraction,
+                    epoch=self.records.epoch,
                 )
                 return
             except _Reissued:

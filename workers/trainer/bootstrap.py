@@ -110,7 +110,9 @@ class Bootstrap:
     def check_redis(self) -> None:
         """Refuse a Redis that may evict the ledger's keys (its message says how to fix it)."""
         if self.ledger.check_memory_policy() == "unknown":
-            log.warning("Redis does not say its maxmemory-policy (INFO refused): make sure it is noeviction, or steps and leases may vanish")
+            log.warning(
+                "Redis does not say its maxmemory-policy (INFO refused): make sure it is noeviction, or steps and leases may vanish"
+            )
 
     def wait_for_actors(self) -> None:
         """Hold the first batch until ``min_actors`` Actors are alive (their engines may take minutes to start)."""
@@ -164,8 +166,18 @@ class Bootstrap:
         """The knobs a resumed run must share with the one it continues."""
         c = self.cfg
         family = self.grpo.family if self.grpo is not None else "built-in"
-        return {"seed": c.seed, "batch": c.batch, "group": c.group, "head_dim": c.head_dim, "max_lag": c.max_lag, "difficulty": c.difficulty, "transfer": c.transfer, "task": c.task,
-                "model": family, "tiny": [c.tiny_hidden, c.tiny_intermediate]}
+        return {
+            "seed": c.seed,
+            "batch": c.batch,
+            "group": c.group,
+            "head_dim": c.head_dim,
+            "max_lag": c.max_lag,
+            "difficulty": c.difficulty,
+            "transfer": c.transfer,
+            "task": c.task,
+            "model": family,
+            "tiny": [c.tiny_hidden, c.tiny_intermediate],
+        }
 
     def checkpoint(self, step: int) -> None:
         """Save what a restarted Trainer needs to run ``step`` next (docs/WORKERS.md), when one is due."""
@@ -190,7 +202,9 @@ class Bootstrap:
         }
         nbytes = save_checkpoint(self.store, Checkpoint(step=step, epoch=self.epoch, tensors=tensors, meta=meta))
         gone = prune_checkpoints(self.store, self.cfg.keep_checkpoints)
-        log.info("checkpoint before step %d: %d bytes in %.2fs%s", step, nbytes, time.perf_counter() - t0, f", pruned {gone}" if gone else "")
+        log.info(
+            "checkpoint before step %d: %d bytes in %.2fs%s", step, nbytes, time.perf_counter() - t0, f", pruned {gone}" if gone else ""
+        )
 
     def resume(self) -> int:
         """Continue the run in the store from its newest checkpoint; returns the step to run next.
@@ -259,7 +273,11 @@ class Bootstrap:
             self.records.record_commit(head)
         log.info(
             "resumed epoch %d from the checkpoint before step %d; head v%d (%d version(s) since it) in %.1fs",
-            self.epoch, ck.step, head, head - ck.step, time.perf_counter() - t0,
+            self.epoch,
+            ck.step,
+            head,
+            head - ck.step,
+            time.perf_counter() - t0,
         )
         return head
 

@@ -47,7 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_declared(rec, TrainerConfig, ENV_PREFIX, *RECOVERY_OPTIONS)
     par = p.add_argument_group("parallelism")
     par.add_argument(
-        "--nproc", type=int, default=1, metavar="N",
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
         help="train with N processes sharding the weights with FSDP2 (one per GPU; gloo on CPU). "
         "Under torchrun (WORLD_SIZE set) this is ignored: torchrun made the processes",
     )
@@ -62,7 +65,13 @@ TASK_OPTIONS = ("model", "task", "data", "eval_data", "eval_every", "eval_size",
 TRAINING_OPTIONS = ("steps", "batch", "group", "optimizer", "lr", "kl_coef", "seed", "min_actors", "max_lag", "device")
 """The options of the "training" group."""
 RECOVERY_OPTIONS = (
-    "resume", "checkpoint_every", "keep_checkpoints", "keep_snapshots", "outage_budget_s", "min_batch_fraction", "batch_deadline_s",
+    "resume",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "keep_snapshots",
+    "outage_budget_s",
+    "min_batch_fraction",
+    "batch_deadline_s",
 )
 """The options of the "recovery" group."""
 
@@ -109,7 +118,11 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
             mp.spawn(_spawned_rank, args=(nproc, port, plain, dict(storage_options)), nprocs=nproc)
         except mp.ProcessExitedException as e:
             # The rank said why in its own log lines (above); here, one line.
-            log.error("trainer rank %d ended with %s; the run stops", e.error_index, f"exit status {e.exit_code}" if e.exit_code is not None and e.exit_code >= 0 else f"signal {e.signal_name}")
+            log.error(
+                "trainer rank %d ended with %s; the run stops",
+                e.error_index,
+                f"exit status {e.exit_code}" if e.exit_code is not None and e.exit_code >= 0 else f"signal {e.signal_name}",
+            )
             return 1
         return 0
     ctx = init_from_env()

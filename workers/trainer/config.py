@@ -82,7 +82,9 @@ class TrainerConfig:
     seed: int = option(0, metavar="N", help="seeds the model, the problems and every batch's sampling")
     """Seeds the model, the problems and the sampling of every batch."""
     model: str | None = option(
-        None, metavar="DIR", help="local Hugging Face causal-LM directory: version 0 is that checkpoint",
+        None,
+        metavar="DIR",
+        help="local Hugging Face causal-LM directory: version 0 is that checkpoint",
         default_text="the built-in tiny model",
     )
     """A local Hugging Face causal-LM directory (config, safetensors weights, tokenizer files,
@@ -97,9 +99,7 @@ class TrainerConfig:
     )
     """Training problems of the task: a JSON-lines or Parquet file, local or an ``s3://`` URL
     (required by ``gsm8k`` and ``math``; ``arithmetic`` generates its own)."""
-    eval_data: str | None = option(
-        None, metavar="FILE", help="held-out problems", default_text="a held-out slice of --data"
-    )
+    eval_data: str | None = option(None, metavar="FILE", help="held-out problems", default_text="a held-out slice of --data")
     """Held-out problems scored by :attr:`eval_every`; None: a held-out slice of :attr:`data`
     (``eval_size`` problems, never trained on), or generated ones for ``arithmetic``."""
     eval_every: int = option(5, metavar="N", help="score the held-out set every N versions, 0 never")
@@ -134,7 +134,9 @@ class TrainerConfig:
     weight_transfer: bool = option(True, flag=None, help="off: versions are trained but never shipped (aurora bench e2e's ideal)")
     """False: the "ideal" baseline of ``aurora bench e2e``: versions are trained but never
     shipped, every batch is generated on v0, so the weight path costs nothing."""
-    transfer: str = option("delta", flag=None, choices=TRANSFERS, help="how each version is shipped: delta, full or none (benchmark baselines)")
+    transfer: str = option(
+        "delta", flag=None, choices=TRANSFERS, help="how each version is shipped: delta, full or none (benchmark baselines)"
+    )
     """How each version is shipped (``aurora bench wan`` baselines): ``delta`` (sparse delta,
     Aurora), ``full`` (a full snapshot every version), ``none`` (nothing moves: the version
     and its state are only announced; Actors of the synthetic workload advance for free)."""
@@ -155,13 +157,13 @@ class TrainerConfig:
     run root every N steps, and before step 0; 0 never (a run that cannot be resumed)."""
     keep_checkpoints: int = option(2, metavar="N", help="checkpoints kept")
     """Checkpoints kept; older ones are deleted after each new one."""
-    keep_snapshots: int = option(
-        3, metavar="K", help="retention: keep the newest K snapshots and what follows them, 0 keeps everything"
-    )
+    keep_snapshots: int = option(3, metavar="K", help="retention: keep the newest K snapshots and what follows them, 0 keeps everything")
     """Retention run by the Trainer after each snapshot: keep the newest K snapshots and every
     version after the oldest of them (and whatever live Actors and Relays hold); 0 keeps all."""
     outage_budget_s: float = option(
-        DEFAULT_OUTAGE_BUDGET_S, env=OUTAGE_BUDGET_ENV, metavar="S",
+        DEFAULT_OUTAGE_BUDGET_S,
+        env=OUTAGE_BUDGET_ENV,
+        metavar="S",
         help="give up (exit 1, one line) once Redis or the store has been unreachable this long",
     )
     """How long Redis or the store may be unreachable before the Trainer gives up (env
@@ -175,7 +177,9 @@ class TrainerConfig:
     """Seconds after a batch's creation from which it may close with ``min_batch_fraction``
     of its prompts in; None: no deadline. Late results are refused (reason ``closed``)."""
     sign_key: str | None = option(
-        None, env=SIGN_KEY_ENV, metavar="FILE",
+        None,
+        env=SIGN_KEY_ENV,
+        metavar="FILE",
         help="sign every manifest with this key: Ed25519 private key PEM (aurora keygen) or an hmac-sha256 secret file of >= 32 bytes",
         default_text="none: unsigned",
     )
@@ -183,12 +187,17 @@ class TrainerConfig:
     (``aurora keygen``) or an hmac-sha256 secret of >= 32 bytes. None: unsigned. Env ``AURORA_SIGN_KEY``.
     A resumed Trainer may sign with a new key once readers trust both."""
     sign_key_id: str | None = option(
-        None, flag="--key-id", env=False, metavar="NAME", help="key id of an hmac-sha256 --sign-key",
+        None,
+        flag="--key-id",
+        env=False,
+        metavar="NAME",
+        help="key id of an hmac-sha256 --sign-key",
         default_text="first 16 hex digits of the secret's sha256",
     )
     """Key id of an hmac-sha256 ``sign_key`` (default: derived from the secret)."""
     commit_via: str = option(
-        "store", choices=COMMIT_VIA,
+        "store",
+        choices=COMMIT_VIA,
         help="store: commit each version by its create-only manifest write, after checking that the store honours "
         "create-only writes; redis: commit by a Redis record (FORMAT.md section 1), for S3-compatible servers that ignore "
         "conditional writes (Redis must persist its data: appendonly or save rules)",
@@ -210,8 +219,7 @@ class TrainerConfig:
             raise ConfigError(f"transfer must be delta, full or none and max_lag >= 0 (got {self.transfer!r}, {self.max_lag})")
         if self.poll_s <= 0 or self.progress_s <= 0 or self.heartbeat_timeout_s <= 0:
             raise ConfigError(
-                f"poll_s, progress_s and heartbeat_timeout_s must be > 0 "
-                f"(got {self.poll_s}, {self.progress_s}, {self.heartbeat_timeout_s})"
+                f"poll_s, progress_s and heartbeat_timeout_s must be > 0 (got {self.poll_s}, {self.progress_s}, {self.heartbeat_timeout_s})"
             )
         if self.eval_every < 0 or self.eval_size < 1 or self.reward_timeout_s <= 0 or self.min_actors < 0:
             raise ConfigError(
@@ -234,7 +242,9 @@ class TrainerConfig:
                 f"(got {self.checkpoint_every}, {self.keep_snapshots}, {self.keep_checkpoints})"
             )
         if not 0 < self.min_batch_fraction <= 1 or (self.batch_deadline_s is not None and self.batch_deadline_s <= 0):
-            raise ConfigError(f"min_batch_fraction must be in (0, 1] and batch_deadline_s > 0 (got {self.min_batch_fraction}, {self.batch_deadline_s})")
+            raise ConfigError(
+                f"min_batch_fraction must be in (0, 1] and batch_deadline_s > 0 (got {self.min_batch_fraction}, {self.batch_deadline_s})"
+            )
         if self.outage_budget_s <= 0:
             raise ConfigError(f"outage_budget_s must be > 0, got {self.outage_budget_s}")
 
@@ -256,4 +266,3 @@ class TrainerConfig:
     def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> TrainerConfig:
         """Defaults, then ``AURORA_TRAINER_*`` (and ``AURORA_STREAMS``), then ``overrides``."""
         return from_env(cls, prefix, **overrides)
-

@@ -26,7 +26,9 @@ from aurora_store.config import Switch
 __all__ = ["CRASH_AT", "CRASH_ENV", "POINTS", "crash_point"]
 
 CRASH_ENV = "AURORA_CRASH_AT"
-CRASH_AT = Switch(CRASH_ENV, str | None, None, "point@version[,…]: the Trainer SIGKILLs itself there (crash tests; points: segment, manifest, closed)")
+CRASH_AT = Switch(
+    CRASH_ENV, str | None, None, "point@version[,…]: the Trainer SIGKILLs itself there (crash tests; points: segment, manifest, closed)"
+)
 POINTS = ("segment", "manifest", "closed")
 
 log = logging.getLogger("aurora.trainer")

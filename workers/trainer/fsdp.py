@@ -151,7 +151,9 @@ def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     return model
 
 
-def gather_bf16(named: Iterator[tuple[str, torch.Tensor]] | Sequence[tuple[str, torch.Tensor]], ctx: DistContext) -> dict[str, torch.Tensor]:
+def gather_bf16(
+    named: Iterator[tuple[str, torch.Tensor]] | Sequence[tuple[str, torch.Tensor]], ctx: DistContext
+) -> dict[str, torch.Tensor]:
     """Full bf16 copies of the named parameters on rank 0 (``{}`` elsewhere), on rank 0's device.
 
     The copies stay where the weights live (a GPU's memory on CUDA), so the
@@ -188,7 +190,11 @@ class GrpoBatch:
             return t.index_select(0, sel).to(device)
 
         return GrpoBatch(
-            pick(self.input_ids), pick(self.attention_mask), pick(self.completion_mask), pick(self.advantages), pick(self.old),
+            pick(self.input_ids),
+            pick(self.attention_mask),
+            pick(self.completion_mask),
+            pick(self.advantages),
+            pick(self.old),
             pick(self.ref) if self.ref is not None else None,
         )
 

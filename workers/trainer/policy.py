@@ -62,10 +62,18 @@ class GrpoPolicy:
         """The built-in model's; ``--model``'s own once the model is built."""
         self.model_dir: ModelDir | None = read_model_dir(cfg.model) if cfg.model else None
         self.task: Task = make_task(
-            cfg.task, cfg.data, cfg.eval_data, seed=cfg.seed, difficulty=cfg.difficulty, storage_options=dict(storage_options), holdout=cfg.eval_size,
+            cfg.task,
+            cfg.data,
+            cfg.eval_data,
+            seed=cfg.seed,
+            difficulty=cfg.difficulty,
+            storage_options=dict(storage_options),
+            holdout=cfg.eval_size,
         )
         if self.model_dir is None and cfg.task in ("gsm8k", "math"):
-            raise ConfigError(f"--task {cfg.task} needs --model DIR: the built-in tiny model's character tokenizer knows only the arithmetic alphabet")
+            raise ConfigError(
+                f"--task {cfg.task} needs --model DIR: the built-in tiny model's character tokenizer knows only the arithmetic alphabet"
+            )
         self.rewards = RewardRunner(self.task, cfg.reward_timeout_s)
         """Scores every completion in a child process, each call bounded by ``reward_timeout_s``."""
         self.rng = random.Random(cfg.seed)
@@ -97,13 +105,22 @@ class GrpoPolicy:
         if md is not None:
             self.model = load_pretrained(md.path, torch.float32)
             self.tokenizer = HFTokenizer.from_dir(md.path, model_vocab=int(self.model.config.vocab_size))
-            log.info("model: %s (%s, %.1f M parameters), tokenizer of %d ids%s", md.path, md.family,
-                     sum(p.numel() for p in self.model.parameters()) / 1e6, self.tokenizer.vocab_size,
-                     ", chat template" if self.tokenizer.chat_template else "")
+            log.info(
+                "model: %s (%s, %.1f M parameters), tokenizer of %d ids%s",
+                md.path,
+                md.family,
+                sum(p.numel() for p in self.model.parameters()) / 1e6,
+                self.tokenizer.vocab_size,
+                ", chat template" if self.tokenizer.chat_template else "",
+            )
         else:
             self.model = tiny_qwen3(
-                self.tokenizer.vocab_size, seed=self.cfg.seed, dtype=torch.float32, head_dim=self.cfg.head_dim,
-                hidden=self.cfg.tiny_hidden, intermediate=self.cfg.tiny_intermediate,
+                self.tokenizer.vocab_size,
+                seed=self.cfg.seed,
+                dtype=torch.float32,
+                head_dim=self.cfg.head_dim,
+                hidden=self.cfg.tiny_hidden,
+                intermediate=self.cfg.tiny_intermediate,
             )
         if not self.ctx.sharded:
             torch.nn.Module.to(self.model, self.ctx.device)
@@ -170,7 +187,14 @@ class GrpoPolicy:
         """One GRPO step: clipped ratio against ``behaviour``, optional KL to the reference."""
         assert self.opt is not None
         batch = grpo_batch(
-            rollouts.prompts, rollouts.completions, rollouts.rewards, self.cfg.group, self.tokenizer.pad_id, self.behavior, behaviour, self.reference,
+            rollouts.prompts,
+            rollouts.completions,
+            rollouts.rewards,
+            self.cfg.group,
+            self.tokenizer.pad_id,
+            self.behavior,
+            behaviour,
+            self.reference,
         )
         if self.ctx.sharded:
             exchange(("train", batch) if batch is not None else ("skip", None), self.ctx)
@@ -182,7 +206,13 @@ class GrpoPolicy:
         """Held-out accuracy of version ``v`` (its bf16 ``weights``)."""
         if self.evaluator is None:
             self.evaluator = Evaluator(
-                self.task, self.tokenizer, self.rewards, self.behavior, self.cfg.eval_size, self.cfg.max_new_tokens, self.ctx.device,
+                self.task,
+                self.tokenizer,
+                self.rewards,
+                self.behavior,
+                self.cfg.eval_size,
+                self.cfg.max_new_tokens,
+                self.ctx.device,
             )
         return self.evaluator.run(v, weights)
 
@@ -200,11 +230,11 @@ class GrpoPolicy:
     def restore(self, ck: Checkpoint) -> None:
         """The master, reference and optimizer of checkpoint ``ck``; ready to train."""
         self.build_model()
-        self.model.load_state_dict({n[len("model."):]: t for n, t in ck.tensors.items() if n.startswith("model.")})
+        self.model.load_state_dict({n[len("model.") :]: t for n, t in ck.tensors.items() if n.startswith("model.")})
         self.reference = None
         if self.cfg.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-            ref = {n[len("reference."):]: t for n, t in ck.tensors.items() if n.startswith("reference.")}
+            ref = {n[len("reference.") :]: t for n, t in ck.tensors.items() if n.startswith("reference.")}
             if ref:
                 self.reference.load_state_dict(ref)
         self.prepare_training()

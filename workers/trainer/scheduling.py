@@ -143,7 +143,9 @@ class BatchClose:
     waited_s: float
 
     def as_json(self) -> str:
-        return json.dumps({"step": self.step, "need": self.need, "collected": self.collected, "unreturned": self.unreturned, "reason": self.reason})
+        return json.dumps(
+            {"step": self.step, "need": self.need, "collected": self.collected, "unreturned": self.unreturned, "reason": self.reason}
+        )
 
 
 def min_results(need: int, batch_deadline_s: float | None, min_batch_fraction: float) -> int:
@@ -246,11 +248,18 @@ def collect_batch(
             return _close(ledger, b, need, collected, counts, absorb, "complete" if len(collected) >= need else "deadline", now - t0, epoch)
         if late and not said_floor:
             said_floor = True
-            log.info("step %d: deadline of %.0fs passed with %d/%d results; closing at %d", b, batch_deadline_s, len(collected), need, floor)
+            log.info(
+                "step %d: deadline of %.0fs passed with %d/%d results; closing at %d", b, batch_deadline_s, len(collected), need, floor
+            )
         if now >= next_progress:
             log.info(
                 "step %d: %d/%d results after %.0fs (ledger: %d/%d settled); waiting for Actors",
-                b, len(collected), need, now - t0, poll.settled, poll.total,
+                b,
+                len(collected),
+                need,
+                now - t0,
+                poll.settled,
+                poll.total,
             )
             next_progress = now + progress_s
             if not said_stranded:
@@ -268,11 +277,19 @@ def _say_if_stranded(ledger: Ledger, b: int, gen_version: int, left: int, batch_
     alive = [a for a in ledger.actors() if a.status == "alive"]
     if not alive or any(a.active is None or a.active <= gen_version for a in alive):
         return False
-    until = f"its deadline ({batch_deadline_s:.0f}s)" if batch_deadline_s is not None else "an Actor starts (--batch-deadline-s would close it)"
+    until = (
+        f"its deadline ({batch_deadline_s:.0f}s)" if batch_deadline_s is not None else "an Actor starts (--batch-deadline-s would close it)"
+    )
     log.warning(
         "step %d: generated on v%d, but all %d live Actor(s) are past it (v%d and up): none can serve its %d open prompt(s); "
         "it waits until %s, and a fresh Actor starts at v%d",
-        b, gen_version, len(alive), min(a.active or 0 for a in alive), left, until, gen_version,
+        b,
+        gen_version,
+        len(alive),
+        min(a.active or 0 for a in alive),
+        left,
+        until,
+        gen_version,
     )
     return True
 

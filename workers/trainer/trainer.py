@@ -165,16 +165,44 @@ class Trainer:
         self.weights_source: WeightsSource = weights if weights is not None else _given(self.grpo)
         heartbeat_ms = int(cfg.heartbeat_timeout_s * 1000)
         self.versions = VersionPublisher(
-            self.store, self.raw_store, self.records, self.bus, cfg, publish_config or cfg.publish_config(), self.signer, self.stop,
-            held_versions=lambda: run_held_versions(raw, ep.run, heartbeat_ms), on_version=on_version,
+            self.store,
+            self.raw_store,
+            self.records,
+            self.bus,
+            cfg,
+            publish_config or cfg.publish_config(),
+            self.signer,
+            self.stop,
+            held_versions=lambda: run_held_versions(raw, ep.run, heartbeat_ms),
+            on_version=on_version,
         )
         self.batches = BatchBook(
-            self.ledger, self.records, cfg, self.step_source.prompts, self.versions.states, self.newest_version,
-            lambda: self.bootstrap.enter_epoch(self.epoch), self.stop, clock,
+            self.ledger,
+            self.records,
+            cfg,
+            self.step_source.prompts,
+            self.versions.states,
+            self.newest_version,
+            lambda: self.bootstrap.enter_epoch(self.epoch),
+            self.stop,
+            clock,
         )
         self.bootstrap = Bootstrap(
-            self.store, cfg, ctx, ep.run, self.ledger, self.bus, self.records, self.versions, self.batches, self.weights_source, self.grpo,
-            self.signer, self.evaluate, self.stop, clock,
+            self.store,
+            cfg,
+            ctx,
+            ep.run,
+            self.ledger,
+            self.bus,
+            self.records,
+            self.versions,
+            self.batches,
+            self.weights_source,
+            self.grpo,
+            self.signer,
+            self.evaluate,
+            self.stop,
+            clock,
         )
         self.eval_accuracy: dict[int, float] = {}
         """version -> held-out accuracy measured on it (``eval_every``)."""
@@ -279,16 +307,41 @@ class Trainer:
         plan = self.versions.plan
         full = self.versions.full_bytes
         entry = StepLog(
-            step=b, version=v, gen_version=gen_version, reward=sum(r.rewards) / max(1, len(r.rewards)), wait_s=t_wait, train_s=t_train,
-            extract_publish_s=t_pub, step_s=step_s, delta_bytes=delta_bytes, full_bytes=full, changed=changed,
-            tokens=r.tokens, tokens_per_s=r.tokens / max(1e-9, step_s), eligible=eligible, excluded=excluded, by_actor=r.by_actor,
-            rejected_payloads=r.bad, elements=sum(spec.numel for spec in plan.specs().values()) if plan is not None else 0,
+            step=b,
+            version=v,
+            gen_version=gen_version,
+            reward=sum(r.rewards) / max(1, len(r.rewards)),
+            wait_s=t_wait,
+            train_s=t_train,
+            extract_publish_s=t_pub,
+            step_s=step_s,
+            delta_bytes=delta_bytes,
+            full_bytes=full,
+            changed=changed,
+            tokens=r.tokens,
+            tokens_per_s=r.tokens / max(1e-9, step_s),
+            eligible=eligible,
+            excluded=excluded,
+            by_actor=r.by_actor,
+            rejected_payloads=r.bad,
+            elements=sum(spec.numel for spec in plan.specs().values()) if plan is not None else 0,
         )
         self.logs.append(entry)
         metrics.active().trainer_step(entry)
         log.info(
             "step %d -> v%d: reward %.3f, %d tokens (%.0f tok/s), wait %.2fs train %.2fs extract+publish %.2fs, delta %d B (%.1f%% of full), eligible %s excluded %s",
-            b, v, entry.reward, r.tokens, entry.tokens_per_s, t_wait, t_train, t_pub, delta_bytes, 100 * delta_bytes / max(1, full), eligible, excluded,
+            b,
+            v,
+            entry.reward,
+            r.tokens,
+            entry.tokens_per_s,
+            t_wait,
+            t_train,
+            t_pub,
+            delta_bytes,
+            100 * delta_bytes / max(1, full),
+            eligible,
+            excluded,
         )
         self._log_step_json(b, v, gen_version, twice0, wrong0)
         self.evaluate(v)
@@ -304,14 +357,25 @@ class Trainer:
         results = self.batches.collected.get(b, {})
         ids = [pid for pid, _ in self.batches.prompts.get(b, [])]
         counts = self.batches.counts
-        log.info("step-json %s", json.dumps({
-            "step": b, "version": v, "epoch": self.epoch, "gen_version": gen_version, "state": self.versions.states.get(v),
-            "published_ms": int(time.time() * 1000), "prompts": ids,
-            "used": [[r.prompt, r.actor, r.token, r.version, r.state] for r in results.values()],
-            "unreturned": [pid for pid in ids if pid not in results],
-            "accepted_twice": counts.accepted_twice - twice0,
-            "accepted_wrong_version": counts.accepted_wrong_version - wrong0,
-        }, separators=(",", ":")))
+        log.info(
+            "step-json %s",
+            json.dumps(
+                {
+                    "step": b,
+                    "version": v,
+                    "epoch": self.epoch,
+                    "gen_version": gen_version,
+                    "state": self.versions.states.get(v),
+                    "published_ms": int(time.time() * 1000),
+                    "prompts": ids,
+                    "used": [[r.prompt, r.actor, r.token, r.version, r.state] for r in results.values()],
+                    "unreturned": [pid for pid in ids if pid not in results],
+                    "accepted_twice": counts.accepted_twice - twice0,
+                    "accepted_wrong_version": counts.accepted_wrong_version - wrong0,
+                },
+                separators=(",", ":"),
+            ),
+        )
 
     def prepare_commit(self) -> None:
         """Before the first publish: know how this store commits (FORMAT.md §1).
@@ -370,7 +434,12 @@ def follow(cfg: TrainerConfig, ctx: DistContext) -> int:
         model = load_pretrained(read_model_dir(cfg.model).path, torch.float32)
     else:
         model = tiny_qwen3(
-            CharTokenizer().vocab_size, seed=cfg.seed, dtype=torch.float32, head_dim=cfg.head_dim, hidden=cfg.tiny_hidden, intermediate=cfg.tiny_intermediate,
+            CharTokenizer().vocab_size,
+            seed=cfg.seed,
+            dtype=torch.float32,
+            head_dim=cfg.head_dim,
+            hidden=cfg.tiny_hidden,
+            intermediate=cfg.tiny_intermediate,
         )
     torch.nn.Module.to(model, ctx.device)
     model.train()

@@ -122,8 +122,17 @@ class VersionPublisher:
         self.plan = plan
         snap = self.cfg.snapshot_every if self.cfg.transfer == "delta" else 0
         self.publisher = Publisher(
-            self.store, run=self.records.run, bus=self.bus, signer=self.signer, model_files=model_files, commit=self.commit, prepared=True,
-            plan=plan, snapshot_every=snap, config=self.publish_config, on_segment=lambda ev: crash_point("segment", ev.version),
+            self.store,
+            run=self.records.run,
+            bus=self.bus,
+            signer=self.signer,
+            model_files=model_files,
+            commit=self.commit,
+            prepared=True,
+            plan=plan,
+            snapshot_every=snap,
+            config=self.publish_config,
+            on_segment=lambda ev: crash_point("segment", ev.version),
         )
 
     def _publisher(self) -> tuple[Publisher, FusionPlan]:
@@ -185,9 +194,22 @@ class VersionPublisher:
                 snap_bytes = p.snapshot_bytes if p.snapshot else -1
             else:  # the broadcast baselines of `aurora bench wan`
                 out = publish_version(
-                    self.store, self.records.run, v, int(producer.get("step", v - 1)), self.cfg.transfer, plan, self.published, new,
-                    self.states[v - 1], self.publish_config, self.bus, lambda w: fuse_weights(w, plan), producer=producer,
-                    weights_digest=digest, signer=self.signer, commit=self.commit,
+                    self.store,
+                    self.records.run,
+                    v,
+                    int(producer.get("step", v - 1)),
+                    self.cfg.transfer,
+                    plan,
+                    self.published,
+                    new,
+                    self.states[v - 1],
+                    self.publish_config,
+                    self.bus,
+                    lambda w: fuse_weights(w, plan),
+                    producer=producer,
+                    weights_digest=digest,
+                    signer=self.signer,
+                    commit=self.commit,
                 )
         except VersionConflict as e:
             raise FencedOut(f"version {v} was published by another Trainer; this one (epoch {self.records.epoch}) stops: {e}") from e
@@ -234,4 +256,3 @@ class VersionPublisher:
             return
         if plan.versions or plan.orphans:
             log.info("retention: %s", plan.summary())
-

@@ -343,11 +343,7 @@ def huffman_encode(
 ) -> bytes:
     """A whole Huffman plane for uint8 ``data``: lengths table, then the bits
     (``hist`` and ``lengths``, when given, are those of ``data``)."""
-    d = (
-        data
-        if data.dtype == np.uint8 and data.ndim == 1
-        else np.ascontiguousarray(data, dtype=np.uint8)
-    )
+    d = data if data.dtype == np.uint8 and data.ndim == 1 else np.ascontiguousarray(data, dtype=np.uint8)
     if hist is None:
         hist = np.bincount(d, minlength=256)
     if lengths is None:

@@ -92,9 +92,7 @@ def _leb128_indices(b: Any, start: Any, stop: Any, out: Any) -> Any:
     without a data-dependent branch: both bytes are loaded, and the second
     counts only when the first has its continuation bit set.
     """
-    u0, u1, u2, u7, u14, u63 = (
-        np.uint64(0), np.uint64(1), np.uint64(2), np.uint64(7), np.uint64(14), np.uint64(63)
-    )
+    u0, u1, u2, u7, u14, u63 = (np.uint64(0), np.uint64(1), np.uint64(2), np.uint64(7), np.uint64(14), np.uint64(63))
     payload, more = np.uint64(0x7F), np.uint64(0x80)
     n = np.uint64(b.size)
     nnz = np.uint64(out.size)

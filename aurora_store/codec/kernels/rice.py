@@ -201,9 +201,7 @@ def _rice_indices(rem: Any, una: Any, escs: Any, k: Any, start: Any, stop: Any, 
 # Wrappers
 
 
-def _layouts(
-    indices: np.ndarray, start: int, k0: int, nk: int, jit: bool | None, stride: int = 1
-) -> tuple[np.ndarray, np.ndarray]:
+def _layouts(indices: np.ndarray, start: int, k0: int, nk: int, jit: bool | None, stride: int = 1) -> tuple[np.ndarray, np.ndarray]:
     ubits = np.zeros(nk, np.int64)
     nesc = np.zeros(nk, np.int64)
     if indices.size:
@@ -235,9 +233,7 @@ def rice_best_k(indices: np.ndarray, start: int, jit: bool | None = None) -> tup
     return k, size
 
 
-def rice_plan(
-    indices: np.ndarray, start: int, jit: bool | None = None
-) -> tuple[int, int, tuple[int, int]]:
+def rice_plan(indices: np.ndarray, start: int, jit: bool | None = None) -> tuple[int, int, tuple[int, int]]:
     """(k, stream bytes without the ``k`` byte, layout) of the smallest Rice
     code; ``layout`` lets :func:`rice_encode_gaps` skip a pass."""
     idx = np.ascontiguousarray(indices, dtype=np.int64)
@@ -311,9 +307,7 @@ def rice_encode_gaps(
     )
 
 
-def rice_indices(
-    data: np.ndarray, start: int, stop: int, nnz: int, jit: bool | None = None
-) -> np.ndarray | None:
+def rice_indices(data: np.ndarray, start: int, stop: int, nnz: int, jit: bool | None = None) -> np.ndarray | None:
     """Decode a whole ``rice`` stream into int64 indices; ``None`` if it
     breaks any rule. Needs ``0 <= start < stop < 2^63``."""
     if not (0 <= start < stop <= (1 << 63) - 1):

@@ -125,9 +125,7 @@ def _scan_words32(a: Any, b: Any, wa: Any, wb: Any, w0: Any, base: Any, idx: Any
 # Wrappers
 
 
-def scan_changes(
-    a: np.ndarray, b: np.ndarray, jit: bool | None = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def scan_changes(a: np.ndarray, b: np.ndarray, jit: bool | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where the bit patterns of ``a`` (old) and ``b`` (new) differ.
 
     ``a`` and ``b`` are 1-D integer arrays of one dtype (2 or 4 bytes: bit
@@ -138,9 +136,7 @@ def scan_changes(
     return scan_blocks([(0, a, b)], jit)
 
 
-def scan_blocks(
-    blocks: Sequence[tuple[int, np.ndarray, np.ndarray]], jit: bool | None = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def scan_blocks(blocks: Sequence[tuple[int, np.ndarray, np.ndarray]], jit: bool | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`scan_changes` over several ``(offset, old, new)`` pairs of one
     dtype, in increasing offset order (the blocks of a fused parameter).
     Indices are ``offset`` plus the index inside the block, all in one array.
@@ -148,9 +144,7 @@ def scan_blocks(
     pairs: list[tuple[int, np.ndarray, np.ndarray]] = []
     for off, a, b in blocks:
         if a.shape != b.shape or a.dtype != b.dtype or a.ndim != 1:
-            raise ValueError(
-                f"scan needs two 1-D arrays of one dtype, got {a.shape} {a.dtype} and {b.shape} {b.dtype}"
-            )
+            raise ValueError(f"scan needs two 1-D arrays of one dtype, got {a.shape} {a.dtype} and {b.shape} {b.dtype}")
         if a.dtype.itemsize not in (2, 4) or a.dtype.kind not in "iu":
             raise ValueError(f"scan works on 16- or 32-bit integer bit views, got {a.dtype}")
         pairs.append((off, unsigned(np.ascontiguousarray(a)), unsigned(np.ascontiguousarray(b))))
@@ -163,9 +157,7 @@ def scan_blocks(
     return _scan_numpy(pairs, dtype)
 
 
-def _scan_numpy(
-    pairs: list[tuple[int, np.ndarray, np.ndarray]], dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _scan_numpy(pairs: list[tuple[int, np.ndarray, np.ndarray]], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Element mask per cache-sized chunk; indices, new and old bits gathered
     while the chunk is still in cache."""
     idx: list[np.ndarray] = []
@@ -192,9 +184,7 @@ def _scan_numpy(
     return np.concatenate(idx), np.concatenate(new), np.concatenate(old)
 
 
-def _scan_jit(
-    pairs: list[tuple[int, np.ndarray, np.ndarray]], dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _scan_jit(pairs: list[tuple[int, np.ndarray, np.ndarray]], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     lanes = 8 // dtype.itemsize
     kern = compiled(_scan_words16 if lanes == 4 else _scan_words32)
     total = sum(a.size for _, a, _ in pairs)
@@ -227,5 +217,3 @@ def _grown(x: np.ndarray, k: int, cap: int) -> np.ndarray:
     out = np.empty(cap, x.dtype)
     out[:k] = x[:k]
     return out
-
-

@@ -42,9 +42,7 @@ def _apply(flat: Any, idx: Any, bits: Any, xor: Any) -> Any:
 # Wrapper
 
 
-def apply_bits(
-    flat: np.ndarray, indices: np.ndarray, bits: np.ndarray, xor: bool, jit: bool | None = None
-) -> None:
+def apply_bits(flat: np.ndarray, indices: np.ndarray, bits: np.ndarray, xor: bool, jit: bool | None = None) -> None:
     """``flat[indices] ^= bits`` (``xor``) or ``flat[indices] = bits``, in place.
 
     ``flat`` is a writable 1-D bit view (uint16/uint32, or the signed types
@@ -80,5 +78,3 @@ def _apply_numpy(flat: np.ndarray, idx: np.ndarray, bits: np.ndarray, xor: bool)
     else:
         flat[idx] = bits
     return True
-
-

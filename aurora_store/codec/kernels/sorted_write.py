@@ -44,9 +44,7 @@ def _prefetch_for_write(typingctx: Any, arr: Any, i: Any) -> Any:
         ptr = builder.gep(data, [idx])
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
-        fn = builder.module.declare_intrinsic(
-            "llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        )
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
         # rw=1 (write), locality=3 (keep in all levels), cache type=1 (data)
         builder.call(fn, [builder.bitcast(ptr, i8p), i32(1), i32(3), i32(1)])
         return context.get_dummy_value()

@@ -13,7 +13,9 @@ __all__ = ["REGISTER", "HEARTBEAT", "MARK_ACTOR", "TRIM_ACTOR", "CLAIM", "SETTLE
 # ARGV[1] actor id, ARGV[2] now_ms or "", ARGV[3] record TTL in ms ("0": none),
 # ARGV[4..] field, value pairs
 # returns now_ms
-REGISTER = NOW_PRELUDE + """
+REGISTER = (
+    NOW_PRELUDE
+    + """
 local now = now_ms(ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[1])
 local kv = {'heartbeat_ms', now, 'status', 'alive'}
@@ -23,11 +25,14 @@ local ttl = tonumber(ARGV[3])
 if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) else redis.call('PERSIST', KEYS[1]) end
 return tonumber(now)
 """
+)
 
 # KEYS[1] actor hash
 # ARGV[1] now_ms or "", ARGV[2] record TTL in ms ("0": none), ARGV[3..] field, value pairs
 # returns now_ms, or -1 if the Actor is not registered (or its record expired) or no longer alive
-HEARTBEAT = NOW_PRELUDE + """
+HEARTBEAT = (
+    NOW_PRELUDE
+    + """
 local now = now_ms(ARGV[1])
 if redis.call('HGET', KEYS[1], 'status') ~= 'alive' then return -1 end
 local kv = {'heartbeat_ms', now}
@@ -37,6 +42,7 @@ local ttl = tonumber(ARGV[2])
 if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
 return tonumber(now)
 """
+)
 
 # KEYS[1] actor hash
 # ARGV[1] new TTL in ms ("": keep it), ARGV[2] required status ("": any), ARGV[3..] field, value pairs
@@ -71,7 +77,11 @@ return redis.call('SREM', KEYS[2], ARGV[1])
 # A prompt popped from a list that is already settled, currently leased or not of this
 # step is a duplicate (a repeated write after a partial loss): it is dropped, not leased,
 # so it can never cycle lease -> expiry -> pool.
-CLAIM = NOW_PRELUDE + TTL_PRELUDE + CHUNK_PRELUDE + """
+CLAIM = (
+    NOW_PRELUDE
+    + TTL_PRELUDE
+    + CHUNK_PRELUDE
+    + """
 local now = tonumber(now_ms(ARGV[3]))
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'no_step', now} end
 if redis.call('HGET', KEYS[1], 'closed') then return {'closed', now} end
@@ -154,6 +164,7 @@ out[4] = meta[2] or '1'
 out[5] = meta[3] or ''
 return out
 """
+)
 
 # settle_batch(actor, now, items): the settlement predicate over one step's keys (the
 # KEYS of SETTLE and SETTLE_MANY), applied to each item {prompt, token, version, state,
@@ -267,11 +278,17 @@ end
 # ARGV[6] result payload, ARGV[7] now_ms or ""
 # returns {reason, now_ms}: the settlement predicate (paper §5.4, docs/PROTOCOL.md) of
 # SETTLE_PRELUDE for one result. A repeat answers 'duplicate'.
-SETTLE = NOW_PRELUDE + TTL_PRELUDE + CHUNK_PRELUDE + SETTLE_PRELUDE + """
+SETTLE = (
+    NOW_PRELUDE
+    + TTL_PRELUDE
+    + CHUNK_PRELUDE
+    + SETTLE_PRELUDE
+    + """
 local now = tonumber(now_ms(ARGV[7]))
 local r = settle_batch(ARGV[1], now, {{ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]}})
 return {r[1], now}
 """
+)
 
 # KEYS as SETTLE (one step, one Actor)
 # ARGV[1] actor, ARGV[2] now_ms or "", then per result 5 values: prompt, token, version,
@@ -279,7 +296,12 @@ return {r[1], now}
 # returns {now_ms, reason, reason, ...}: one reason per result, in order, each what SETTLE
 # would answer for it run alone at now_ms after the ones before it (a prompt twice in a
 # batch: the second answers 'duplicate'). One script per batch instead of one per result.
-SETTLE_MANY = NOW_PRELUDE + TTL_PRELUDE + CHUNK_PRELUDE + SETTLE_PRELUDE + """
+SETTLE_MANY = (
+    NOW_PRELUDE
+    + TTL_PRELUDE
+    + CHUNK_PRELUDE
+    + SETTLE_PRELUDE
+    + """
 local now = tonumber(now_ms(ARGV[2]))
 local items = {}
 for i = 3, #ARGV - 4, 5 do
@@ -289,12 +311,15 @@ local r = settle_batch(ARGV[1], now, items)
 table.insert(r, 1, now)
 return r
 """
+)
 
 # KEYS[1] lease hash, KEYS[2] expiry zset, KEYS[3] pool list, KEYS[4] assigned list,
 # KEYS[5] step hash
 # ARGV[1] actor
 # returns the number of prompts put back in the pool (leases plus unclaimed assignments)
-RELEASE = TTL_PRELUDE + """
+RELEASE = (
+    TTL_PRELUDE
+    + """
 local n = 0
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
@@ -315,3 +340,4 @@ end
 if n > 0 then inherit_ttl(KEYS[3], KEYS[5]) end
 return n
 """
+)

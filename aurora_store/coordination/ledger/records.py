@@ -32,8 +32,16 @@ __all__ = [
 #: Every answer ``settle`` can give (``closed``: the Trainer closed the step's batch
 #: without this result, a deadline passed; ``no_step``: no such step, or its tombstone expired).
 SETTLE_REASONS = (
-    "accepted", "duplicate", "already_settled", "not_leased", "stale_token", "expired", "wrong_version", "wrong_digest",
-    "closed", "no_step",
+    "accepted",
+    "duplicate",
+    "already_settled",
+    "not_leased",
+    "stale_token",
+    "expired",
+    "wrong_version",
+    "wrong_digest",
+    "closed",
+    "no_step",
 )
 
 

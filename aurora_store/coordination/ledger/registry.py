@@ -162,7 +162,10 @@ class ActorRegistry(LedgerCore):
             n += int(
                 self._scripts.release(
                     keys=[
-                        self.k_step(v, "lease"), self.k_step(v, "exp"), self.k_step(v, "pool"), self.k_assigned(v, actor),
+                        self.k_step(v, "lease"),
+                        self.k_step(v, "exp"),
+                        self.k_step(v, "pool"),
+                        self.k_assigned(v, actor),
                         self.k_step(v),
                     ],
                     args=[actor],

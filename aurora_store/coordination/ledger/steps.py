@@ -131,12 +131,27 @@ class StepBook(LedgerCore):
             wanted = {a: n for a, n in wanted.items() if a in alive}
         order = sorted(wanted)
         keys = [
-            self.k_step(v), self.k_step(v, "prompts"), self.k_step(v, "pool"), self.k_steps, self.k_epoch, self.k_fence,
-            self.k_step(v, "assignees"), *(self.k_assigned(v, a) for a in order), *(self.k_actor(a) for a in order),
+            self.k_step(v),
+            self.k_step(v, "prompts"),
+            self.k_step(v, "pool"),
+            self.k_steps,
+            self.k_epoch,
+            self.k_fence,
+            self.k_step(v, "assignees"),
+            *(self.k_assigned(v, a) for a in order),
+            *(self.k_actor(a) for a in order),
         ]
         args: list[Any] = [
-            str(v), str(gen_version), state, group, lease_ms, step_identity(gen_version, state, ids), self._fence_arg(epoch),
-            self._now(), _ms(self.config.step_ttl_s), len(prompts),
+            str(v),
+            str(gen_version),
+            state,
+            group,
+            lease_ms,
+            step_identity(gen_version, state, ids),
+            self._fence_arg(epoch),
+            self._now(),
+            _ms(self.config.step_ttl_s),
+            len(prompts),
         ]
         for p, body in prompts:
             args += [p, body]
@@ -273,12 +288,20 @@ class StepBook(LedgerCore):
         if not ids:
             return 0
         keys = [
-            self.k_step(v), self.k_step(v, "prompts"), self.k_step(v, "lease"), self.k_step(v, "exp"), self.k_step(v, "done"),
-            self.k_step(v, "pool"), self.k_epoch, *(self.k_assigned(v, a) for a in self._assignees(v)),
+            self.k_step(v),
+            self.k_step(v, "prompts"),
+            self.k_step(v, "lease"),
+            self.k_step(v, "exp"),
+            self.k_step(v, "done"),
+            self.k_step(v, "pool"),
+            self.k_epoch,
+            *(self.k_assigned(v, a) for a in self._assignees(v)),
         ]
         n = 0
         for i in range(0, len(ids), _MARK_CHUNK):
-            res = self._fenced(self._scripts.mark_settled(keys=keys, args=[self._fence_arg(epoch), *ids[i : i + _MARK_CHUNK]]), epoch, f"mark step {v}")
+            res = self._fenced(
+                self._scripts.mark_settled(keys=keys, args=[self._fence_arg(epoch), *ids[i : i + _MARK_CHUNK]]), epoch, f"mark step {v}"
+            )
             n += int(res[1])
         return n
 
@@ -316,7 +339,8 @@ class StepBook(LedgerCore):
         """
         res = self._fenced(
             self._scripts.seal_step(keys=[self.k_step(v), self.k_steps, self.k_epoch], args=[str(v), self._fence_arg(epoch), self._now()]),
-            epoch, f"close step {v}",
+            epoch,
+            f"close step {v}",
         )
         if as_str(res[0]) == "no_step":
             return None
@@ -330,7 +354,13 @@ class StepBook(LedgerCore):
         the tombstone for ``aurora status``.
         """
         keys = [self.k_step(v), self.k_steps, self.k_epoch, *self._step_keys(v, self._assignees(v))]
-        args = [str(v), self._fence_arg(epoch), _ms(self.config.closed_ttl_s) or 1, "" if unreturned is None else str(unreturned), self._now()]
+        args = [
+            str(v),
+            self._fence_arg(epoch),
+            _ms(self.config.closed_ttl_s) or 1,
+            "" if unreturned is None else str(unreturned),
+            self._now(),
+        ]
         self._fenced(self._scripts.drop_step(keys=keys, args=args), epoch, f"close step {v}")
 
     @translate_redis_errors("Ledger.close_step")
@@ -366,8 +396,15 @@ class StepBook(LedgerCore):
             return "ok", []
         res = self._scripts.claim(
             keys=[
-                self.k_step(v), self.k_assigned(v, actor), self.k_step(v, "pool"), self.k_step(v, "lease"),
-                self.k_step(v, "exp"), self.k_fence, self.k_actor(actor), self.k_step(v, "prompts"), self.k_step(v, "done"),
+                self.k_step(v),
+                self.k_assigned(v, actor),
+                self.k_step(v, "pool"),
+                self.k_step(v, "lease"),
+                self.k_step(v, "exp"),
+                self.k_fence,
+                self.k_actor(actor),
+                self.k_step(v, "prompts"),
+                self.k_step(v, "done"),
             ],
             args=[actor, n, self._now()],
         )
@@ -385,8 +422,14 @@ class StepBook(LedgerCore):
     def _settle_args(self, actor: str, lease: Lease, version: int, state: str, payload: bytes) -> tuple[list[str], list[Any]]:
         v = lease.step_id
         keys = [
-            self.k_step(v), self.k_step(v, "lease"), self.k_step(v, "exp"), self.k_step(v, "done"),
-            self.k_step(v, "results"), self.k_step(v, "pool"), self.k_actor(actor), self.k_step(v, "results:payload"),
+            self.k_step(v),
+            self.k_step(v, "lease"),
+            self.k_step(v, "exp"),
+            self.k_step(v, "done"),
+            self.k_step(v, "results"),
+            self.k_step(v, "pool"),
+            self.k_actor(actor),
+            self.k_step(v, "results:payload"),
         ]
         return keys, [actor, lease.prompt, str(lease.token), str(version), state, payload, self._now()]
 
@@ -414,8 +457,14 @@ class StepBook(LedgerCore):
         calls: list[tuple[list[int], list[Any]]] = []
         for v, idx in by_step.items():
             keys = [
-                self.k_step(v), self.k_step(v, "lease"), self.k_step(v, "exp"), self.k_step(v, "done"),
-                self.k_step(v, "results"), self.k_step(v, "pool"), self.k_actor(actor), self.k_step(v, "results:payload"),
+                self.k_step(v),
+                self.k_step(v, "lease"),
+                self.k_step(v, "exp"),
+                self.k_step(v, "done"),
+                self.k_step(v, "results"),
+                self.k_step(v, "pool"),
+                self.k_actor(actor),
+                self.k_step(v, "results:payload"),
             ]
             args: list[Any] = [actor, self._now()]
             for i in idx:

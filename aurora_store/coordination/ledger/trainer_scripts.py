@@ -28,7 +28,11 @@ __all__ = ["CREATE_STEP", "SEAL_STEP", "DROP_STEP", "MARK_SETTLED", "ENTER_EPOCH
 # {'fenced', epoch}. A dropped step's tombstone is replaced. A quota whose Actor is not
 # alive when the script runs (it left or was reaped after the caller read the registry)
 # goes to the pool: nobody else could claim it.
-CREATE_STEP = NOW_PRELUDE + EPOCH_PRELUDE + CHUNK_PRELUDE + """
+CREATE_STEP = (
+    NOW_PRELUDE
+    + EPOCH_PRELUDE
+    + CHUNK_PRELUDE
+    + """
 local f = fenced(KEYS[5], ARGV[7])
 if f then return {'fenced', f} end
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -81,13 +85,17 @@ if ttl > 0 then
 end
 return {'created'}
 """
+)
 
 # KEYS[1] step hash, KEYS[2] steps zset, KEYS[3] epoch
 # ARGV[1] step id, ARGV[2] epoch or "", ARGV[3] now_ms or ""
 # returns {'sealed', total, settled} (also when already sealed: a repeat is harmless),
 # {'no_step'} or {'fenced', epoch}. From now on SETTLE answers 'closed' and CLAIM
 # leases nothing; the results stay readable until DROP_STEP.
-SEAL_STEP = NOW_PRELUDE + EPOCH_PRELUDE + """
+SEAL_STEP = (
+    NOW_PRELUDE
+    + EPOCH_PRELUDE
+    + """
 local f = fenced(KEYS[3], ARGV[2])
 if f then return {'fenced', f} end
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'no_step'} end
@@ -98,6 +106,7 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 local total, settled = unpack(redis.call('HMGET', KEYS[1], 'total', 'settled'))
 return {'sealed', tonumber(total or 0), tonumber(settled or 0)}
 """
+)
 
 # KEYS[1] step hash, KEYS[2] steps zset, KEYS[3] epoch, KEYS[4..] the step's other keys
 # (prompts, pool, lease, exp, done, results, payloads, assignees, assigned lists)
@@ -106,7 +115,10 @@ return {'sealed', tonumber(total or 0), tonumber(settled or 0)}
 # returns {'dropped'} or {'fenced', epoch}. Deletes every key of the step but its hash,
 # which stays as a tombstone ({closed, dropped, total, settled, unreturned}) for ARGV[3]
 # ms, so a late settle still answers 'closed'. Seals first if SEAL_STEP did not run.
-DROP_STEP = NOW_PRELUDE + EPOCH_PRELUDE + """
+DROP_STEP = (
+    NOW_PRELUDE
+    + EPOCH_PRELUDE
+    + """
 local f = fenced(KEYS[3], ARGV[2])
 if f then return {'fenced', f} end
 redis.call('ZREM', KEYS[2], ARGV[1])
@@ -121,6 +133,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 return {'dropped'}
 """
+)
 
 # KEYS[1] step hash, KEYS[2] prompts hash, KEYS[3] lease hash, KEYS[4] expiry zset,
 # KEYS[5] done hash, KEYS[6] pool list, KEYS[7] epoch, KEYS[8..] assigned lists
@@ -129,7 +142,10 @@ return {'dropped'}
 # (an AOF-everysec restart, a failover): each prompt of this step not in done is marked
 # done (by 'trainer|0'), its lease dropped and its copies removed from the lists, so it
 # is never leased again. Prompts not of this step are ignored; a repeat marks nothing.
-MARK_SETTLED = EPOCH_PRELUDE + TTL_PRELUDE + """
+MARK_SETTLED = (
+    EPOCH_PRELUDE
+    + TTL_PRELUDE
+    + """
 local f = fenced(KEYS[7], ARGV[1])
 if f then return {'fenced', f} end
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HGET', KEYS[1], 'closed') then return {'ok', 0} end
@@ -151,20 +167,26 @@ if n > 0 then
 end
 return {'ok', n}
 """
+)
 
 # KEYS[1] epoch
 # ARGV[1] epoch
 # returns {'ok', stored} (stored is ARGV[1] once raised) or {'fenced', stored}
-ENTER_EPOCH = EPOCH_PRELUDE + """
+ENTER_EPOCH = (
+    EPOCH_PRELUDE
+    + """
 local f = fenced(KEYS[1], ARGV[1])
 if f then return {'fenced', f} end
 return {'ok', tonumber(redis.call('GET', KEYS[1]))}
 """
+)
 
 # KEYS[1] epoch, KEYS[2] hash
 # ARGV[1] epoch or "", ARGV[2..] field, value pairs
 # returns {'ok'} or {'fenced', epoch}
-FENCED_HSET = EPOCH_PRELUDE + """
+FENCED_HSET = (
+    EPOCH_PRELUDE
+    + """
 local f = fenced(KEYS[1], ARGV[1])
 if f then return {'fenced', f} end
 local kv = {}
@@ -172,6 +194,7 @@ for i = 2, #ARGV do kv[#kv + 1] = ARGV[i] end
 if #kv > 0 then redis.call('HSET', KEYS[2], unpack(kv)) end
 return {'ok'}
 """
+)
 
 # KEYS[1] hash, KEYS[2] its index zset (field scored by version)
 # ARGV[1] field, ARGV[2] value, ARGV[3] version, ARGV[4] versions to keep (0: all)

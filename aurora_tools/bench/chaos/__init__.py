@@ -61,17 +61,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group", type=int, default=None, help=f"completions per prompt (default {d.group})")
     p.add_argument("--seed", type=int, default=None, help="seeds the Trainer and the schedule's choices (default 0)")
     p.add_argument(
-        "--faults", type=_faults, default=None, metavar="LIST",
+        "--faults",
+        type=_faults,
+        default=None,
+        metavar="LIST",
         help=f"comma-separated faults to inject, always in schedule order, or all / none (default all: {','.join(FAULTS)})",
     )
-    p.add_argument("--s3-pause-s", type=float, default=None, metavar="S", help=f"how long the S3 server stays paused (default {d.s3_pause_s:g})")
+    p.add_argument(
+        "--s3-pause-s", type=float, default=None, metavar="S", help=f"how long the S3 server stays paused (default {d.s3_pause_s:g})"
+    )
     p.add_argument("--redis-down-s", type=float, default=None, metavar="S", help=f"Redis downtime per restart (default {d.redis_down_s:g})")
-    p.add_argument("--actor-stop-s", type=float, default=None, metavar="S", help=f"how long the stopped Actor stays stopped, at least past its lease (default {d.actor_stop_s:g})")
+    p.add_argument(
+        "--actor-stop-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"how long the stopped Actor stays stopped, at least past its lease (default {d.actor_stop_s:g})",
+    )
     p.add_argument("--relay-down-s", type=float, default=None, metavar="S", help=f"Relay downtime (default {d.relay_down_s:g})")
-    p.add_argument("--outage-budget-s", type=float, default=None, metavar="S", help=f"every worker's --outage-budget-s (default {d.outage_budget_s:g})")
-    p.add_argument("--actor-slowdown", type=float, default=None, metavar="X", help=f"the Actors' --slowdown: paces the run (default {d.actor_slowdown:g})")
-    p.add_argument("--timeout-s", type=float, default=None, metavar="S", help=f"end everything after this long and report (default {d.timeout_s:g})")
-    p.add_argument("--dir", default=None, help="work folder for logs and digest files (default: a temporary one, removed when every target is met)")
+    p.add_argument(
+        "--outage-budget-s", type=float, default=None, metavar="S", help=f"every worker's --outage-budget-s (default {d.outage_budget_s:g})"
+    )
+    p.add_argument(
+        "--actor-slowdown",
+        type=float,
+        default=None,
+        metavar="X",
+        help=f"the Actors' --slowdown: paces the run (default {d.actor_slowdown:g})",
+    )
+    p.add_argument(
+        "--timeout-s", type=float, default=None, metavar="S", help=f"end everything after this long and report (default {d.timeout_s:g})"
+    )
+    p.add_argument(
+        "--dir", default=None, help="work folder for logs and digest files (default: a temporary one, removed when every target is met)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -80,9 +103,17 @@ def main(args: argparse.Namespace) -> int:
     from aurora_tools.bench.chaos.report import table
 
     cfg = ChaosConfig.from_env(
-        steps=args.steps, batch=args.batch, group=args.group, seed=args.seed, faults=args.faults,
-        s3_pause_s=args.s3_pause_s, redis_down_s=args.redis_down_s, actor_stop_s=args.actor_stop_s,
-        relay_down_s=args.relay_down_s, outage_budget_s=args.outage_budget_s, actor_slowdown=args.actor_slowdown,
+        steps=args.steps,
+        batch=args.batch,
+        group=args.group,
+        seed=args.seed,
+        faults=args.faults,
+        s3_pause_s=args.s3_pause_s,
+        redis_down_s=args.redis_down_s,
+        actor_stop_s=args.actor_stop_s,
+        relay_down_s=args.relay_down_s,
+        outage_budget_s=args.outage_budget_s,
+        actor_slowdown=args.actor_slowdown,
         timeout_s=args.timeout_s,
     )
     workdir = os.path.abspath(args.dir) if args.dir else None

@@ -159,10 +159,22 @@ def _entry(e: Any) -> tuple[str, str, int | None, int | None, str | None]:
     """(prompt, actor, token, version, state) of one ``used`` entry (a list or an object)."""
     if isinstance(e, dict):
         tok, ver, st = e.get("token"), e.get("version"), e.get("state")
-        return str(e.get("prompt")), str(e.get("actor")), (int(tok) if tok is not None else None), (int(ver) if ver is not None else None), (str(st) if st else None)
+        return (
+            str(e.get("prompt")),
+            str(e.get("actor")),
+            (int(tok) if tok is not None else None),
+            (int(ver) if ver is not None else None),
+            (str(st) if st else None),
+        )
     if isinstance(e, (list, tuple)) and e:
         p = list(e) + [None] * 5
-        return str(p[0]), str(p[1]), (int(p[2]) if p[2] is not None else None), (int(p[3]) if p[3] is not None else None), (str(p[4]) if p[4] else None)
+        return (
+            str(p[0]),
+            str(p[1]),
+            (int(p[2]) if p[2] is not None else None),
+            (int(p[3]) if p[3] is not None else None),
+            (str(p[4]) if p[4] else None),
+        )
     return str(e), "", None, None, None
 
 
@@ -178,8 +190,13 @@ def _prompts(run: ChaosRun, completed: int) -> dict[str, Any]:
         if isinstance(v, int):
             by_version.setdefault(v, []).append(rec)
     out: dict[str, Any] = {
-        "prompts_lost": None, "prompts_unreturned": None, "accepted_twice": None, "accepted_wrong_state": None,
-        "accepted_wrong_version": None, "steps_unaccounted": None, "prompts_open_at_end": sum(len(p) for p in run.open_prompts.values()),
+        "prompts_lost": None,
+        "prompts_unreturned": None,
+        "accepted_twice": None,
+        "accepted_wrong_state": None,
+        "accepted_wrong_version": None,
+        "steps_unaccounted": None,
+        "prompts_open_at_end": sum(len(p) for p in run.open_prompts.values()),
         "published_ms": {},
     }
     if not by_version:
@@ -263,7 +280,9 @@ def _successor_note(inc: Incarnation) -> str:
         if boots:
             m = BOOT_RE.search(boots[0][1])
             return f"{inc.label} bootstrapped at v{m.group(1) if m else '?'} {boots[0][0] - inc.started:.1f}s after its start"
-        return f"{inc.label} never bootstrapped" + (f" (exited rc {inc.rc}: {clean_line(inc.last_line())})" if inc.ended is not None and inc.ended_by is None else "")
+        return f"{inc.label} never bootstrapped" + (
+            f" (exited rc {inc.rc}: {clean_line(inc.last_line())})" if inc.ended is not None and inc.ended_by is None else ""
+        )
     if inc.role == "trainer":
         parts = []
         res = inc.lines_since(inc.started, RESUMED_RE)
@@ -278,7 +297,9 @@ def _successor_note(inc: Incarnation) -> str:
         else:
             parts.append(f"{inc.label} published nothing")
         return "; ".join(parts)
-    return f"{inc.label} " + ("running at the end" if inc.ended is None or inc.ended_by is not None else f"exited rc {inc.rc}: {_problem_line(inc)}")
+    return f"{inc.label} " + (
+        "running at the end" if inc.ended is None or inc.ended_by is not None else f"exited rc {inc.rc}: {_problem_line(inc)}"
+    )
 
 
 def _problem_line(inc: Incarnation) -> str:
@@ -291,10 +312,17 @@ def _problem_line(inc: Incarnation) -> str:
 def _fault_json(run: ChaosRun, rec: FaultRecord, now: float) -> dict[str, Any]:
     f = run.fleet
     out: dict[str, Any] = {
-        "fault": rec.name, "title": rec.title, "trigger_version": rec.trigger, "injected": rec.injected and rec.error is None,
-        "at_version": rec.at_version if rec.injected else None, "phase": rec.phase or None, "notes": list(rec.notes), "error": rec.error,
+        "fault": rec.name,
+        "title": rec.title,
+        "trigger_version": rec.trigger,
+        "injected": rec.injected and rec.error is None,
+        "at_version": rec.at_version if rec.injected else None,
+        "phase": rec.phase or None,
+        "notes": list(rec.notes),
+        "error": rec.error,
         "duration_s": round(rec.t_lifted - rec.t_start, 2) if rec.injected and rec.t_lifted else None,
-        "next_version": None, "recovery_s": None,
+        "next_version": None,
+        "recovery_s": None,
     }
     if not rec.injected or rec.error:
         out["outcome"] = rec.error or "not injected"

@@ -192,12 +192,15 @@ def corrupt(run: ChaosRun, rec: FaultRecord, behind: int = 2, catch_up_s: float 
         woken = time.monotonic()
     try:
         caught = run.fleet.wait_for(
-            lambda: any(int(m.group(1)) >= target for _, ln in victim.lines_since(woken, ACTIVATED_RE) if (m := ACTIVATED_RE.search(ln)))
-            or not victim.alive,
+            lambda: (
+                any(int(m.group(1)) >= target for _, ln in victim.lines_since(woken, ACTIVATED_RE) if (m := ACTIVATED_RE.search(ln)))
+                or not victim.alive
+            ),
             timeout_s=catch_up_s,
         )
         rec.notes.append(
-            f"{name} past v{target} {time.monotonic() - woken:.1f}s after waking" if caught and victim.alive
+            f"{name} past v{target} {time.monotonic() - woken:.1f}s after waking"
+            if caught and victim.alive
             else f"{name} not past v{target} {catch_up_s:g}s after waking"
         )
     finally:
@@ -238,7 +241,8 @@ def actor_stop(run: ChaosRun, rec: FaultRecord) -> None:
     rec.victims.append(victim)
     rec.notes.append(
         f"{name} SIGSTOPped holding {leases} lease(s) (the last expiring in {left_ms / 1000:.1f}s) for {stop_s:.1f}s"
-        if leases else f"{name} SIGSTOPped holding no lease for {stop_s:.1f}s"
+        if leases
+        else f"{name} SIGSTOPped holding no lease for {stop_s:.1f}s"
     )
     try:
         run.fleet.sleep(stop_s)

@@ -64,8 +64,21 @@ class AofRedis(RedisServer):
             self.port = free_port()
         self.proc = subprocess.Popen(
             [
-                self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "yes", "--appendfsync", "everysec", "--dir", self.dir, "--protected-mode", "yes",
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--dir",
+                self.dir,
+                "--protected-mode",
+                "yes",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -159,7 +172,9 @@ class Fleet:
         self._thread: threading.Thread | None = None
 
     # -- processes ------------------------------------------------------------------
-    def start(self, name: str, role: str, args: Sequence[str], extra_env: dict[str, str] | None = None, resumed: bool = False) -> Incarnation:
+    def start(
+        self, name: str, role: str, args: Sequence[str], extra_env: dict[str, str] | None = None, resumed: bool = False
+    ) -> Incarnation:
         with self.lock:
             n = sum(1 for i in self.all if i.name == name)
             stem = name if n == 0 else f"{name}.{n}"
@@ -169,7 +184,9 @@ class Fleet:
             argv = [sys.executable, "-m", "aurora_tools.cli", *args]
             out = open(log_path, "wb")  # noqa: SIM115 - the child owns it; closed below once handed over
             try:
-                proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                proc = subprocess.Popen(
+                    argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                )
             finally:
                 out.close()
             inc = Incarnation(name, role, n, list(args), log_path, digest_path, proc, time.monotonic(), resumed=resumed)

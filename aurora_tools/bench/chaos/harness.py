@@ -101,7 +101,10 @@ class ChaosRun:
         self.manifests = ManifestLog(self.s3, self.bucket, self.run, lambda: self.fleet.head)
         self.manifests.start()
         self.fleet.env = dict(
-            os.environ, **self.s3.env_vars, AURORA_TORCH_THREADS="1", PYTHONUNBUFFERED="1",
+            os.environ,
+            **self.s3.env_vars,
+            AURORA_TORCH_THREADS="1",
+            PYTHONUNBUFFERED="1",
             AURORA_OUTAGE_BUDGET_S=str(self.cfg.outage_budget_s),
             # A stalled run ends with every worker's threads dumped into its log (SIGABRT, :meth:`_dump_stalled`).
             PYTHONFAULTHANDLER="1",
@@ -217,7 +220,9 @@ class ChaosRun:
         """Which flags each worker command takes (its ``--help``), asked of all three at once."""
         procs = {
             role: subprocess.Popen(
-                [sys.executable, "-m", "aurora_tools.cli", role, "--help"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                [sys.executable, "-m", "aurora_tools.cli", role, "--help"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
                 env=dict(os.environ, AURORA_TORCH_THREADS="1"),
             )
             for role in ("trainer", "actor", "relay")
@@ -241,9 +246,23 @@ class ChaosRun:
     def start_trainer(self, resume: bool = False) -> Incarnation:
         c = self.cfg
         args = [
-            "trainer", "--store", self.origin_url, "--run", self.run,
-            "--steps", str(c.steps), "--batch", str(c.batch), "--group", str(c.group),
-            "--snapshot-every", str(c.snapshot_every), "--seed", str(c.seed), "--streams", str(c.trainer_streams),
+            "trainer",
+            "--store",
+            self.origin_url,
+            "--run",
+            self.run,
+            "--steps",
+            str(c.steps),
+            "--batch",
+            str(c.batch),
+            "--group",
+            str(c.group),
+            "--snapshot-every",
+            str(c.snapshot_every),
+            "--seed",
+            str(c.seed),
+            "--streams",
+            str(c.trainer_streams),
             *self._outage("trainer"),
         ]
         if self._has("trainer", "--checkpoint-every"):
@@ -259,8 +278,20 @@ class ChaosRun:
         c = self.cfg
         region = "eu" if name in self.relay_actors else "us"
         args = [
-            "actor", "--store", self.origin_url, "--run", self.run, "--region", region, "--id", name,
-            "--slowdown", f"{c.actor_slowdown:g}", "--seed", str(c.seed), *self._outage("actor"),
+            "actor",
+            "--store",
+            self.origin_url,
+            "--run",
+            self.run,
+            "--region",
+            region,
+            "--id",
+            name,
+            "--slowdown",
+            f"{c.actor_slowdown:g}",
+            "--seed",
+            str(c.seed),
+            *self._outage("actor"),
         ]
         if region == "eu":
             args += ["--mirror-grace-s", f"{c.mirror_grace_s:g}"]
@@ -273,8 +304,16 @@ class ChaosRun:
 
     def start_relay(self) -> Incarnation:
         args = [
-            "relay", "--store", self.origin_url, "--mirror", self.mirror_url, "--run", self.run,
-            "--region", "eu", *self._outage("relay"),
+            "relay",
+            "--store",
+            self.origin_url,
+            "--mirror",
+            self.mirror_url,
+            "--run",
+            self.run,
+            "--region",
+            "eu",
+            *self._outage("relay"),
         ]
         inc = self.fleet.start(self.relay_name, "relay", args, self._redis_env())
         if inc.n:
@@ -313,7 +352,16 @@ class ChaosRun:
             flags.start()
             self._start_servers()
             flags.join()
-            missing = [f"{r} {f}" for r, f in (("trainer", "--resume"), ("trainer", "--checkpoint-every"), ("actor", "--outage-budget-s"), ("relay", "--outage-budget-s")) if not self._has(r, f)]
+            missing = [
+                f"{r} {f}"
+                for r, f in (
+                    ("trainer", "--resume"),
+                    ("trainer", "--checkpoint-every"),
+                    ("actor", "--outage-budget-s"),
+                    ("relay", "--outage-budget-s"),
+                )
+                if not self._has(r, f)
+            ]
             if missing:
                 self.say(f"  workers lack: {', '.join(missing)}")
             self.fleet.watch()

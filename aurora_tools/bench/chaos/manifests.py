@@ -27,7 +27,10 @@ def fast_client(s3: S3Server) -> Any:
 
     env = s3.env_vars
     return boto3.client(
-        "s3", endpoint_url=s3.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        "s3",
+        endpoint_url=s3.endpoint,
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
         region_name=env["AWS_DEFAULT_REGION"],
         config=Config(connect_timeout=2, read_timeout=4, retries={"max_attempts": 1, "mode": "standard"}),
     )

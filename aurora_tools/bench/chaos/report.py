@@ -59,8 +59,11 @@ def table(res: dict[str, Any]) -> str:
             v = f"{v} (v{a} -> {'end' if b < 0 else f'v{b}'})"
         lines.append(f"{k:<24} {'n/a (no evidence)' if v is None else v}")
     for label, key in (
-        ("unexpected exits", "unexpected_exits"), ("chain problems", "chain_problems"), ("digest mismatches", "digest_mismatches"),
-        ("activations with no Trainer digest", "digests_uncompared"), ("evidence missing", "evidence_missing"),
+        ("unexpected exits", "unexpected_exits"),
+        ("chain problems", "chain_problems"),
+        ("digest mismatches", "digest_mismatches"),
+        ("activations with no Trainer digest", "digests_uncompared"),
+        ("evidence missing", "evidence_missing"),
     ):
         items = res.get(key) or []
         if items:

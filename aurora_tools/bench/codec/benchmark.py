@@ -76,10 +76,7 @@ _U32_LIMIT = 1 << 32
 def shape_name(shape: Qwen3Shape) -> str:
     if shape == QWEN3_0_6B:
         return "Qwen3-0.6B"
-    return (
-        f"Qwen3-like (vocab {shape.vocab}, hidden {shape.hidden}, {shape.layers} layers, "
-        f"intermediate {shape.intermediate})"
-    )
+    return f"Qwen3-like (vocab {shape.vocab}, hidden {shape.hidden}, {shape.layers} layers, intermediate {shape.intermediate})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,10 +192,7 @@ def _run(
 
     # -- extraction, next to a copy of the same bytes, on each kernel path --
     # The copy and the scans alternate, so all see the same background load.
-    log(
-        f"extraction ({' and '.join(paths)}) and memcpy over the same "
-        f"{scan_bytes / 1e9:.2f} GB, best of {reps}"
-    )
+    log(f"extraction ({' and '.join(paths)}) and memcpy over the same {scan_bytes / 1e9:.2f} GB, best of {reps}")
     scratch = torch.empty(max(t.numel() for t in base.values()), dtype=torch.int16)
     scratch.zero_()  # fault the pages in before timing
     every = [*base.values(), *new.values()]
@@ -230,12 +224,8 @@ def _run(
     extract_encode_v2_s = math.inf
     for _ in range(ee_reps):
         memcpy_s = min(memcpy_s, timed(memcpy, every, scratch)[0])
-        extract_encode_s = min(
-            extract_encode_s, timed(extract_encode, plan, base, new, VARIANTS["auto"])[0]
-        )
-        extract_encode_v2_s = min(
-            extract_encode_v2_s, timed(extract_encode, plan, base, new, VARIANTS["auto_v2"])[0]
-        )
+        extract_encode_s = min(extract_encode_s, timed(extract_encode, plan, base, new, VARIANTS["auto"])[0])
+        extract_encode_v2_s = min(extract_encode_v2_s, timed(extract_encode, plan, base, new, VARIANTS["auto_v2"])[0])
     del scratch, every
     memcpy_bps = scan_bytes / memcpy_s
 
@@ -421,9 +411,7 @@ def _run(
         "segment_bytes": {k: wire.get(k) for k in ROWS},
         "segments": {k: len(v) for k, v in segments.items()},
         "u32_over_leb128": ratio,
-        "compression_vs_full": {
-            k: (weight_bytes / b if b else None) for k, b in payload.items() if k in ROWS
-        },
+        "compression_vs_full": {k: (weight_bytes / b if b else None) for k, b in payload.items() if k in ROWS},
         "memcpy_bytes": scan_bytes,
         "memcpy_s": memcpy_s,
         "memcpy_gbps": memcpy_bps / 1e9,
@@ -454,13 +442,9 @@ def _run(
         "numba_version": kernels.numba_version(),
         "jit_warmup_s": jit_warmup_s,
         "extract_s_by_path": extract_by_path,
-        "scan_fraction_of_memcpy_by_path": {
-            p: (scan_bytes / t) / memcpy_bps for p, t in extract_by_path.items()
-        },
+        "scan_fraction_of_memcpy_by_path": {p: (scan_bytes / t) / memcpy_bps for p, t in extract_by_path.items()},
         "decode_apply_auto_s_by_path": dec_auto_by_path,
-        "decode_apply_auto_elems_per_s_by_path": {
-            p: rate(t) for p, t in dec_auto_by_path.items()
-        },
+        "decode_apply_auto_elems_per_s_by_path": {p: rate(t) for p, t in dec_auto_by_path.items()},
         "paths_agree": paths_agree,
         "targets": [t.to_json() for t in targets],
         "targets_met": all(t.met for t in targets),

@@ -66,9 +66,7 @@ def best_of(reps: int, fn: Callable[..., R], *args: Any) -> tuple[float, R]:
     return best, out
 
 
-def extract_all(
-    plan: FusionPlan, base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
-) -> list[ParamDelta]:
+def extract_all(plan: FusionPlan, base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> list[ParamDelta]:
     return list(extract(plan, base, new))
 
 
@@ -86,9 +84,7 @@ def encode(deltas: list[ParamDelta], options: EncodeOptions) -> list[EncodedSegm
     return list(encode_segments(deltas, 1, options))
 
 
-def decode_apply(
-    named: list[tuple[str, bytes]], specs: Mapping[str, ParamSpec], sink: FusedWeights
-) -> None:
+def decode_apply(named: list[tuple[str, bytes]], specs: Mapping[str, ParamSpec], sink: FusedWeights) -> None:
     apply_delta(stage_segments(named, 1, specs), sink)
 
 
@@ -136,9 +132,7 @@ def restore(t: torch.Tensor, blocks: Iterable[Block], weights: Mapping[str, torc
         flat[b.offset : b.offset + b.numel].copy_(bits_view(weights[b.source]))
 
 
-def identical(
-    plan: FusionPlan, fused: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]
-) -> bool:
+def identical(plan: FusionPlan, fused: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> bool:
     """Bit-for-bit equality of fused tensors with the (split) reference weights."""
     for p in plan:
         flat = bits_view(fused[p.name])

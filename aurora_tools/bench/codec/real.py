@@ -49,14 +49,10 @@ def _bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach().to(torch.bfloat16).clone() for n, t in hf_weights(model).items()}
 
 
-def real_deltas(
-    variants: Mapping[str, EncodeOptions], steps: int = 3, seed: int = 0, lr: float = _LR
-) -> dict[str, Any]:
+def real_deltas(variants: Mapping[str, EncodeOptions], steps: int = 3, seed: int = 0, lr: float = _LR) -> dict[str, Any]:
     """Sizes per changed element of each variant over ``steps`` real deltas."""
     vocab = CharTokenizer().vocab_size
-    model = tiny_qwen3(
-        vocab, seed=seed, hidden=REAL_HIDDEN, intermediate=REAL_INTERMEDIATE, dtype=torch.float32
-    )
+    model = tiny_qwen3(vocab, seed=seed, hidden=REAL_HIDDEN, intermediate=REAL_INTERMEDIATE, dtype=torch.float32)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=_MOMENTUM)
     gen = torch.Generator().manual_seed(seed + 7)
@@ -96,9 +92,7 @@ def real_deltas(
             fused = fuse_weights(base, plan)
             staged = stage_segments([(f"seg-{s.index}", s.data) for s in segs], v, plan.specs())
             apply_delta(staged, FusedWeights(fused))
-            lossless[key] = lossless[key] and all(
-                torch.equal(bits_view(fused[n]), bits_view(want[n])) for n in want
-            )
+            lossless[key] = lossless[key] and all(torch.equal(bits_view(fused[n]), bits_view(want[n])) for n in want)
     return {
         "model": f"tiny Qwen3 (hidden {REAL_HIDDEN}, MLP {REAL_INTERMEDIATE}), the demo's width",
         "params": sum(p.numel() for p in model.parameters()),

@@ -30,10 +30,7 @@ def _fmt(x: float | None, spec: str, none: str = "-") -> str:
 
 def _path_text(d: Mapping[str, Any]) -> str:
     if d["kernel_path"] == "jit":
-        return (
-            f"jit (numba {d['numba_version']} compiled kernels; compile or cache load "
-            f"{d['jit_warmup_s']:.2f} s, not timed)"
-        )
+        return f"jit (numba {d['numba_version']} compiled kernels; compile or cache load {d['jit_warmup_s']:.2f} s, not timed)"
     if d["numba_version"] is None:
         return "numpy (numba is not installed)"
     return f"numpy ({kernels.JIT_ENV}=1; numba {d['numba_version']} available)"
@@ -51,8 +48,7 @@ def format_table(report: CodecReport) -> str:
         f"  timings: one thread (torch.set_num_threads(1)), best of {d['reps']} runs",
         f"  kernels: {_path_text(d)}",
         "",
-        f"  {'encoding':<17}{'bytes':>13}{'B/changed':>11}{'vs u64':>8}{'vs full':>9}"
-        f"{'encode':>13}{'decode+apply':>14}  lossless",
+        f"  {'encoding':<17}{'bytes':>13}{'B/changed':>11}{'vs u64':>8}{'vs full':>9}{'encode':>13}{'decode+apply':>14}  lossless",
         f"  {'':<17}{'':>13}{'':>11}{'':>8}{'':>9}{'M elem/s':>13}{'M elem/s':>14}",
     ]
     u64 = d["payload_bytes"]["u64"]
@@ -90,15 +86,10 @@ def format_table(report: CodecReport) -> str:
         return f"{text(p) if p in ex else 'n/a':>26}"
 
     lines += [
-        f"  {'extraction':<22}"
-        + "".join(cell(p, lambda p: f"{ex[p]:.3f} s = {frac[p]:.2f} x memcpy") for p in ("jit", "numpy")),
+        f"  {'extraction':<22}" + "".join(cell(p, lambda p: f"{ex[p]:.3f} s = {frac[p]:.2f} x memcpy") for p in ("jit", "numpy")),
         f"  {'decode + apply (auto)':<22}"
-        + "".join(
-            cell(p, lambda p: "-" if da.get(p) is None else f"{da[p] / 1e6:.1f} M elem/s")
-            for p in ("jit", "numpy")
-        ),
-        f"  both paths bit-identical: {'yes' if d['paths_agree'] else 'NO'}"
-        + ("" if len(ex) > 1 else " (only one path available)"),
+        + "".join(cell(p, lambda p: "-" if da.get(p) is None else f"{da[p] / 1e6:.1f} M elem/s") for p in ("jit", "numpy")),
+        f"  both paths bit-identical: {'yes' if d['paths_agree'] else 'NO'}" + ("" if len(ex) > 1 else " (only one path available)"),
         "",
     ]
     for rd in (d.get("real_delta"), d.get("real_delta_band")):

@@ -24,7 +24,9 @@ __all__ = ["add_arguments", "main", "run", "all_cases"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--quick", action="store_true", help="a few cases of each kind (for tests)")
-    p.add_argument("--case", action="append", default=None, metavar="SUBSTRING", help="run only cases whose name contains SUBSTRING (repeatable)")
+    p.add_argument(
+        "--case", action="append", default=None, metavar="SUBSTRING", help="run only cases whose name contains SUBSTRING (repeatable)"
+    )
     p.add_argument("--list", action="store_true", help="list the case names and exit")
 
 

@@ -109,7 +109,11 @@ def cli(argv: Sequence[str], env: dict[str, str] | None = None) -> CliRun:
     try:
         p = subprocess.run(
             [sys.executable, "-m", "aurora_tools.cli", *argv],
-            capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=e, check=False,
+            capture_output=True,
+            text=True,
+            timeout=CLI_TIMEOUT_S,
+            env=e,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return CliRun(124, "", f"timed out after {CLI_TIMEOUT_S:.0f} s")
@@ -191,7 +195,9 @@ def _segment_case(mut: str) -> Callable[[Context, Result], None]:
     def run(ctx: Context, res: Result) -> None:
         url = _raw_run(ctx, f"seg-{mut}", [forge.hostile_segment(mut)], forge.raw_params())
         out = ctx.dir(f"seg-{mut}") / "out.safetensors"
-        _expect_cli_refusal(res, cli(["delta", "apply", "--version", "1", "--store", url, "--out", str(out)]), out, forge.SEGMENT_MUTATIONS[mut][2])
+        _expect_cli_refusal(
+            res, cli(["delta", "apply", "--version", "1", "--store", url, "--out", str(out)]), out, forge.SEGMENT_MUTATIONS[mut][2]
+        )
 
     return run
 
@@ -349,7 +355,9 @@ def _signature_case(kind: str, match: str) -> Callable[[Context, Result], None]:
         sr = _signed_run(ctx)
         url = sr["urls"][kind]
         out = ctx.dir(f"signed-{kind}") / "out.safetensors"
-        _expect_cli_refusal(res, cli(["delta", "apply", "--version", "2", "--store", url, "--out", str(out), "--trust-key", sr["pub"]]), out, match)
+        _expect_cli_refusal(
+            res, cli(["delta", "apply", "--version", "2", "--store", url, "--out", str(out), "--trust-key", sr["pub"]]), out, match
+        )
         # The same read in-process, through a store that counts its segment reads.
         forge.CountingStore.reset()
         store = forge.CountingStore(url)

@@ -104,10 +104,7 @@ def read_safetensors(data: bytes) -> tuple[dict[str, str], dict[str, Tensor]]:
     meta = header.pop("__metadata__", {})
     body = data[8 + n :]
     items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-    return meta, {
-        name: (t["dtype"], list(t["shape"]), bytes(body[t["data_offsets"][0] : t["data_offsets"][1]]))
-        for name, t in items
-    }
+    return meta, {name: (t["dtype"], list(t["shape"]), bytes(body[t["data_offsets"][0] : t["data_offsets"][1]])) for name, t in items}
 
 
 def rewrite_segment(
@@ -172,15 +169,25 @@ def zeros_frame(nbytes: int) -> bytes:
 
 def dense_entry(i: int, param: str, start: int, stop: int, numel: int = BIG) -> dict[str, Any]:
     return {
-        "param": param, "shape": [numel], "dtype": "bfloat16", "start": start, "stop": stop,
-        "nnz": stop - start, "encoding": "dense", "val": f"{i}.val", "val_codec": "zstd",
+        "param": param,
+        "shape": [numel],
+        "dtype": "bfloat16",
+        "start": start,
+        "stop": stop,
+        "nnz": stop - start,
+        "encoding": "dense",
+        "val": f"{i}.val",
+        "val_codec": "zstd",
     }
 
 
 def segment(entries: list[dict[str, Any]], frames: list[bytes], version: int = 1) -> bytes:
     meta = {
-        "aurora.format": "1", "aurora.kind": "delta", "aurora.version": str(version),
-        "aurora.base_version": str(version - 1), "aurora.entries": json.dumps(entries),
+        "aurora.format": "1",
+        "aurora.kind": "delta",
+        "aurora.version": str(version),
+        "aurora.base_version": str(version - 1),
+        "aurora.entries": json.dumps(entries),
     }
     return write_safetensors([(f"{i}.val", "U8", [len(f)], f) for i, f in enumerate(frames)], meta)
 

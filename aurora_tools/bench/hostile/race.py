@@ -85,7 +85,9 @@ def _racing_writer(ctx: Context, res: Result) -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "aurora_tools.cli", "delta", "create", v0, new, "--version", "1", "--store", url, *via],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             env={k: v for k, v in os.environ.items() if not k.startswith("AURORA_")},
         )
         for new in (v1, other)
@@ -128,5 +130,3 @@ RACE_CASES: list[Case] = [
     Case("no-conditional-writes:store-refused", "s3-compat", "refuse", _no_conditional_writes_refused),
     Case("no-conditional-writes:racing-second-writer", "s3-compat", "refuse", _racing_writer),
 ]
-
-

@@ -56,7 +56,9 @@ class StoreStagingEngine:
         self, store: Any, storage_options: Any, version: int, expect_base_state: str | None, streams: int = 2, manifest: Any = None
     ) -> tuple[Any, RemoteStaged]:
         self.options.append(dict(storage_options or {}))
-        m, staged = fetch_delta(store, version, self.inner.param_specs(), streams, expect_base_state, manifest=None if self.reread else manifest)
+        m, staged = fetch_delta(
+            store, version, self.inner.param_specs(), streams, expect_base_state, manifest=None if self.reread else manifest
+        )
         self.held[version] = (m.state, staged)
         return m, RemoteStaged(version, version - 1, m.state, staged.nnz)
 
@@ -108,8 +110,12 @@ def publish_mirror_run(tmp: Path) -> dict[str, Any]:
     # The mirror two-faced case: forged segments beside the true ones, the forged manifest its second answer.
     shutil.copytree(tmp / "forge" / vdir, tmp / "mirror" / vdir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("manifest.json"))
     return {
-        "spec": spec, "tmp": tmp, "states": states, "forged": fm,
-        "forged_manifest": (tmp / "forge" / manifest_key("delta", 1)).read_bytes(), "forged_state": fm.state,
+        "spec": spec,
+        "tmp": tmp,
+        "states": states,
+        "forged": fm,
+        "forged_manifest": (tmp / "forge" / manifest_key("delta", 1)).read_bytes(),
+        "forged_state": fm.state,
     }
 
 
@@ -139,8 +145,12 @@ def _mirror_run(ctx: Context) -> dict[str, Any]:
 
 
 def mirror_actor(
-    run: dict[str, Any], relay_url: str | None, record_states: bool = True, engine: Callable[[Any], Any] | None = None,
-    mirror_store: Any = None, **cfg: Any,
+    run: dict[str, Any],
+    relay_url: str | None,
+    record_states: bool = True,
+    engine: Callable[[Any], Any] | None = None,
+    mirror_store: Any = None,
+    **cfg: Any,
 ) -> tuple[Actor, SourceRecorder]:
     """A fresh Actor (on the synthetic engine, at v0) of a fresh run name over ``run``
     (:func:`publish_mirror_run` plus ``redis`` and ``client``): the Trainer's head at
@@ -160,8 +170,12 @@ def mirror_actor(
     eng.load_base()
     rec = SourceRecorder()
     a = Actor.from_endpoints(
-        Endpoints(f"file://{run['tmp']}/origin", run["redis"], name), ActorConfig(actor_id="a", region=REGION, **cfg), ManualClock(),
-        engine=engine(eng) if engine is not None else eng, open_mirror=(lambda: mirror_store) if mirror_store is not None else None, observers=[rec],
+        Endpoints(f"file://{run['tmp']}/origin", run["redis"], name),
+        ActorConfig(actor_id="a", region=REGION, **cfg),
+        ManualClock(),
+        engine=engine(eng) if engine is not None else eng,
+        open_mirror=(lambda: mirror_store) if mirror_store is not None else None,
+        observers=[rec],
     )
     a.holding.start_at(0, run["spec"].base_state)
     keys = RunKeys(name)

@@ -82,9 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_ACTORS),
         help="simulated Actor counts to sweep (default: 8 32 128 256 1000); the largest is the headline",
     )
-    parser.add_argument(
-        "--regions", type=int, default=3, help="regions the Actors are spread over (default 3)"
-    )
+    parser.add_argument("--regions", type=int, default=3, help="regions the Actors are spread over (default 3)")
     parser.add_argument(
         "--prompts",
         type=int,
@@ -116,9 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="many",
         help="one settle_many per claimed batch (many: what Actors do, the default) or one settle call per lease (single)",
     )
-    parser.add_argument(
-        "--payload-bytes", type=int, default=256, help="size of each result payload"
-    )
+    parser.add_argument("--payload-bytes", type=int, default=256, help="size of each result payload")
     parser.add_argument(
         "--lease-ms",
         type=int,
@@ -137,17 +133,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.01,
         help="fraction of Actors that leave, and are replaced, per step",
     )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of who leaves and which leases expire"
-    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of who leaves and which leases expire")
     parser.add_argument(
         "--cluster",
         action="store_true",
         help="run on a Redis Cluster (3 masters, 1 replica each) instead of one Redis",
     )
-    parser.add_argument(
-        "--json", action="store_true", help="print one JSON object instead of the table"
-    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
 def _configs(args: argparse.Namespace) -> list[SimConfig]:
@@ -167,19 +159,11 @@ def _configs(args: argparse.Namespace) -> list[SimConfig]:
             settle_mode=str(getattr(args, "settle", "many") or "many"),
             payload_bytes=int(getattr(args, "payload_bytes", 256) or 0),
             lease_ms=int(getattr(args, "lease_ms", 200) or 200),
-            expire=float(
-                getattr(args, "expire", 0.002)
-                if getattr(args, "expire", None) is not None
-                else 0.002
-            ),
-            churn=float(
-                getattr(args, "churn", 0.01) if getattr(args, "churn", None) is not None else 0.01
-            ),
+            expire=float(getattr(args, "expire", 0.002) if getattr(args, "expire", None) is not None else 0.002),
+            churn=float(getattr(args, "churn", 0.01) if getattr(args, "churn", None) is not None else 0.01),
             seed=int(getattr(args, "seed", 0) or 0),
         )
-        steps = int(getattr(args, "steps", 0) or 0) or max(
-            3, math.ceil(prompts / base.prompts_per_step())
-        )
+        steps = int(getattr(args, "steps", 0) or 0) or max(3, math.ceil(prompts / base.prompts_per_step()))
         cfg = SimConfig(**{**base.__dict__, "steps": steps})
         cfg.check()
         out.append(cfg)
@@ -234,9 +218,7 @@ def _opening(target: _Target, opened: list[Any], key: str) -> Any:
     return client
 
 
-def run_benchmark(
-    args: argparse.Namespace, log: Callable[[str], None] = lambda s: None
-) -> dict[str, Any]:
+def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     configs = _configs(args)
     cluster = bool(getattr(args, "cluster", False))
     sweep = []
@@ -252,9 +234,7 @@ def run_benchmark(
             trainer = target.trainer_client()
             opened: list[Any] = []
             try:
-                sweep.append(
-                    run_config(target.url, cfg, partial(_opening, target, opened), trainer)
-                )
+                sweep.append(run_config(target.url, cfg, partial(_opening, target, opened), trainer))
             finally:
                 trainer.close()
                 for c in opened:
@@ -293,9 +273,7 @@ def run_benchmark(
         },
         "targets_met": {
             "settled_per_s": all(r["settled_per_s"] >= TARGET_SETTLED_PER_S for r in sweep),
-            "round_trips_per_prompt": all(
-                r["round_trips_per_prompt"] <= TARGET_ROUND_TRIPS_PER_PROMPT for r in sweep
-            ),
+            "round_trips_per_prompt": all(r["round_trips_per_prompt"] <= TARGET_ROUND_TRIPS_PER_PROMPT for r in sweep),
             "p99_settle_ms": all(r["p99_settle_ms"] <= TARGET_P99_SETTLE_MS for r in sweep),
         },
         "ok": all(r["ok"] for r in sweep),

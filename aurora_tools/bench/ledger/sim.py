@@ -156,9 +156,7 @@ class _Actors:
             return
         if self.cfg.settle_mode == "many":
             t0 = time.perf_counter()
-            res = self.ledger.settle_many(
-                a, [(le, le.version, STATE, self.payload) for le in leases]
-            )
+            res = self.ledger.settle_many(a, [(le, le.version, STATE, self.payload) for le in leases])
             dt = (time.perf_counter() - t0) * 1e3
             self.lat.extend([dt] * len(res))
         else:
@@ -310,9 +308,7 @@ def _server_commands(client: Any) -> int:
 
 
 class _Workers:
-    def __init__(
-        self, url: str, run: str, cfg: SimConfig, names: list[str], regions: dict[str, str]
-    ) -> None:
+    def __init__(self, url: str, run: str, cfg: SimConfig, names: list[str], regions: dict[str, str]) -> None:
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.cmd: list[Any] = []
@@ -339,9 +335,7 @@ class _Workers:
         got = []
         for rx in self.out:
             if not rx.poll(timeout_s):
-                raise RuntimeError(
-                    f"ledger bench: a worker sent no {kind!r} within {timeout_s:.0f}s"
-                )
+                raise RuntimeError(f"ledger bench: a worker sent no {kind!r} within {timeout_s:.0f}s")
             msg = rx.recv()
             if msg[0] == "error":
                 raise RuntimeError(f"ledger bench worker failed: {msg[1]}")
@@ -354,9 +348,7 @@ class _Workers:
         for rx in self.out:
             if rx.poll(0):
                 msg = rx.recv()
-                raise RuntimeError(
-                    f"ledger bench worker failed: {msg[1] if msg[0] == 'error' else msg[0]}"
-                )
+                raise RuntimeError(f"ledger bench worker failed: {msg[1] if msg[0] == 'error' else msg[0]}")
 
     def send(self, *msg: Any) -> None:
         for tx in self.cmd:
@@ -373,9 +365,7 @@ class _Workers:
                 p.join(timeout=5)
 
 
-def run_config(
-    url: str, cfg: SimConfig, stats_for: Callable[[str], Any], trainer_client: Any
-) -> dict[str, Any]:
+def run_config(url: str, cfg: SimConfig, stats_for: Callable[[str], Any], trainer_client: Any) -> dict[str, Any]:
     """One configuration: ``url`` the Actors connect to, ``stats_for(key)`` a client of the
     server holding ``key`` (the run's master; its INFO is read), ``trainer_client`` the Trainer's
     connection. Returns its measurements."""
@@ -434,9 +424,7 @@ def run_config(
             while (left := ledger.unsettled(v)) != 0:
                 workers.check_errors()
                 if left is None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"ledger bench: step {v} {'vanished' if left is None else 'did not complete'}"
-                    )
+                    raise RuntimeError(f"ledger bench: step {v} {'vanished' if left is None else 'did not complete'}")
                 time.sleep(0.005)
             now = time.monotonic()
             step_s.append(now - t_step)
@@ -450,11 +438,7 @@ def run_config(
             expired[v] = int(trainer_client.hget(ledger.k_step(v), "expired") or 0)
             closed = ledger.close_step(v)
             got = [r.prompt for r in closed.results]
-            ok = (
-                ok
-                and closed.total == closed.settled == len(got) == len(set(got))
-                and set(got) == expected[v]
-            )
+            ok = ok and closed.total == closed.settled == len(got) == len(set(got)) and set(got) == expected[v]
             ledger.reap(HEARTBEAT_TIMEOUT_MS)
         trainer_cpu = time.process_time() - trainer_cpu0
         reports = workers.expect("report")

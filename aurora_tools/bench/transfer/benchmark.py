@@ -99,10 +99,7 @@ def _section(
         "lossless_1": _lossless(runs[("pipeline", 1)]),
         "lossless_s": _lossless(runs[("pipeline", streams)]),
         "runs": {f"{k}_{'1' if s == 1 else 's'}": r.summary() for (k, s), r in med.items()},
-        "samples": {
-            f"{k}_{'1' if s == 1 else 's'}": [round(r.total_s, 4) for r in rs]
-            for (k, s), rs in runs.items()
-        },
+        "samples": {f"{k}_{'1' if s == 1 else 's'}": [round(r.total_s, 4) for r in rs] for (k, s), rs in runs.items()},
     }
     out["lossless"] = out["lossless_1"] and out["lossless_s"]
     if ("boto3", 1) in med:
@@ -121,9 +118,7 @@ def _section(
     return out
 
 
-def run_benchmark(
-    args: argparse.Namespace, log: Callable[[str], None] = lambda s: None
-) -> dict[str, Any]:
+def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Run every measurement; returns the JSON-ready result."""
     from aurora_store.apply.sink import FusedWeights, apply_delta, weights_digest
     from aurora_store.codec.extract import extract, fuse_weights, plan_of
@@ -187,14 +182,8 @@ def run_benchmark(
         dry = sum(len(s.data) for s in encode_segments(deltas, 1, options))
         segment_bytes = auto_size(dry, streams, 64 << 10, DEFAULT_SEGMENT_BYTES)
     shard_mib = float(getattr(args, "shard_mib", 0.0) or 0.0)
-    shard_bytes = (
-        int(shard_mib * MIB)
-        if shard_mib > 0
-        else auto_size(full_bytes, streams, MIB, DEFAULT_SHARD_BYTES)
-    )
-    log(
-        f"delta: {nnz} changed ({100 * nnz / numel:.2f} %), segments of {segment_bytes / MIB:.2f} MiB"
-    )
+    shard_bytes = int(shard_mib * MIB) if shard_mib > 0 else auto_size(full_bytes, streams, MIB, DEFAULT_SHARD_BYTES)
+    log(f"delta: {nnz} changed ({100 * nnz / numel:.2f} %), segments of {segment_bytes / MIB:.2f} MiB")
     raws = ("raw", "boto3") if do_boto3 else ("raw",)
 
     server_rss: float | None = None
@@ -264,9 +253,7 @@ def run_benchmark(
             manifest = b""
             for rep in range(full_repeats):
                 for s in (1, streams):
-                    p = pipeline_full(
-                        srv, pid, bucket, new_fused, s, shard_bytes, expect, max_conc, commits
-                    )
+                    p = pipeline_full(srv, pid, bucket, new_fused, s, shard_bytes, expect, max_conc, commits)
                     fruns.setdefault(("pipeline", s), []).append(p)
                     # Keep one copy of the shards only.
                     shards, manifest, p.objects = p.objects, p.manifest, []
@@ -304,9 +291,7 @@ def run_benchmark(
     }
     for name, sec in (("delta", delta), ("full", full)):
         t[f"{name}_speedup_met"] = None if sec is None else sec["speedup_streams"] >= TARGET_SPEEDUP
-        t[f"{name}_pipeline_over_raw_met"] = (
-            None if sec is None else sec["pipeline_over_raw"] <= TARGET_OVER_RAW
-        )
+        t[f"{name}_pipeline_over_raw_met"] = None if sec is None else sec["pipeline_over_raw"] <= TARGET_OVER_RAW
     return {
         "benchmark": "transfer",
         "params": shape.params,
@@ -317,8 +302,11 @@ def run_benchmark(
         "warmup_steps": warmup,
         "repeats": repeats,
         "full_repeats": full_repeats,
-        "server": (f"rclone serve s3 (child process, files on disk; commits through Redis) at {endpoint}" if s3_kind == "rclone"
-                   else f"moto S3 ({'child process' if server_mode == 'process' else 'thread of the client'}) at {endpoint}")
+        "server": (
+            f"rclone serve s3 (child process, files on disk; commits through Redis) at {endpoint}"
+            if s3_kind == "rclone"
+            else f"moto S3 ({'child process' if server_mode == 'process' else 'thread of the client'}) at {endpoint}"
+        )
         + (f" through the WAN proxy ({rtt_ms:g} ms RTT{f', {rate_mbit:g} Mbit/s' if rate_mbit else ''})" if rtt_ms or rate_mbit else ""),
         "s3": s3_kind,
         "commit_via": "redis" if s3_kind == "rclone" else "store",
@@ -326,8 +314,7 @@ def run_benchmark(
         "full_publish_mb_s": None if full is None else full.get("publish_mb_s_s"),
         "rtt_ms": rtt_ms,
         "rate_mbit": rate_mbit or None,
-        "client": "s3fs (aiobotocore)"
-        + (f", max_concurrency={max_conc}" if max_conc else ", s3fs defaults"),
+        "client": "s3fs (aiobotocore)" + (f", max_concurrency={max_conc}" if max_conc else ", s3fs defaults"),
         "encode_options": dataclasses.asdict(options),
         "cpus": os.cpu_count(),
         "loadavg_before": [round(x, 2) for x in load_before],

@@ -30,13 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"model size in parameters (default {DEFAULT_PARAMS:.3g}: Qwen3-0.6B geometry, 6 layers)",
     )
-    parser.add_argument(
-        "--streams", type=int, default=DEFAULT_STREAMS, help="connections of the parallel runs (S)"
-    )
+    parser.add_argument("--streams", type=int, default=DEFAULT_STREAMS, help="connections of the parallel runs (S)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--json", action="store_true", help="print one JSON object instead of the table"
-    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument(
         "--lr",
         type=float,
@@ -50,9 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="steps taken before the measured one (the first step off a fresh master "
         "changes about 0.2%% more elements than a steady-state step)",
     )
-    parser.add_argument(
-        "--repeats", type=int, default=5, help="delta runs per connection count (best reported)"
-    )
+    parser.add_argument("--repeats", type=int, default=5, help="delta runs per connection count (best reported)")
     parser.add_argument(
         "--full-repeats",
         type=int,
@@ -109,9 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="put Aurora's WAN proxy (a child process) between client and server with this round-trip time; "
         "0 (default): talk to the loopback server directly",
     )
-    parser.add_argument(
-        "--rate-mbit", type=float, default=0.0, help="with the proxy: rate limit of the link in Mbit/s (0: none)"
-    )
+    parser.add_argument("--rate-mbit", type=float, default=0.0, help="with the proxy: rate limit of the link in Mbit/s (0: none)")
 
 
 def auto_size(total: int, streams: int, floor: int, ceiling: int) -> int:

@@ -90,9 +90,7 @@ def format_table(r: Mapping[str, Any]) -> str:
         f"  lossless: {'yes' if r['lossless'] else 'NO'} (staged delta applied to the base == new weights, "
         "bit for bit; fetched snapshot == the weights)"
     )
-    out.append(
-        f"  wall {r['wall_s']:.0f}s, of which {r['generate_s']:.0f}s making the synthetic model and its update"
-    )
+    out.append(f"  wall {r['wall_s']:.0f}s, of which {r['generate_s']:.0f}s making the synthetic model and its update")
     return "\n".join(out)
 
 

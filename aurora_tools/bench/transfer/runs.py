@@ -252,15 +252,9 @@ def delta_cpu_costs(
     from aurora_store.format.checkpoint import assemble_staged, encode_segments
     from aurora_store.format.segment import decode_segment
 
-    encode_s, _ = _time(
-        lambda: sum(len(s.data) for s in encode_segments(deltas, 1, options, segment_bytes))
-    )
+    encode_s, _ = _time(lambda: sum(len(s.data) for s in encode_segments(deltas, 1, options, segment_bytes)))
     verify_s, _ = _time(lambda: [hashlib.sha256(s).hexdigest() for s in segments])
-    decode_s, _ = _time(
-        lambda: assemble_staged(
-            [(f"seg-{i}", decode_segment(s, f"seg-{i}", specs)) for i, s in enumerate(segments)], 1
-        )
-    )
+    decode_s, _ = _time(lambda: assemble_staged([(f"seg-{i}", decode_segment(s, f"seg-{i}", specs)) for i, s in enumerate(segments)], 1))
     return {"encode": encode_s, "verify": verify_s, "decode": decode_s}
 
 

@@ -38,8 +38,9 @@ def proxied(endpoint: str, rtt_ms: float, rate_mbit: float) -> Iterator[str]:
 
 
 @contextmanager
-def s3_server(mode: str, rtt_ms: float = 0.0, rate_mbit: float = 0.0, kind: str = "moto",
-              root: str | None = None) -> Iterator[tuple[Any, int | None]]:
+def s3_server(
+    mode: str, rtt_ms: float = 0.0, rate_mbit: float = 0.0, kind: str = "moto", root: str | None = None
+) -> Iterator[tuple[Any, int | None]]:
     """(server, server pid or None) on 127.0.0.1: moto in a child process or a thread, or rclone.
 
     ``kind="rclone"``: ``rclone serve s3`` over ``root`` (None: a temporary folder), always a
@@ -88,8 +89,13 @@ class _Behind:
         import boto3
 
         o = self._srv.storage_options()
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=o["key"], aws_secret_access_key=o["secret"],
-                            region_name=o["client_kwargs"]["region_name"])
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=o["key"],
+            aws_secret_access_key=o["secret"],
+            region_name=o["client_kwargs"]["region_name"],
+        )
 
     def new_bucket(self, prefix: str = "aurora") -> str:
         return str(self._srv.new_bucket(prefix))

@@ -56,11 +56,7 @@ class TimedStore:
 
     def busy(self, kind: str, manifest: bool = False) -> float:
         """Wall seconds with at least one ``kind`` op (on segments, or on the manifest) in flight."""
-        spans = sorted(
-            (o.t0, o.t1)
-            for o in self.ops
-            if o.kind == kind and o.key.endswith("manifest.json") == manifest
-        )
+        spans = sorted((o.t0, o.t1) for o in self.ops if o.kind == kind and o.key.endswith("manifest.json") == manifest)
         total, end = 0.0, -math.inf
         for a, b in spans:
             if b <= end:

@@ -14,7 +14,9 @@ from aurora_tools.wan.proxy.tcp import Proxy, parse_address
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m aurora_tools.wan.proxy", description="A seeded asyncio TCP proxy that makes a loopback hop look like a WAN link.")
+    ap = argparse.ArgumentParser(
+        prog="python -m aurora_tools.wan.proxy", description="A seeded asyncio TCP proxy that makes a loopback hop look like a WAN link."
+    )
     ap.add_argument("--listen", type=parse_address, default=("127.0.0.1", 0))
     ap.add_argument("--upstream", type=parse_address)
     ap.add_argument("--rate-mbit", type=float, default=None)
@@ -38,10 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.upstream is None:
         ap.error("--upstream is required (or --selftest)")
     profile = LinkProfile(
-        rate_mbit=args.rate_mbit, delay_ms=args.delay_ms, jitter_ms=args.jitter_ms,
-        stall_prob=args.stall_prob, stall_ms=args.stall_ms, reset_prob=args.reset_prob,
-        truncate_prob=args.truncate_prob, loss_prob=args.loss_prob, loss_pause_ms=args.loss_pause_ms,
-        window_bytes=args.window_bytes, seed=args.seed,
+        rate_mbit=args.rate_mbit,
+        delay_ms=args.delay_ms,
+        jitter_ms=args.jitter_ms,
+        stall_prob=args.stall_prob,
+        stall_ms=args.stall_ms,
+        reset_prob=args.reset_prob,
+        truncate_prob=args.truncate_prob,
+        loss_prob=args.loss_prob,
+        loss_pause_ms=args.loss_pause_ms,
+        window_bytes=args.window_bytes,
+        seed=args.seed,
     )
 
     async def serve() -> None:

@@ -22,7 +22,6 @@ __all__ = ["ProxyLoop", "ProxyThread"]
 T = TypeVar("T")
 
 
-
 class ProxyLoop:
     """A background thread with its own event loop, hosting any number of proxies."""
 
@@ -37,8 +36,15 @@ class ProxyLoop:
         """Run ``coro`` on the loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def start_proxy(self, upstream: Address, profile: LinkProfile | None = None, *,
-                    listen: Address = ("127.0.0.1", 0), rate_limit: bool = True, name: str = "") -> Proxy:
+    def start_proxy(
+        self,
+        upstream: Address,
+        profile: LinkProfile | None = None,
+        *,
+        listen: Address = ("127.0.0.1", 0),
+        rate_limit: bool = True,
+        name: str = "",
+    ) -> Proxy:
         if self._closed:
             raise RuntimeError("ProxyLoop is closed")
         proxy = Proxy(upstream, profile, listen=listen, rate_limit=rate_limit, name=name)
@@ -72,8 +78,9 @@ class ProxyLoop:
 class ProxyThread:
     """One :class:`Proxy` on its own background loop: ``.address``, ``.stats()``, ``.close()``."""
 
-    def __init__(self, upstream: Address, profile: LinkProfile | None = None, *,
-                 listen: Address = ("127.0.0.1", 0), rate_limit: bool = True) -> None:
+    def __init__(
+        self, upstream: Address, profile: LinkProfile | None = None, *, listen: Address = ("127.0.0.1", 0), rate_limit: bool = True
+    ) -> None:
         self._loop = ProxyLoop()
         try:
             self.proxy = self._loop.start_proxy(upstream, profile, listen=listen, rate_limit=rate_limit)

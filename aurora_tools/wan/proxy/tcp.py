@@ -125,8 +125,7 @@ class _DelayQueue:
 class _Connection:
     """One proxied connection: two directions, four tasks, one fault budget."""
 
-    def __init__(self, proxy: Proxy, plan: ImpairmentPlan, client: asyncio.StreamWriter,
-                 upstream: asyncio.StreamWriter) -> None:
+    def __init__(self, proxy: Proxy, plan: ImpairmentPlan, client: asyncio.StreamWriter, upstream: asyncio.StreamWriter) -> None:
         self.proxy = proxy
         self.plan = plan
         self.writers = (client, upstream)
@@ -185,8 +184,9 @@ class _Connection:
 class _Direction:
     """Reader -> delivery queue -> sender, for one direction of one connection."""
 
-    def __init__(self, conn: _Connection, name: Direction, plan: DirectionPlan,
-                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, conn: _Connection, name: Direction, plan: DirectionPlan, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         proxy = conn.proxy
         self.conn, self.name, self.plan = conn, name, plan
         self.reader, self.writer = reader, writer
@@ -232,8 +232,8 @@ class _Direction:
             data = data[:allowed]
             if self.bucket is not None:
                 for i in range(0, len(data), _RATE_PIECE):
-                    await self.bucket.take(len(data[i:i + _RATE_PIECE]))
-                    self._enqueue(data[i:i + _RATE_PIECE])
+                    await self.bucket.take(len(data[i : i + _RATE_PIECE]))
+                    self._enqueue(data[i : i + _RATE_PIECE])
             elif data:
                 self._enqueue(data)
             if fault is not None:
@@ -287,9 +287,18 @@ class Proxy:
     ``rate_limit=False`` ignores ``profile.rate_mbit`` (when tc shapes the link instead).
     """
 
-    def __init__(self, upstream: Address, profile: LinkProfile | None = None, *,
-                 listen: Address = ("127.0.0.1", 0), rate_limit: bool = True, name: str = "",
-                 counters: Any = None, index_start: int = 0, index_step: int = 1) -> None:
+    def __init__(
+        self,
+        upstream: Address,
+        profile: LinkProfile | None = None,
+        *,
+        listen: Address = ("127.0.0.1", 0),
+        rate_limit: bool = True,
+        name: str = "",
+        counters: Any = None,
+        index_start: int = 0,
+        index_step: int = 1,
+    ) -> None:
         self.upstream = (upstream[0], int(upstream[1]))
         self.profile = profile or LinkProfile()
         self.listen = listen
@@ -316,9 +325,7 @@ class Proxy:
         if sock is not None:
             self._server = await asyncio.start_server(self._handle, sock=sock, limit=4 * CHUNK)
         else:
-            self._server = await asyncio.start_server(
-                self._handle, self.listen[0], self.listen[1], limit=4 * CHUNK, reuse_address=True
-            )
+            self._server = await asyncio.start_server(self._handle, self.listen[0], self.listen[1], limit=4 * CHUNK, reuse_address=True)
         host, port = self._server.sockets[0].getsockname()[:2]
         self.address = (host, port)
         return self.address

@@ -50,7 +50,9 @@ _ROW = len(_FIELDS)
 _MAX_WORKERS = 64
 
 
-PROXY_WORKERS = Switch("AURORA_WAN_PROXY_WORKERS", int | None, None, "worker processes per WAN-emulation proxy (default: half the usable cores, 1..8)")
+PROXY_WORKERS = Switch(
+    "AURORA_WAN_PROXY_WORKERS", int | None, None, "worker processes per WAN-emulation proxy (default: half the usable cores, 1..8)"
+)
 
 
 def default_workers() -> int:
@@ -96,8 +98,15 @@ class ProxyWorkers:
     and a context manager. ``profile.rate_mbit`` is never applied here (see the module doc).
     """
 
-    def __init__(self, upstream: Address, profile: LinkProfile | None = None, *,
-                 listen: Address = ("127.0.0.1", 0), workers: int | None = None, name: str = "") -> None:
+    def __init__(
+        self,
+        upstream: Address,
+        profile: LinkProfile | None = None,
+        *,
+        listen: Address = ("127.0.0.1", 0),
+        workers: int | None = None,
+        name: str = "",
+    ) -> None:
         n = default_workers() if workers is None else int(workers)
         if not 1 <= n <= _MAX_WORKERS:
             raise ConfigError(f"ProxyWorkers: workers={n}; must be in 1..{_MAX_WORKERS}")
@@ -135,14 +144,22 @@ class ProxyWorkers:
                 socks.append(s)
             for w, s in enumerate(socks):
                 spec = {
-                    "upstream": list(self.upstream), "profile": dataclasses.asdict(self.profile),
-                    "slot": w, "workers": self.workers, "listen_fd": s.fileno(), "counters_fd": fd,
+                    "upstream": list(self.upstream),
+                    "profile": dataclasses.asdict(self.profile),
+                    "slot": w,
+                    "workers": self.workers,
+                    "listen_fd": s.fileno(),
+                    "counters_fd": fd,
                     "name": f"{self.name}#{w}",
                 }
-                self._procs.append(subprocess.Popen(
-                    [sys.executable, "-c", _ENTRY, json.dumps(spec)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(s.fileno(), fd),
-                ))
+                self._procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _ENTRY, json.dumps(spec)],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        pass_fds=(s.fileno(), fd),
+                    )
+                )
             for p in self._procs:
                 assert p.stdout is not None
                 line = _readline(p, timeout)
@@ -256,8 +273,7 @@ def _worker(spec: dict[str, Any]) -> int:
                 stop.set()
 
         loop.add_reader(0, parent_gone)
-        proxy = Proxy(upstream, profile, rate_limit=False, name=str(spec["name"]), counters=counters,
-                      index_start=slot, index_step=workers)
+        proxy = Proxy(upstream, profile, rate_limit=False, name=str(spec["name"]), counters=counters, index_start=slot, index_step=workers)
         await proxy.start(sock=sock)
         sys.stdout.write("ready\n")
         sys.stdout.flush()
