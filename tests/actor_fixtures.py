@@ -104,7 +104,15 @@ class TinyRun:
                 k = max(1, int(flat.numel() * density))
                 idx = torch.randperm(flat.numel(), generator=self._gen)[:k]
                 flat[idx] = (flat[idx].float() + 0.05 * torch.randn(k, generator=self._gen) + 0.01).to(flat.dtype)
-            m = publish_delta(self.store, self.run, v, extract(self.plan, old, new), self.states[v - 1], CFG, weights_digest=weights_digest(new, self.plan))
+            m = publish_delta(
+                self.store,
+                self.run,
+                v,
+                extract(self.plan, old, new),
+                self.states[v - 1],
+                CFG,
+                weights_digest=weights_digest(new, self.plan),
+            )
             self.weights[v], self.states[v] = new, m.state
             self.manifests[("delta", v)] = m
             if announce_head:

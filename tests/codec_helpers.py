@@ -101,10 +101,7 @@ def encode_delta(
 ) -> tuple[list[tuple[str, bytes]], dict[str, dict[str, Any]]]:
     """extract -> encode_segments: ``[(name, bytes)]`` and the manifest params table."""
     params: dict[str, dict[str, Any]] = {}
-    segs = [
-        (f"seg-{s.index:05d}", s.data)
-        for s in encode_segments(extract(plan, base, new), version, options, segment_bytes, params)
-    ]
+    segs = [(f"seg-{s.index:05d}", s.data) for s in encode_segments(extract(plan, base, new), version, options, segment_bytes, params)]
     return segs, params
 
 

@@ -17,7 +17,9 @@ them by name without importing them:
 - ``server_fixtures``: ``s3_server``, ``s3_bucket``, ``s3_store``, ``any_store``;
 - ``ledger_fixtures``: ``clock`` (a :class:`~aurora_store.testing.clock.ManualClock`)
   and ``ledger``;
-- ``hf_fixtures``: ``pretrained`` (tiny fine-tuned Hugging Face checkpoints).
+- ``hf_fixtures``: ``pretrained`` (tiny fine-tuned Hugging Face checkpoints);
+- ``vllm_fixtures``: ``vllm_run`` (a tiny Trainer's run) and ``vllm_engine``
+  (vLLM over it, one per module; vLLM is imported only when a test asks).
 
 Session-scoped fixtures start nothing until a test asks for them. Waiting on
 a condition: :func:`aurora_store.testing.wait.wait_until`.
@@ -43,7 +45,7 @@ from aurora_store.codec.fusion import FusionPlan
 from aurora_store.storage import Store, open_store
 from aurora_tools.synthetic.shapes import QWEN3_TINY, make_weights
 
-pytest_plugins = ["redis_fixtures", "server_fixtures", "ledger_fixtures", "hf_fixtures"]
+pytest_plugins = ["redis_fixtures", "server_fixtures", "ledger_fixtures", "hf_fixtures", "vllm_fixtures"]
 
 # ---------------------------------------------------------------------------
 # 1. hypothesis profiles
@@ -165,9 +167,7 @@ def local_store(request: pytest.FixtureRequest) -> Store:
 
 
 @st.composite
-def index_ranges(
-    draw: st.DrawFn, max_start: int = 1 << 20, max_span: int = 4096, min_nnz: int = 0
-) -> tuple[int, int, np.ndarray]:
+def index_ranges(draw: st.DrawFn, max_start: int = 1 << 20, max_span: int = 4096, min_nnz: int = 0) -> tuple[int, int, np.ndarray]:
     """(start, stop, indices): sorted unique int64 indices inside ``[start, stop)``.
 
     Densities from empty to full, so every encoding gets its best and worst case.
@@ -181,9 +181,7 @@ def index_ranges(
     elif mode == "runs":
         # a few contiguous runs: what a row-block update looks like
         cuts = sorted(draw(st.lists(st.integers(0, span), min_size=2, max_size=8)))
-        parts = [
-            np.arange(start + a, start + b) for a, b in zip(cuts[::2], cuts[1::2], strict=False)
-        ]
+        parts = [np.arange(start + a, start + b) for a, b in zip(cuts[::2], cuts[1::2], strict=False)]
         idx = np.unique(np.concatenate(parts)).astype(np.int64) if parts else np.empty(0, np.int64)
     else:
         density = 0.02 if mode == "sparse" else 0.6

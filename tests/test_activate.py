@@ -42,9 +42,7 @@ def _engine(activation: str = "in-place") -> TorchEngine:
     return e
 
 
-def _step(
-    weights: dict[str, torch.Tensor], rng: np.random.Generator, density: float
-) -> dict[str, torch.Tensor]:
+def _step(weights: dict[str, torch.Tensor], rng: np.random.Generator, density: float) -> dict[str, torch.Tensor]:
     """New weights: ``density`` of each tensor's elements get random new bits (mostly +-1 ulp, some further)."""
     out = {}
     for n, t in weights.items():
@@ -54,18 +52,11 @@ def _step(
         old = bits[idx]
         ulp = torch.from_numpy(rng.choice([-1, 1], size=idx.numel()).astype(np.int16))
         far = torch.from_numpy(rng.integers(-60, 60, size=idx.numel(), dtype=np.int16))
-        step = torch.where(torch.from_numpy(rng.random(idx.numel()) < 0.9), ulp, far).to(
-            torch.int32
-        )
+        step = torch.where(torch.from_numpy(rng.random(idx.numel()) < 0.9), ulp, far).to(torch.int32)
         # Move the magnitude (sign kept), staying finite: no NaN for the model to sample from.
         o = old.to(torch.int32) & 0xFFFF
         mag = ((o & 0x7FFF) + step).clamp(1, 0x7F00)
-        bits[idx] = (
-            ((o & 0x8000) | mag)
-            .to(torch.int32)
-            .sub(torch.where(o & 0x8000 > 0, 0x10000, 0))
-            .to(torch.int16)
-        )
+        bits[idx] = ((o & 0x8000) | mag).to(torch.int32).sub(torch.where(o & 0x8000 > 0, 0x10000, 0)).to(torch.int16)
         out[n] = bits.view(torch.bfloat16).view(t.shape)
     return out
 
@@ -74,18 +65,11 @@ def _chain(engine: TorchEngine, versions: int, seed: int) -> list[tuple[StagedDe
     """Deltas 1..versions on the engine's version 0 (densities from sparse to dense), with each target digest."""
     plan = engine.fusion_plan()
     rng = np.random.default_rng(seed)
-    cur = {
-        n: t.clone()
-        for n, t in hf_weights(engine.model).items()
-        if n in {b.source for p in plan for b in p.blocks}
-    }
+    cur = {n: t.clone() for n, t in hf_weights(engine.model).items() if n in {b.source for p in plan for b in p.blocks}}
     out = []
     for v in range(1, versions + 1):
         new = _step(cur, rng, [0.002, 0.01, 0.05, 1.0][v % 4])
-        segs = [
-            (f"seg-{s.index}", s.data)
-            for s in encode_segments(extract(plan, cur, new), v, segment_bytes=4096)
-        ]
+        segs = [(f"seg-{s.index}", s.data) for s in encode_segments(extract(plan, cur, new), v, segment_bytes=4096)]
         out.append((stage_segments(segs, v, engine.param_specs()), weights_digest(new, plan)))
         cur = new
     return out
@@ -114,15 +98,10 @@ def test_prepared_chain_is_bit_exact(activation: str) -> None:
         assert fast.version == plain.version == staged.version
         assert _same(_bits(fast), _bits(plain))
         assert fast.digest() == plain.digest() == want
-        assert (
-            weights_digest(hf_weights(fast.model), fast.fusion_plan()) == want
-        )  # not a cached answer
+        assert weights_digest(hf_weights(fast.model), fast.fusion_plan()) == want  # not a cached answer
     # The model generates with what it holds (a swapped-in copy included).
     prompts = [[1, 5, 6, 7]]
-    assert (
-        plain.generate(prompts, 2, 6, seed=3).completions
-        == fast.generate(prompts, 2, 6, seed=3).completions
-    )
+    assert plain.generate(prompts, 2, 6, seed=3).completions == fast.generate(prompts, 2, 6, seed=3).completions
 
 
 def test_prepared_on_the_numpy_twins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,9 +166,7 @@ def test_failures_before_the_write_leave_weights_untouched(monkeypatch: pytest.M
         # A prepared delta whose target tensor is gone (the model changed since).
         p1 = e.prepare(s1)
         bad = dataclasses.replace(p1.sparse[-1], numel=p1.sparse[-1].numel + 1)
-        broken = PreparedDelta(
-            p1.version, p1.base_version, p1.nnz, (*p1.sparse[:-1], bad), p1.dense
-        )
+        broken = PreparedDelta(p1.version, p1.base_version, p1.nnz, (*p1.sparse[:-1], bad), p1.dense)
         with pytest.raises(ModelMismatchError):
             e.apply(broken)
         assert _same(_bits(e), before) and e.digest() == digest and e.version == 0
@@ -258,9 +235,7 @@ def test_bench_activate_json_at_a_tiny_size() -> None:
     assert r["exact"] is True
     assert 200_000 < r["params"] < 400_000
     assert 0 < r["changed"] < r["params"] * 0.05
-    assert all(
-        r[k] >= 0 for k in ("safe_point_s", "bare_scatter_s", "full_copy_s", "plain_safe_point_s")
-    )
+    assert all(r[k] >= 0 for k in ("safe_point_s", "bare_scatter_s", "full_copy_s", "plain_safe_point_s"))
 
 
 def test_synthetic_engine_prepares_too() -> None:

@@ -197,7 +197,9 @@ def test_a_corrupt_version_is_quarantined_with_back_off_reported_and_staged_once
 
 
 def test_staged_data_is_bounded(trainer: TinyRun, origin: Store) -> None:
-    a = Actor.from_endpoints(Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="a", max_staged_bytes=1), clock=ManualClock())
+    a = Actor.from_endpoints(
+        Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="a", max_staged_bytes=1), clock=ManualClock()
+    )
     a.bootstrap()
     trainer.step(4, density=0.02)
     a.stager.stage_once()

@@ -45,6 +45,7 @@ from workers.model import fusion_plan_for
 
 pytestmark = pytest.mark.server
 
+
 @pytest.fixture
 def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any) -> dict[str, Any]:
     """Deltas 1..VERSIONS at origin, a true copy in ``mirror``, an ``evil`` copy, and a forged v1 (same base_state)."""
@@ -120,7 +121,9 @@ def test_mirror_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     add_arguments(p)
     base = ["--store", "file:///o", "--redis", "redis://h/0", "--run", "r"]
     assert config_from_args(p.parse_args(base)).mirror is None
-    cfg = config_from_args(p.parse_args([*base, "--mirror", "s3://b/m", "--mirror-option", "endpoint_url=http://h:9", "--mirror-option", "anon=true"]))
+    cfg = config_from_args(
+        p.parse_args([*base, "--mirror", "s3://b/m", "--mirror-option", "endpoint_url=http://h:9", "--mirror-option", "anon=true"])
+    )
     assert cfg.mirror == "s3://b/m" and cfg.mirror_options == {"client_kwargs": {"endpoint_url": "http://h:9"}, "anon": True}
     monkeypatch.setenv("AURORA_ACTOR_MIRROR", "file:///m")
     monkeypatch.setenv("AURORA_ACTOR_MIRROR_OPTIONS", '{"key": "k", "secret": "s3cr3t"}')
@@ -196,7 +199,9 @@ class _Reacher:
         self.lies = lies
         self.handed: list[list[tuple[str, int]]] = []
 
-    def bootstrap_from_store(self, store: Store, options: Any, version: int | None, streams: int = 2, manifests: Any = None) -> tuple[int, str]:
+    def bootstrap_from_store(
+        self, store: Store, options: Any, version: int | None, streams: int = 2, manifests: Any = None
+    ) -> tuple[int, str]:
         assert manifests is not None  # the Actor always hands over the chain it checked
         self.handed.append([(m.kind, m.version) for m in manifests])
         if self.lies:
@@ -228,7 +233,12 @@ def test_a_bootstrap_that_reaches_another_state_is_quarantined_and_planned_again
         state = states[v] = publish_delta(origin, "r", v, extract(plan, w, new), state, cfg).state
         w = new
     eng = _Reacher(lies=1)
-    a = Actor.from_endpoints(Endpoints(origin.url, run["redis"], f"t{time.monotonic_ns()}"), ActorConfig(actor_id="a"), ManualClock(), engine=cast(Any, eng))
+    a = Actor.from_endpoints(
+        Endpoints(origin.url, run["redis"], f"t{time.monotonic_ns()}"), ActorConfig(actor_id="a"), ManualClock(), engine=cast(Any, eng)
+    )
     assert a.boot.reach() == (VERSIONS - 1, states[VERSIONS - 1])
-    assert eng.handed == [[("snapshot", 0)] + [("delta", v) for v in range(1, VERSIONS + 1)], [("snapshot", 0)] + [("delta", v) for v in range(1, VERSIONS)]]
+    assert eng.handed == [
+        [("snapshot", 0)] + [("delta", v) for v in range(1, VERSIONS + 1)],
+        [("snapshot", 0)] + [("delta", v) for v in range(1, VERSIONS)],
+    ]
     assert not a.ctx.quarantine.allowed("delta", VERSIONS)  # refused, tried again after its back-off

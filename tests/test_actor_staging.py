@@ -63,8 +63,12 @@ def _actor(
     rec = SourceRecorder()
     opts: dict[str, Any] = {"actor_id": "a", "region": "r1", "mirror_grace_s": grace, "mirror": f"file://{tmp}/mirror", **cfg}
     a = Actor.from_endpoints(
-        Endpoints(f"file://{tmp}/origin", run["redis"], name), ActorConfig(**opts), clock or ManualClock(),
-        origin=Counting(open_store(f"file://{tmp}/origin")), engine=eng, observers=[rec],
+        Endpoints(f"file://{tmp}/origin", run["redis"], name),
+        ActorConfig(**opts),
+        clock or ManualClock(),
+        origin=Counting(open_store(f"file://{tmp}/origin")),
+        engine=eng,
+        observers=[rec],
     )
     a.holding.start_at(0, run["spec"].base_state)
     keys = RunKeys(name)

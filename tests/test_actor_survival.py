@@ -42,7 +42,14 @@ FAST = Backoff(initial_s=0.05, max_s=0.3, factor=2.0, jitter=0.5)
 
 
 def _cfg(actor_id: str = "a", **kw: Any) -> ActorConfig:
-    base: dict[str, Any] = {"actor_id": actor_id, "claim": 2, "heartbeat_s": 0.2, "run_poll_s": 0.05, "outage_backoff": FAST, "stage_block_ms": 100}
+    base: dict[str, Any] = {
+        "actor_id": actor_id,
+        "claim": 2,
+        "heartbeat_s": 0.2,
+        "run_poll_s": 0.05,
+        "outage_backoff": FAST,
+        "stage_block_ms": 100,
+    }
     base.update(kw)
     return ActorConfig(**base)
 
@@ -148,8 +155,12 @@ def paused_s3() -> Iterator[S3Server]:
 
 @pytest.mark.slow
 def test_the_s3_server_paused_while_staging_is_ridden_out_and_work_goes_on(
-    paused_s3: S3Server, redis_server: RedisServer, redis_client: Any, run_name: str,
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    paused_s3: S3Server,
+    redis_server: RedisServer,
+    redis_client: Any,
+    run_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     for k, v in {"AURORA_STORE_READ_TIMEOUT_S": "0.5", "AURORA_STORE_CONNECT_TIMEOUT_S": "0.5", "AURORA_STORE_RETRIES": "0"}.items():
         monkeypatch.setenv(k, v)
@@ -195,10 +206,10 @@ def test_an_outage_past_the_budget_ends_the_actor_with_outage_too_long(
     run.close()
 
 
-def test_a_bucket_that_does_not_exist_ends_the_actor_with_one_line(
-    s3_server: S3Server, redis_server: RedisServer, run_name: str
-) -> None:
-    a = Actor.from_endpoints(Endpoints("s3://no-such-bucket-aurora/run", redis_server.url, run_name, s3_server.storage_options()), _cfg(), clock=SYSTEM_CLOCK)
+def test_a_bucket_that_does_not_exist_ends_the_actor_with_one_line(s3_server: S3Server, redis_server: RedisServer, run_name: str) -> None:
+    a = Actor.from_endpoints(
+        Endpoints("s3://no-such-bucket-aurora/run", redis_server.url, run_name, s3_server.storage_options()), _cfg(), clock=SYSTEM_CLOCK
+    )
     with pytest.raises(StoreError, match="bucket 'no-such-bucket-aurora' does not exist") as ei:
         a.run()
     assert "\n" not in str(ei.value)
@@ -212,8 +223,24 @@ def test_aurora_actor_past_its_outage_budget_exits_non_zero_with_one_line(
     run.start()
     env = dict(os.environ, AURORA_OUTAGE_BUDGET_S="30", AURORA_TORCH_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "aurora_tools.cli", "actor", "--store", origin.url, "--redis", dead_redis_url, "--run", run_name, "--outage-budget-s", "1"],
-        capture_output=True, text=True, timeout=120, env=env,
+        [
+            sys.executable,
+            "-m",
+            "aurora_tools.cli",
+            "actor",
+            "--store",
+            origin.url,
+            "--redis",
+            dead_redis_url,
+            "--run",
+            run_name,
+            "--outage-budget-s",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

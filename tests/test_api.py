@@ -29,7 +29,13 @@ VERSIONS = 10
 
 def _follower(store: str, redis: str | None, run: str, until: int) -> subprocess.Popen[str]:
     env = {**os.environ, "AURORA_TORCH_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(HELPER).parent), *sys.path])}
-    return subprocess.Popen([sys.executable, HELPER, "follow", store, redis or "", run, str(until)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, HELPER, "follow", store, redis or "", run, str(until)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def test_the_public_names_are_exported() -> None:

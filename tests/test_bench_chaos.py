@@ -49,8 +49,16 @@ def test_cli_declares_chaos() -> None:
 @pytest.mark.server
 def test_chaos_smoke(tmp_path: Path) -> None:
     cfg = ChaosConfig(
-        steps=20, faults=SMOKE_FAULTS, s3_pause_s=2.0, redis_down_s=1.0, actor_down_s=1.0, actor_stop_s=4.0,
-        actor_slowdown=3.0, recover_timeout_s=90.0, timeout_s=240.0, outage_budget_s=60.0,
+        steps=20,
+        faults=SMOKE_FAULTS,
+        s3_pause_s=2.0,
+        redis_down_s=1.0,
+        actor_down_s=1.0,
+        actor_stop_s=4.0,
+        actor_slowdown=3.0,
+        recover_timeout_s=90.0,
+        timeout_s=240.0,
+        outage_budget_s=60.0,
     )
     res = run_chaos(cfg, str(tmp_path))
     json.dumps(res)  # one JSON object
@@ -84,15 +92,23 @@ class _Stub:
 
 def _manifest(kind: str, v: int, state: str, base: str | None = None, epoch: int = 1) -> Manifest:
     return Manifest(
-        kind=kind, run="chaos", version=v, segments=(), params={}, state=state,
-        base_version=v - 1 if kind == "delta" else None, base_state=base, producer={"step": v - 1, "epoch": epoch},
+        kind=kind,
+        run="chaos",
+        version=v,
+        segments=(),
+        params={},
+        state=state,
+        base_version=v - 1 if kind == "delta" else None,
+        base_state=base,
+        producer={"step": v - 1, "epoch": epoch},
     )
 
 
 def _evidence_run(records: list[dict[str, object]], steps: int = 2) -> Any:
     deltas = {1: _manifest("delta", 1, "s1", "s0"), 2: _manifest("delta", 2, "s2", "s1", epoch=2)}
-    manifests = _Stub(lock=threading.Lock(), deltas=deltas, snapshots={0: _manifest("snapshot", 0, "s0")},
-                      states=lambda: {0: "s0", 1: "s1", 2: "s2"})
+    manifests = _Stub(
+        lock=threading.Lock(), deltas=deltas, snapshots={0: _manifest("snapshot", 0, "s0")}, states=lambda: {0: "s0", 1: "s1", 2: "s2"}
+    )
     fleet = _Stub(step_records=lambda: [(None, r) for r in records])
     return _Stub(manifests=manifests, fleet=fleet, open_prompts={}, cfg=ChaosConfig(steps=steps, faults=()))
 
@@ -101,13 +117,30 @@ def test_prompt_evidence_from_step_lines() -> None:
     from aurora_tools.bench.chaos.evidence import _chain, _prompts
 
     records = [
-        {"step": 0, "version": 1, "gen_version": 0, "state": "s1", "prompts": ["a", "b", "c"],
-         "used": [["a", "eu-0", 1, 0, "s0"], ["b", "us-0", 2, 0, "s0"]], "unreturned": ["c"], "accepted_twice": 0, "accepted_wrong_version": 0},
+        {
+            "step": 0,
+            "version": 1,
+            "gen_version": 0,
+            "state": "s1",
+            "prompts": ["a", "b", "c"],
+            "used": [["a", "eu-0", 1, 0, "s0"], ["b", "us-0", 2, 0, "s0"]],
+            "unreturned": ["c"],
+            "accepted_twice": 0,
+            "accepted_wrong_version": 0,
+        },
         # A record of a Trainer killed before its manifest: another state, ignored.
         {"step": 1, "version": 2, "gen_version": 1, "state": "sX", "prompts": ["d", "e", "f"], "used": [], "unreturned": []},
-        {"step": 1, "version": 2, "gen_version": 1, "state": "s2", "prompts": ["d", "e", "f", "g"],
-         "used": [["d", "eu-0", 3, 1, "s1"], ["d", "eu-1", 4, 1, "s1"], ["e", "eu-0", 5, 0, "s1"], ["g", "eu-1", 6, 1, "sZ"]],
-         "unreturned": [], "accepted_twice": 1, "accepted_wrong_version": 0},
+        {
+            "step": 1,
+            "version": 2,
+            "gen_version": 1,
+            "state": "s2",
+            "prompts": ["d", "e", "f", "g"],
+            "used": [["d", "eu-0", 3, 1, "s1"], ["d", "eu-1", 4, 1, "s1"], ["e", "eu-0", 5, 0, "s1"], ["g", "eu-1", 6, 1, "sZ"]],
+            "unreturned": [],
+            "accepted_twice": 1,
+            "accepted_wrong_version": 0,
+        },
     ]
     run = _evidence_run(records)
     chain = _chain(run)

@@ -63,9 +63,7 @@ def test_json_report_on_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
 
     for key in ("scan_fraction_of_memcpy", "encode_elems_per_s", "decode_apply_elems_per_s"):
         assert r[key] > 0, key
-    assert {t["target"] for t in r["targets"]} and all(
-        isinstance(t["met"], bool) for t in r["targets"]
-    )
+    assert {t["target"] for t in r["targets"]} and all(isinstance(t["met"], bool) for t in r["targets"])
 
     # Which kernels ran, and both paths side by side, agreeing bit for bit.
     assert r["kernel_path"] == kernels.path()
@@ -76,9 +74,7 @@ def test_json_report_on_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(v > 0 for v in r["scan_fraction_of_memcpy_by_path"].values())
 
 
-def test_numpy_path_is_reported(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_numpy_path_is_reported(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kernels.JIT_ENV, "1")
     r = _run(capsys)
     assert r["kernel_path"] == "numpy"

@@ -33,7 +33,10 @@ def test_the_registry_has_every_kind_of_case() -> None:
 def test_quick_run_refuses_every_attack_and_accepts_the_controls() -> None:
     p = subprocess.run(
         [sys.executable, "-m", "aurora_tools.cli", "bench", "hostile", "--quick", "--json"],
-        capture_output=True, text=True, timeout=600, check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert "Traceback" not in p.stdout + p.stderr, p.stderr[-2000:]
     s = json.loads(p.stdout)

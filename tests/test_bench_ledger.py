@@ -76,9 +76,7 @@ def test_bench_ledger_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert 0 < r["p50_settle_ms"] <= r["p99_settle_ms"]
         # one settle per prompt, a claim per 4, a heartbeat per Actor and step, a few claims for leftovers
         assert 1.0 <= r["round_trips_per_prompt"] < 10.0
-        assert (
-            r["server_commands_per_prompt"] > r["commands_per_prompt"]
-        )  # the scripts' own commands
+        assert r["server_commands_per_prompt"] > r["commands_per_prompt"]  # the scripts' own commands
         assert r["redis_cpu_us_per_settle"] > 0 and r["heartbeats"] >= 2 * r["actors"]
         assert (r["leaves"], r["joins"], r["abandoned"]) == (0, 0, 0)
 
@@ -104,9 +102,7 @@ def test_bench_ledger_expiries_leaves_and_joins(capsys: pytest.CaptureFixture[st
     (r,) = result["sweep"]
     assert r["settled"] == 180 and r["regions"] == 2
     assert r["leaves"] == r["joins"] >= 1  # each Actor that left was replaced
-    assert (
-        r["abandoned"] >= 1 and r["expired"] >= r["abandoned"]
-    )  # every lease left alone expired and was done again
+    assert r["abandoned"] >= 1 and r["expired"] >= r["abandoned"]  # every lease left alone expired and was done again
 
 
 def test_bench_ledger_table_with_settle_many(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,9 +14,32 @@ pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.long]
 
 def test_parity_compares_async_and_sync_accuracy_by_version() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "aurora_tools.cli", "bench", "e2e", "--parity", "--steps", "4", "--batch", "8", "--group", "4",
-         "--eval-every", "2", "--eval-size", "16", "--tiny-size", "64", "192", "--json"],
-        capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "AURORA_TORCH_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "aurora_tools.cli",
+            "bench",
+            "e2e",
+            "--parity",
+            "--steps",
+            "4",
+            "--batch",
+            "8",
+            "--group",
+            "4",
+            "--eval-every",
+            "2",
+            "--eval-size",
+            "16",
+            "--tiny-size",
+            "64",
+            "192",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "AURORA_TORCH_THREADS": "1"},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     j = json.loads(out.stdout.strip().splitlines()[-1])

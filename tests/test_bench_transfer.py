@@ -85,12 +85,8 @@ def test_bench_transfer_json_on_a_tiny_model(capsys: pytest.CaptureFixture[str])
     for phase in ("encode", "upload", "fetch", "decode", "verify", "commit", "extract"):
         assert r["phases"][phase] >= 0, phase
     assert r["seconds_1_stream"] > 0 and r["seconds_s_streams"] > 0
-    assert r["speedup_streams"] == pytest.approx(
-        r["seconds_1_stream"] / r["seconds_s_streams"], rel=0.01
-    )
-    assert (
-        min(r["raw_mb_s_put_1"], r["raw_mb_s_get_1"], r["raw_mb_s_put_s"], r["raw_mb_s_get_s"]) > 0
-    )
+    assert r["speedup_streams"] == pytest.approx(r["seconds_1_stream"] / r["seconds_s_streams"], rel=0.01)
+    assert min(r["raw_mb_s_put_1"], r["raw_mb_s_get_1"], r["raw_mb_s_put_s"], r["raw_mb_s_get_s"]) > 0
     assert 0.002 < r["density"] < 0.05  # an Adam-sized step changes about 1.5 %
     assert 0 < r["bytes_delta"] < r["bytes_full"] / 10
     assert r["bytes_full"] >= 2 * r["params"]  # bf16, plus safetensors headers
@@ -119,8 +115,23 @@ def test_bench_transfer_json_on_a_tiny_model(capsys: pytest.CaptureFixture[str])
 def test_bench_transfer_through_the_wan_proxy(capsys: pytest.CaptureFixture[str]) -> None:
     """``--rtt-ms``: every request pays the round trip, so one connection takes at least a round trip per object each way."""
     rtt = 0.04
-    rc = main(_args("--params", "1e6", "--streams", "4", "--repeats", "1", "--no-full", "--no-boto3", "--segment-mib", "0.004",
-                  "--rtt-ms", str(rtt * 1000), "--json"))
+    rc = main(
+        _args(
+            "--params",
+            "1e6",
+            "--streams",
+            "4",
+            "--repeats",
+            "1",
+            "--no-full",
+            "--no-boto3",
+            "--segment-mib",
+            "0.004",
+            "--rtt-ms",
+            str(rtt * 1000),
+            "--json",
+        )
+    )
     r = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert r["rtt_ms"] == rtt * 1000 and "WAN proxy (40 ms RTT)" in r["server"]

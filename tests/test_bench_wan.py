@@ -105,7 +105,9 @@ def test_scheduler_uniform_and_proportional_split() -> None:
 
 
 def _steps(n: int, step_s: float, tokens: int = 1000) -> list[dict[str, object]]:
-    return [{"step": b, "version": b + 1, "step_s": step_s, "tokens": tokens, "tokens_per_s": tokens / step_s, "by_actor": {}} for b in range(n)]
+    return [
+        {"step": b, "version": b + 1, "step_s": step_s, "tokens": tokens, "tokens_per_s": tokens / step_s, "by_actor": {}} for b in range(n)
+    ]
 
 
 def test_summarize_measures_after_the_warmup() -> None:
@@ -114,7 +116,9 @@ def test_summarize_measures_after_the_warmup() -> None:
     steps[0]["step_s"] = steps[1]["step_s"] = 10.0  # warm-up: left out
     published = {v: {"start_ms": 1000.0 * v, "end_ms": 1000.0 * v + 50, "bytes": 1_000_000, "kind": "delta"} for v in range(1, 6)}
     staged = {(a, v): {"t_ms": 1000.0 * v + (300 if a == "a1" else 100)} for a in ("a0", "a1") for v in range(1, 6)}
-    counters = {b: {"down": 2_000_000 * (b + 1), "up": 0, "veth_down": 0, "s3_down": 1_100_000 * (b + 1), "redis_down": 0} for b in range(-1, 5)}
+    counters = {
+        b: {"down": 2_000_000 * (b + 1), "up": 0, "veth_down": 0, "s3_down": 1_100_000 * (b + 1), "redis_down": 0} for b in range(-1, 5)
+    }
     r = summarize(cfg, steps, published, staged, counters, 2 * 10**8)
     assert r["step_s"] == pytest.approx(2.0)
     assert r["tokens_per_s"] == pytest.approx(500.0)
@@ -177,7 +181,7 @@ def test_sparse_update_moves_about_density_elements_by_one_ulp() -> None:
     changed = total = 0
     for n, t in w.items():
         a, b = before[n].view(torch.int16).int(), t.view(torch.int16).int()
-        diff = (a != b)
+        diff = a != b
         changed += int(diff.sum())
         total += t.numel()
         assert bool(((a - b).abs()[diff] == 1).all()), n
@@ -246,14 +250,45 @@ def test_small_run_end_to_end(tmp_path: object) -> None:
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
-    args = ap.parse_args([
-        "--experiments", "modes", "--modes", "ideal,delta,full", "--actors", "1", "--params", "2e6", "--net", "loopback",
-        "--measure", "1", "--json", "--digests", "--gen-window-s", "0.3", "--workdir", f"{tmp_path}/work", "--config-timeout", "120",
-    ])
+    args = ap.parse_args(
+        [
+            "--experiments",
+            "modes",
+            "--modes",
+            "ideal,delta,full",
+            "--actors",
+            "1",
+            "--params",
+            "2e6",
+            "--net",
+            "loopback",
+            "--measure",
+            "1",
+            "--json",
+            "--digests",
+            "--gen-window-s",
+            "0.3",
+            "--workdir",
+            f"{tmp_path}/work",
+            "--config-timeout",
+            "120",
+        ]
+    )
     out = run_benchmark(args, lambda m: None)
     json.dumps(out)  # one JSON object
     assert out["failed"] == 0, [c["error"] for c in out["configs"]]
-    keys = {"mode", "link_gbps", "rtt_ms", "streams", "actors", "relay", "step_s", "transfer_s", "throughput_vs_ideal", "cross_region_bytes_per_version"}
+    keys = {
+        "mode",
+        "link_gbps",
+        "rtt_ms",
+        "streams",
+        "actors",
+        "relay",
+        "step_s",
+        "transfer_s",
+        "throughput_vs_ideal",
+        "cross_region_bytes_per_version",
+    }
     for c in out["configs"]:
         assert keys <= c.keys()
     by = {c["mode"]: c for c in out["configs"]}
@@ -272,11 +307,29 @@ def test_two_region_run_counts_each_boundary(tmp_path: object) -> None:
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
-    args = ap.parse_args([
-        "--experiments", "regions", "--modes", "delta", "--params", "2e6", "--net", "loopback",
-        "--measure", "1", "--json", "--gen-window-s", "0.3", "--workdir", f"{tmp_path}/work", "--config-timeout", "180",
-        "--plot", f"{tmp_path}/img",
-    ])
+    args = ap.parse_args(
+        [
+            "--experiments",
+            "regions",
+            "--modes",
+            "delta",
+            "--params",
+            "2e6",
+            "--net",
+            "loopback",
+            "--measure",
+            "1",
+            "--json",
+            "--gen-window-s",
+            "0.3",
+            "--workdir",
+            f"{tmp_path}/work",
+            "--config-timeout",
+            "180",
+            "--plot",
+            f"{tmp_path}/img",
+        ]
+    )
     out = run_benchmark(args, lambda m: None)
     assert out["failed"] == 0, [c["error"] for c in out["configs"]]
     by = {c["relay"]: c for c in out["configs"]}

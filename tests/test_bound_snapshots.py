@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 from actor_fixtures import TinyRun
+from trainer_fixtures import FakeTrainer
 
 from aurora_store.apply.sink import weights_digest
 from aurora_store.codec.extract import extract, fuse_weights, plan_of
@@ -39,7 +40,7 @@ from aurora_store.storage import Store, open_store
 from aurora_store.testing.clock import ManualClock
 from aurora_tools.bench.hostile.workers import SourceRecorder
 from aurora_tools.synthetic.engine import SyntheticEngine
-from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weights
+from aurora_tools.synthetic.shapes import QWEN3_TINY, make_weights
 from aurora_tools.synthetic.workload import SyntheticSpec, base_weights, sparse_update
 from workers.actor import Actor, ActorConfig
 from workers.common import MODEL_CONFIG_KEY, Endpoints, read_model_description
@@ -79,31 +80,9 @@ def test_weights_digest_is_the_one_the_format_specifies() -> None:
 # -- a chain with snapshots, and planted ones -----------------------------------------------
 
 
-class _Chain:
-    """A Trainer's view in a store: v0, deltas carrying their weights digest, snapshots where asked."""
-
-    def __init__(self, store: Store, digests: bool = True) -> None:
-        self.store = store
-        w = make_weights(QWEN3_TINY, seed=0)
-        self.plan = plan_of(w, tied=False)
-        self.master = MasterWeights(w, seed=0)
-        self.weights = {0: w}
-        self.states = {0: publish_snapshot(store, "t", 0, fuse_weights(w, self.plan), None, CFG).state}
-        self.digests = digests
-
-    def step(self, n: int = 1) -> None:
-        for _ in range(n):
-            v = max(self.weights) + 1
-            new = self.master.step(lr=2.5e-7)
-            d = weights_digest(new, self.plan) if self.digests else None
-            m = publish_delta(self.store, "t", v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], CFG, weights_digest=d)
-            self.weights[v], self.states[v] = new, m.state
-
-    def digest(self, v: int) -> str:
-        return weights_digest(self.weights[v], self.plan)
-
-    def forged_fused(self, v: int) -> dict[str, torch.Tensor]:
-        return {n: t + 0.25 for n, t in fuse_weights(self.weights[v], self.plan).items()}
+def _forged(run: FakeTrainer, v: int) -> dict[str, torch.Tensor]:
+    """Version ``v``'s fused weights, each element moved: what a forger writes under the true state."""
+    return {n: t + 0.25 for n, t in fuse_weights(run.weights[v], run.plan).items()}
 
 
 def _plant(store: Store, v: int, fused: dict[str, torch.Tensor], state: str, digest: str | None | bool = True) -> None:
@@ -131,10 +110,10 @@ def mem() -> Store:
 
 @pytest.mark.parametrize("variant", ["own digest", "claims the delta's digest", "no digest"])
 def test_a_planted_snapshot_is_ignored_by_plan_and_materialize(mem: Store, variant: str) -> None:
-    run = _Chain(mem)
-    run.step(4)
+    run = FakeTrainer(mem, config=CFG)
+    run.steps(4)
     claim = {"own digest": True, "claims the delta's digest": run.digest(3), "no digest": None}[variant]
-    _plant(mem, 3, run.forged_fused(3), run.states[3], claim)
+    _plant(mem, 3, _forged(run, 3), run.states[3], claim)
     reader = ManifestReader(mem)
     index = scan_versions(mem)
     if variant != "claims the delta's digest":
@@ -148,9 +127,9 @@ def test_a_planted_snapshot_is_ignored_by_plan_and_materialize(mem: Store, varia
 
 
 def test_a_claimed_digest_that_the_shards_do_not_hold_is_refused(mem: Store) -> None:
-    run = _Chain(mem)
-    run.step(3)
-    _plant(mem, 3, run.forged_fused(3), run.states[3], run.digest(3))
+    run = FakeTrainer(mem, config=CFG)
+    run.steps(3)
+    _plant(mem, 3, _forged(run, 3), run.states[3], run.digest(3))
     from aurora_store.lineage.fetch import fetch_snapshot
 
     with pytest.raises(IntegrityError, match="digest"):
@@ -159,8 +138,8 @@ def test_a_claimed_digest_that_the_shards_do_not_hold_is_refused(mem: Store) -> 
 
 def test_a_snapshot_at_a_version_whose_delta_carries_no_digest_is_ignored(mem: Store) -> None:
     """A writer that puts digests only where it snapshots (FORMAT.md allows it): the other names are free."""
-    run = _Chain(mem, digests=False)
-    run.step(3)
+    run = FakeTrainer(mem, config=CFG, weights_digests=False)
+    run.steps(3)
     publish_snapshot(mem, "t", 3, fuse_weights(run.weights[3], run.plan), run.states[3], CFG)  # even true weights
     assert "carries no weights_digest" in (ManifestReader(mem).unbound(3) or "")
     _, state = materialize(mem, 3)
@@ -168,8 +147,8 @@ def test_a_snapshot_at_a_version_whose_delta_carries_no_digest_is_ignored(mem: S
 
 
 def test_a_true_snapshot_is_bound_and_used(mem: Store) -> None:
-    run = _Chain(mem)
-    run.step(4)
+    run = FakeTrainer(mem, config=CFG)
+    run.steps(4)
     m = publish_snapshot(mem, "t", 2, fuse_weights(run.weights[2], run.plan), run.states[2], CFG)
     assert m.extra["weights_digest"] == run.digest(2) == read_manifest(mem, "delta", 2).extra["weights_digest"]
     assert ManifestReader(mem).unbound(2) is None
@@ -302,8 +281,11 @@ def _mirror_actor(run: dict[str, Any], record: bool) -> tuple[Actor, SourceRecor
     eng.load_base()
     rec = SourceRecorder()
     a = Actor.from_endpoints(
-        Endpoints(f"file://{tmp}/origin", run["redis"], name), ActorConfig(actor_id="a", region="r1", mirror=f"file://{tmp}/mirror"),
-        ManualClock(), engine=eng, observers=[rec],
+        Endpoints(f"file://{tmp}/origin", run["redis"], name),
+        ActorConfig(actor_id="a", region="r1", mirror=f"file://{tmp}/mirror"),
+        ManualClock(),
+        engine=eng,
+        observers=[rec],
     )
     a.holding.start_at(0, run["spec"].base_state)
     keys = RunKeys(name)

@@ -86,9 +86,7 @@ def publish_chain(run, capsys, extra: list[str] | None = None) -> None:
         assert f"delta {v}:" in out
 
 
-@pytest.mark.parametrize(
-    "extra", [[], ["--paper"], ["--no-zstd", "--values", "new"], ["--encodings", "bitmask,u32"]]
-)
+@pytest.mark.parametrize("extra", [[], ["--paper"], ["--no-zstd", "--values", "new"], ["--encodings", "bitmask,u32"]])
 def test_snapshot_deltas_apply(run, capsys, extra: list[str]) -> None:
     publish_chain(run, capsys, extra)
     plan = plan_of(run["weights"][0], tied=False)
@@ -161,9 +159,7 @@ def test_not_a_safetensors_file(run, capsys) -> None:
 
 
 def other_model_files(tmp: Path) -> tuple[Path, Path]:
-    other = Qwen3Shape(
-        vocab=512, hidden=32, layers=2, intermediate=96, heads=2, kv_heads=1, head_dim=16
-    )
+    other = Qwen3Shape(vocab=512, hidden=32, layers=2, intermediate=96, heads=2, kv_heads=1, head_dim=16)
     w = make_weights(other, seed=1)
     a, b = tmp / "o0.safetensors", tmp / "o1.safetensors"
     save_file(w, str(a))
@@ -185,9 +181,7 @@ def test_wrong_model_shape_of_new_file(run, capsys) -> None:
 def test_wrong_model_shape_of_base_file(run, capsys) -> None:
     publish_chain(run, capsys)
     a, b = other_model_files(run["tmp"])
-    msg = fails(
-        ["delta", "create", str(a), str(b), "--version", "4", "--store", run["url"]], capsys
-    )
+    msg = fails(["delta", "create", str(a), str(b), "--version", "4", "--store", run["url"]], capsys)
     assert "delta 4" in msg and "does not describe the run's model" in msg
 
 
@@ -197,43 +191,33 @@ def test_wrong_model_names_of_base_file(run, capsys) -> None:
     w = {f"other.{n}": t for n, t in run["weights"][3].items()}
     a = run["tmp"] / "renamed.safetensors"
     save_file(w, str(a))
-    msg = fails(
-        ["delta", "create", str(a), str(a), "--version", "4", "--store", run["url"]], capsys
-    )
+    msg = fails(["delta", "create", str(a), str(a), "--version", "4", "--store", run["url"]], capsys)
     assert "delta 4" in msg and "does not describe the run's model" in msg
 
 
 def test_apply_of_missing_version(run, capsys) -> None:
     publish_chain(run, capsys)
     out = run["tmp"] / "v9.safetensors"
-    msg = fails(
-        ["delta", "apply", "--version", "9", "--out", str(out), "--store", run["url"]], capsys
-    )
+    msg = fails(["delta", "apply", "--version", "9", "--out", str(out), "--store", run["url"]], capsys)
     assert "version 9 is not committed" in msg
     assert not out.exists()
 
 
 def test_apply_on_empty_store(run, capsys) -> None:
     out = run["tmp"] / "v0.safetensors"
-    msg = fails(
-        ["delta", "apply", "--version", "0", "--out", str(out), "--store", run["url"]], capsys
-    )
+    msg = fails(["delta", "apply", "--version", "0", "--out", str(out), "--store", run["url"]], capsys)
     assert "version 0 is not committed" in msg
 
 
 def test_corrupted_segment(run, capsys) -> None:
     publish_chain(run, capsys)
-    seg = sorted((Path(run["url"][7:]) / "deltas" / "v0000000002").glob("*/seg-00000.safetensors"))[
-        0
-    ]
+    seg = sorted((Path(run["url"][7:]) / "deltas" / "v0000000002").glob("*/seg-00000.safetensors"))[0]
     data = bytearray(seg.read_bytes())
     data[len(data) // 2] ^= 0x10
     os.chmod(seg, 0o644)
     seg.write_bytes(bytes(data))
     out = run["tmp"] / "v3.safetensors"
-    msg = fails(
-        ["delta", "apply", "--version", "3", "--out", str(out), "--store", run["url"]], capsys
-    )
+    msg = fails(["delta", "apply", "--version", "3", "--out", str(out), "--store", run["url"]], capsys)
     assert "sha256 does not match" in msg and seg.name in msg and "v0000000002" in msg
     assert not out.exists() and not Path(str(out) + ".partial").exists()
     # the version before the corruption still materializes
@@ -283,9 +267,7 @@ def test_bad_encoder_option_is_one_line(run, capsys) -> None:
 
 def test_snapshot_of_unreached_version_refused(run, capsys) -> None:
     publish_chain(run, capsys)
-    msg = fails(
-        ["snapshot", "create", run["files"][0], "--version", "7", "--store", run["url"]], capsys
-    )
+    msg = fails(["snapshot", "create", run["files"][0], "--version", "7", "--store", run["url"]], capsys)
     assert "snapshot 7" in msg
 
 

@@ -43,13 +43,10 @@ finally:
 sys.exit(rc)
 """
 
+
 def _heavy(modules: list[str]) -> list[str]:
     """The imported modules a light command must not load."""
-    return [
-        m
-        for m in modules
-        if m.split(".")[0] in ("torch", "vllm") or m.split(".")[0] == "workers"
-    ]
+    return [m for m in modules if m.split(".")[0] in ("torch", "vllm") or m.split(".")[0] == "workers"]
 
 
 def _torch_or_vllm(modules: list[str]) -> list[str]:
@@ -138,15 +135,27 @@ def test_a_relay_waiting_for_redis_imports_no_torch_or_vllm(tmp_path: Path, dead
     on SIGTERM, and imported neither torch nor vLLM at any point of its life."""
     out, err = tmp_path / "modules-relay.json", tmp_path / "relay.err"
     argv = (
-        "relay", "--store", f"file://{tmp_path / 'origin'}", "--mirror", f"file://{tmp_path / 'mirror'}",
-        "--redis", dead_redis_url, "--run", "imports", "--region", "eu",
+        "relay",
+        "--store",
+        f"file://{tmp_path / 'origin'}",
+        "--mirror",
+        f"file://{tmp_path / 'mirror'}",
+        "--redis",
+        dead_redis_url,
+        "--run",
+        "imports",
+        "--region",
+        "eu",
     )
     with err.open("w") as stderr:
         proc = subprocess.Popen(_driver(out, *argv), stdout=subprocess.DEVNULL, stderr=stderr, env=_env())
     try:
         wait_until(
-            lambda: "Redis unreachable" in err.read_text(), "the Relay waiting for Redis",
-            timeout=120, processes={"aurora relay": proc}, logs=[err],
+            lambda: "Redis unreachable" in err.read_text(),
+            "the Relay waiting for Redis",
+            timeout=120,
+            processes={"aurora relay": proc},
+            logs=[err],
         )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, err.read_text()[-3000:]

@@ -43,12 +43,8 @@ OPTIONS: dict[str, EncodeOptions] = {
     "no-zstd": EncodeOptions(codecs=("none",)),
     "zstd-only": EncodeOptions(codecs=("zstd",)),
     "dense-only": EncodeOptions(index_encodings=("dense",)),
-    "dense-new-raw": EncodeOptions(
-        index_encodings=("dense",), value_modes=("new",), codecs=("none",)
-    ),
-    "bitmask-xor-zstd": EncodeOptions(
-        index_encodings=("bitmask",), value_modes=("xor",), codecs=("zstd",)
-    ),
+    "dense-new-raw": EncodeOptions(index_encodings=("dense",), value_modes=("new",), codecs=("none",)),
+    "bitmask-xor-zstd": EncodeOptions(index_encodings=("bitmask",), value_modes=("xor",), codecs=("zstd",)),
     "u64-level-19": EncodeOptions(index_encodings=("u64",), zstd_level=19),
 }
 
@@ -128,11 +124,7 @@ def test_realistic_params_table_counts_changes(qwen_steps) -> None:
     plan = plan_of(base)
     _, params = encode_delta(plan, base, steps[0])
     fb, fn = fuse(plan, base), fuse(plan, steps[0])
-    want = {
-        n: int((int_view(fb[n]) != int_view(fn[n])).sum())
-        for n in fb
-        if not torch.equal(fb[n], fn[n])
-    }
+    want = {n: int((int_view(fb[n]) != int_view(fn[n])).sum()) for n in fb if not torch.equal(fb[n], fn[n])}
     assert {n: p["nnz"] for n, p in params.items()} == want
     for n, p in params.items():
         assert p["shape"] == list(plan.params[n].spec.shape) and p["dtype"] == "bfloat16"
@@ -178,9 +170,7 @@ def edge_model(dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
 def test_empty_delta_has_no_segments(dtype: str, opt: str) -> None:
     base = edge_model(dtype)
     plan = plan_of(base)
-    segs, params = encode_delta(
-        plan, base, {n: t.clone() for n, t in base.items()}, 1, OPTIONS[opt]
-    )
+    segs, params = encode_delta(plan, base, {n: t.clone() for n, t in base.items()}, 1, OPTIONS[opt])
     assert segs == [] and params == {}
     staged = stage_segments(segs, 1, plan.specs())
     assert staged.entries == () and staged.nnz == 0
@@ -385,16 +375,8 @@ def test_auto_beats_paper_on_realistic_updates(qwen_steps) -> None:
     plan = plan_of(base)
     prev = base
     for new in steps:
-        auto = {
-            e.param: e.nbytes
-            for s in encode_segments(extract(plan, prev, new), 1, EncodeOptions())
-            for e in s.entries
-        }
-        paper = {
-            e.param: e.nbytes
-            for s in encode_segments(extract(plan, prev, new), 1, PAPER)
-            for e in s.entries
-        }
+        auto = {e.param: e.nbytes for s in encode_segments(extract(plan, prev, new), 1, EncodeOptions()) for e in s.entries}
+        paper = {e.param: e.nbytes for s in encode_segments(extract(plan, prev, new), 1, PAPER) for e in s.entries}
         assert auto.keys() == paper.keys()
         for name in auto:
             assert auto[name] <= paper[name], name
@@ -448,9 +430,7 @@ def test_dense_new_without_new_values_is_a_config_error() -> None:
     idx = np.array([2], dtype=np.int64)
     opts = EncodeOptions(index_encodings=("dense",), value_modes=("new",))
     with pytest.raises(ConfigError, match=r"\[0, 10\)"):
-        encode_entry(
-            "p", spec, 0, 10, idx, np.array([1], np.uint16), np.array([0], np.uint16), opts
-        )
+        encode_entry("p", spec, 0, 10, idx, np.array([1], np.uint16), np.array([0], np.uint16), opts)
 
 
 def test_segment_bytes_floor() -> None:
@@ -464,11 +444,7 @@ def slice_of(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "combo",
-    list(
-        itertools.product(
-            ("leb128", "bitmask", "dense", "u32", "u64"), ("new", "xor"), ("none", "zstd")
-        )
-    ),
+    list(itertools.product(("leb128", "bitmask", "dense", "u32", "u64"), ("new", "xor"), ("none", "zstd"))),
 )
 def test_every_single_combination_round_trips_through_a_segment(combo) -> None:
     e_, v_, c_ = combo
@@ -476,9 +452,7 @@ def test_every_single_combination_round_trips_through_a_segment(combo) -> None:
     for dtype in TORCH:
         info = DTYPES[dtype]
         rng = np.random.default_rng(7)
-        full_old = rng.integers(0, 1 << (8 * info.width), size=300, dtype=np.uint64).astype(
-            info.bits
-        )
+        full_old = rng.integers(0, 1 << (8 * info.width), size=300, dtype=np.uint64).astype(info.bits)
         full_new = full_old.copy()
         idx = np.array([3, 4, 5, 100, 200, 250, 251], dtype=np.int64)
         full_new[idx] ^= info.bits.type(3)

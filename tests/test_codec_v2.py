@@ -183,9 +183,7 @@ SPECIAL_BF16 = [
 ]
 
 
-@pytest.mark.parametrize(
-    "opts", [AUTO_V2, ONLY_V2, ONLY_V2_NEW], ids=["auto_v2", "only_v2", "only_v2_new"]
-)
+@pytest.mark.parametrize("opts", [AUTO_V2, ONLY_V2, ONLY_V2_NEW], ids=["auto_v2", "only_v2", "only_v2_new"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @settings(max_examples=40, deadline=None)
 @given(
@@ -208,9 +206,7 @@ def test_entry_round_trip(opts: EncodeOptions, dtype: str, r, seed: int, special
         old_full[idx] = pats[rng.integers(0, pats.size, idx.size)].astype(info.bits)
         new_full[idx] = pats[rng.integers(0, pats.size, idx.size)].astype(info.bits)
     else:
-        new_full[idx] = (
-            old_full[idx].astype(np.int64) + rng.choice([-1, 1, 2, -3], idx.size)
-        ).astype(info.bits)
+        new_full[idx] = (old_full[idx].astype(np.int64) + rng.choice([-1, 1, 2, -3], idx.size)).astype(info.bits)
     changed = idx[new_full[idx] != old_full[idx]]
     if changed.size == 0:
         return
@@ -234,9 +230,7 @@ def test_entry_edge_cases() -> None:
     # one element, at the very end of a huge parameter (decode only: no weights)
     big = ParamSpec((1 << 20, 1 << 20), "bfloat16")
     last = np.array([(1 << 40) - 1], dtype=np.int64)
-    e, d = _round_trip(
-        big, 0, 1 << 40, last, np.array([1], np.uint16), np.array([2], np.uint16), ONLY_V2
-    )
+    e, d = _round_trip(big, 0, 1 << 40, last, np.array([1], np.uint16), np.array([2], np.uint16), ONLY_V2)
     assert e.encoding == "rice" and np.array_equal(d.indices, last) and d.bits.tolist() == [3]
     # gaps near 2^62
     huge = ParamSpec((1 << 62,), "float32")
@@ -247,12 +241,7 @@ def test_entry_edge_cases() -> None:
 
 
 def test_empty_entry_streams_round_trip() -> None:
-    assert (
-        rice.rice_indices(
-            np.frombuffer(rice.rice_encode_gaps(np.empty(0, np.int64), 5), np.uint8), 5, 9, 0
-        ).size
-        == 0
-    )
+    assert rice.rice_indices(np.frombuffer(rice.rice_encode_gaps(np.empty(0, np.int64), 5), np.uint8), 5, 9, 0).size == 0
     assert v2.decode_rice(v2.encode_rice(np.empty(0, np.int64), 0), 0, 10, 0).size == 0
     assert v2.decode_planes(v2.encode_planes(np.empty(0, np.uint16), 2), 0, 2).size == 0
     with pytest.raises(StreamError):
@@ -300,28 +289,21 @@ def test_writer_default_stays_format_1_and_v2_options_write_format_2() -> None:
         apply_delta(staged, FusedWeights(fused))
         assert weights_digest(fused) == weights_digest(new, plan)
     segs, *_ = _segments(ONLY_V2)
-    kinds = {
-        (m["encoding"], m.get("val_codec"))
-        for m in json.loads(parse_safetensors(segs[0][1], "s")[0]["aurora.entries"])
-    }
+    kinds = {(m["encoding"], m.get("val_codec")) for m in json.loads(parse_safetensors(segs[0][1], "s")[0]["aurora.entries"])}
     assert kinds == {("rice", "planes")}
 
 
 def test_format_1_reader_refuses_a_format_2_segment_clearly() -> None:
     segs, plan, *_ = _segments(AUTO_V2)
     where, data = segs[0]
-    with pytest.raises(
-        SegmentError, match=r"segment seg-0: aurora.format is '2', this reader knows '1'"
-    ):
+    with pytest.raises(SegmentError, match=r"segment seg-0: aurora.format is '2', this reader knows '1'"):
         decode_segment(data, where, plan.specs(), formats=("1",))
 
 
 def test_format_1_segment_may_not_carry_format_2_streams() -> None:
     spec = ParamSpec((100,), "bfloat16")
     idx = np.array([3, 50], np.int64)
-    e = encode_entry(
-        "p", spec, 0, 100, idx, np.array([2, 2], np.uint16), np.array([1, 1], np.uint16), ONLY_V2
-    )
+    e = encode_entry("p", spec, 0, 100, idx, np.array([2, 2], np.uint16), np.array([1, 1], np.uint16), ONLY_V2)
     with pytest.raises(ValueError, match="needs a format-2 segment"):
         encode_segment([e], 1, 0)
     # A forged format-1 segment with a rice entry is refused, naming the entry.
@@ -333,9 +315,7 @@ def test_format_1_segment_may_not_carry_format_2_streams() -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_hostile_rice_and_planes_streams_are_refused_alike(
-    path: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_hostile_rice_and_planes_streams_are_refused_alike(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Truncated, extended and bit-flipped streams: refused with a StreamError
     (or, where a flip still makes a valid stream, decoded the same way) on
     both paths; never a crash or an index outside the range."""
@@ -386,9 +366,7 @@ def test_kernel_paths_agree_on_hostile_streams() -> None:
         a = rice.rice_indices(bad, 0, 5000, 200, jit=True)
         b = rice.rice_indices(bad, 0, 5000, 200, jit=False)
         assert (a is None) == (b is None) and (a is None or np.array_equal(a, b))
-        hb = np.frombuffer(
-            huffman.huffman_encode(rng.geometric(0.4, 200).astype(np.uint8)), np.uint8
-        ).copy()
+        hb = np.frombuffer(huffman.huffman_encode(rng.geometric(0.4, 200).astype(np.uint8)), np.uint8).copy()
         hb[int(rng.integers(0, hb.size))] ^= np.uint8(1 << int(rng.integers(0, 8)))
         ha = huffman.huffman_decode(hb, 200, jit=True)
         hn = huffman.huffman_decode(hb, 200, jit=False)
@@ -408,9 +386,7 @@ def test_format_2_versions_through_publish_fetch_apply(tmp_path) -> None:
     states = {0: publish_snapshot(store, "t", 0, fuse_weights(weights[0], plan), None, cfg).state}
     for v in (1, 2, 3):
         weights[v] = master.step(lr=2.5e-7)
-        m = publish_delta(
-            store, "t", v, extract(plan, weights[v - 1], weights[v]), states[v - 1], cfg
-        )
+        m = publish_delta(store, "t", v, extract(plan, weights[v - 1], weights[v]), states[v - 1], cfg)
         states[v] = m.state
     held = fuse_weights(weights[0], plan)
     sink = FusedWeights(held)
@@ -452,10 +428,7 @@ def test_bench_codec_reports_format_2(capsys: pytest.CaptureFixture[str]) -> Non
     if kernels.jit_enabled():
         for key in ("real_delta", "real_delta_band"):
             rd = r[key]
-            assert (
-                rd["lossless"] is True
-                and rd["bytes_per_changed"]["auto_v2"] < rd["bytes_per_changed"]["auto"]
-            )
+            assert rd["lossless"] is True and rd["bytes_per_changed"]["auto_v2"] < rd["bytes_per_changed"]["auto"]
 
 
 def test_rice_remainder_pad_bits_must_be_zero() -> None:

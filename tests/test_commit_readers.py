@@ -141,11 +141,15 @@ def test_delta_apply_refuses_without_redis_and_materializes_with_it(run: dict[st
     assert main(["delta", "apply", "--store", url, "--version", "1", "--out", out]) == 1
     assert "--redis URL --run NAME" in capsys.readouterr().err
     assert not Path(out).exists()
-    assert main(["delta", "apply", "--store", url, "--version", "1", "--out", out, "--redis", run["redis"], "--run", run["trainer"].run]) == 0
+    assert (
+        main(["delta", "apply", "--store", url, "--version", "1", "--out", out, "--redis", run["redis"], "--run", run["trainer"].run]) == 0
+    )
     assert Path(out).exists()
     # Version 2 is not committed (no record): unreachable, nothing written.
     out2 = str(run["tmp"] / "v2.safetensors")
-    assert main(["delta", "apply", "--store", url, "--version", "2", "--out", out2, "--redis", run["redis"], "--run", run["trainer"].run]) == 1
+    assert (
+        main(["delta", "apply", "--store", url, "--version", "2", "--out", out2, "--redis", run["redis"], "--run", run["trainer"].run]) == 1
+    )
     assert not Path(out2).exists()
 
 

@@ -35,8 +35,13 @@ pytestmark = pytest.mark.usefixtures("_clean_env")
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in list(os.environ):
         if var.startswith(("AURORA_TRAINER_", "AURORA_ACTOR_", "AURORA_RELAY_")) or var in (
-            "AURORA_REDIS_URL", "AURORA_REDIS_PASSWORD_FILE", "AURORA_OUTAGE_BUDGET_S", "AURORA_STREAMS",
-            "AURORA_TRUST_KEYS", "AURORA_SIGN_KEY", "RANK",
+            "AURORA_REDIS_URL",
+            "AURORA_REDIS_PASSWORD_FILE",
+            "AURORA_OUTAGE_BUDGET_S",
+            "AURORA_STREAMS",
+            "AURORA_TRUST_KEYS",
+            "AURORA_SIGN_KEY",
+            "RANK",
         ):
             monkeypatch.delenv(var, raising=False)
 
@@ -72,8 +77,11 @@ def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 def test_file_gives_options_flags_win_and_worker_tables_win_over_top_level(tmp_path: Path) -> None:
     from workers.trainer import config_from_args
 
-    f = toml(tmp_path, BASE + 'steps = 7\nkl-coef = 0.01\nbatch = 2\nregion = "eu"\n'
-             'resume = true\ncommit_via = "redis"\n[trainer]\nbatch = 4\ntask = "gsm8k"\n[actor]\nclaim = 3\n')
+    f = toml(
+        tmp_path,
+        BASE + 'steps = 7\nkl-coef = 0.01\nbatch = 2\nregion = "eu"\n'
+        'resume = true\ncommit_via = "redis"\n[trainer]\nbatch = 4\ntask = "gsm8k"\n[actor]\nclaim = 3\n',
+    )
     args = parse("trainer", "--config", f, "--steps", "9")
     cfg = config_from_args(args)
     assert (cfg.steps, cfg.batch, cfg.kl_coef, cfg.task, cfg.resume, cfg.commit_via) == (9, 4, 0.01, "gsm8k", True, "redis")
@@ -109,14 +117,30 @@ def test_file_redis_over_environment_and_password_file(tmp_path: Path, monkeypat
     f = toml(tmp_path, f'redis = "redis://file-host:6379/0"\nredis-password-file = "{pw}"\n')
     args = parse("relay", "--config", f, "--store", "file:///o", "--mirror", "file:///m", "--run", "r", "--region", "eu")
     assert args.redis == "redis://:pw-from-file-123@file-host:6379/0"
-    args = parse("relay", "--config", f, "--store", "file:///o", "--mirror", "file:///m", "--run", "r", "--region", "eu",
-                 "--redis", "redis://flag-host:1/0")
+    args = parse(
+        "relay",
+        "--config",
+        f,
+        "--store",
+        "file:///o",
+        "--mirror",
+        "file:///m",
+        "--run",
+        "r",
+        "--region",
+        "eu",
+        "--redis",
+        "redis://flag-host:1/0",
+    )
     assert args.redis == "redis://:pw-from-file-123@flag-host:1/0"
 
 
 def test_repeatable_options_lists_tables_and_flags_replace(tmp_path: Path) -> None:
-    f = toml(tmp_path, BASE + 'trust-key = ["a.pem", "b.pem"]\nmirror-option = "anon=true"\n'
-             '[actor]\nstorage-option = {endpoint_url = "http://h:9000", use_ssl = false}\ndevice = "cuda:0"\n')
+    f = toml(
+        tmp_path,
+        BASE + 'trust-key = ["a.pem", "b.pem"]\nmirror-option = "anon=true"\n'
+        '[actor]\nstorage-option = {endpoint_url = "http://h:9000", use_ssl = false}\ndevice = "cuda:0"\n',
+    )
     a = parse("actor", "--config", f)
     assert a.trust_key == ["a.pem", "b.pem"] and a.mirror_option == ["anon=true"]
     assert a.storage_option == ["endpoint_url=http://h:9000", "use_ssl=false"]
@@ -157,7 +181,12 @@ def test_example_run_file_serves_every_worker(tmp_path: Path) -> None:
     assert (cfg.task, cfg.steps, cfg.kl_coef, cfg.device, cfg.resume, t.run) == ("gsm8k", 200, 0.01, "cuda", True, "r1")
     assert t.redis == "redis://aurora:example-pw-1234@127.0.0.1:6379/0"
     a = parse("actor", "--config", example, "--redis-password-file", str(pw))
-    assert (a.region, a.device, a.trust_key, a.storage_option) == ("eu", "cuda", ["/etc/aurora/signing-key.pub.pem"], ["endpoint_url=http://127.0.0.1:9000"])
+    assert (a.region, a.device, a.trust_key, a.storage_option) == (
+        "eu",
+        "cuda",
+        ["/etc/aurora/signing-key.pub.pem"],
+        ["endpoint_url=http://127.0.0.1:9000"],
+    )
     r = parse("relay", "--config", example, "--redis-password-file", str(pw))
     assert (r.region, r.mirror, r.gc_every_s, r.keep_snapshots) == ("eu", "s3://aurora-eu/runs/r1", 300.0, 2)
 
@@ -274,13 +303,26 @@ def test_record_that_cannot_be_written_is_one_warning(tmp_path: Path, capsys: py
 def test_real_relay_start_records_its_configuration(tmp_path: Path, redis_url: str) -> None:
     origin, mirror = tmp_path / "origin", tmp_path / "mirror"
     origin.mkdir()
-    f = toml(tmp_path, f'store = "file://{origin}"\nredis = "{redis_url}"\nrun = "cfg-run"\nsteps = 3\n'
-             f'[relay]\nregion = "eu"\nmirror = "file://{mirror}"\ngc-every-s = 0\n')
+    f = toml(
+        tmp_path,
+        f'store = "file://{origin}"\nredis = "{redis_url}"\nrun = "cfg-run"\nsteps = 3\n'
+        f'[relay]\nregion = "eu"\nmirror = "file://{mirror}"\ngc-every-s = 0\n',
+    )
     env = {**os.environ, "AURORA_TORCH_THREADS": "1", "AURORA_STREAMS": "3"}
-    proc = subprocess.Popen([sys.executable, "-m", "aurora_tools.cli", "relay", "--config", f, "--heartbeat-s", "0.2"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aurora_tools.cli", "relay", "--config", f, "--heartbeat-s", "0.2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        wait_until(lambda: list((origin / "config").glob("relay-*.json")) or proc.poll() is not None, "the Relay's configuration record", timeout=60, interval=0.1)
+        wait_until(
+            lambda: list((origin / "config").glob("relay-*.json")) or proc.poll() is not None,
+            "the Relay's configuration record",
+            timeout=60,
+            interval=0.1,
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)

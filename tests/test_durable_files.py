@@ -44,7 +44,12 @@ def _limited() -> None:
 def _run(args: list[str], limited: bool) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "AURORA_STORE_RETRIES": "0", "PYTHONDONTWRITEBYTECODE": "1"}
     return subprocess.run(
-        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
         preexec_fn=_limited if limited else None,
     )
 

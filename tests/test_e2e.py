@@ -33,12 +33,24 @@ def _log_tail(workdir, name: str, lines: int = 40) -> str:  # type: ignore[no-un
 def test_system_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with RedisServer() as rs:
         cfg = DemoConfig(
-            steps=20, batch=16, group=4, actors_relay=2, actors_origin=1, kill_at=2, stop_relay_at=2, join_at=4,
-            snapshot_every=3, redis=rs.url, run="e2e", workdir=str(tmp_path), display=False,
+            steps=20,
+            batch=16,
+            group=4,
+            actors_relay=2,
+            actors_origin=1,
+            kill_at=2,
+            stop_relay_at=2,
+            join_at=4,
+            snapshot_every=3,
+            redis=rs.url,
+            run="e2e",
+            workdir=str(tmp_path),
+            display=False,
             # A run this small can finish a few seconds after the Relay dies: a short
             # grace lets its Actor turn to origin well within that.
             mirror_grace_s=0.5,
-            tiny_hidden=64, tiny_intermediate=192,  # the system, not learning: the small model is enough
+            tiny_hidden=64,
+            tiny_intermediate=192,  # the system, not learning: the small model is enough
         )
         res = run_system_demo(cfg, say=lambda *a, **k: None)
 
@@ -78,7 +90,17 @@ def test_system_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert all(lg.delta_bytes < lg.full_bytes for lg in res.logs)
         # The JSON of `aurora demo --json`: the new keys, with the run's own values.
         j = res.to_json()
-        for key in ("steps", "bit_identical", "reward_first", "reward_last", "prompts_lost", "accepted_twice", "accepted_wrong_version", "actors_killed", "actors_joined"):
+        for key in (
+            "steps",
+            "bit_identical",
+            "reward_first",
+            "reward_last",
+            "prompts_lost",
+            "accepted_twice",
+            "accepted_wrong_version",
+            "actors_killed",
+            "actors_joined",
+        ):
             assert key in j, key
         assert 0 < j["density_mean"] <= 1 and 0 < j["delta_over_full"] < 1, (j["density_mean"], j["delta_over_full"])
         assert all(lg.elements == res.logs[0].elements > 0 and 0 <= lg.changed <= lg.elements for lg in res.logs)
@@ -94,8 +116,22 @@ def test_system_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 def _log(step: int, delta_bytes: int, changed: int, elements: int, full_bytes: int = 1000) -> StepLog:
     return StepLog(
-        step=step, version=step + 1, gen_version=max(0, step - 1), reward=0.5, wait_s=0.0, train_s=0.0, extract_publish_s=0.0, step_s=1.0,
-        delta_bytes=delta_bytes, full_bytes=full_bytes, changed=changed, tokens=0, tokens_per_s=0.0, eligible=[], excluded=[], by_actor={},
+        step=step,
+        version=step + 1,
+        gen_version=max(0, step - 1),
+        reward=0.5,
+        wait_s=0.0,
+        train_s=0.0,
+        extract_publish_s=0.0,
+        step_s=1.0,
+        delta_bytes=delta_bytes,
+        full_bytes=full_bytes,
+        changed=changed,
+        tokens=0,
+        tokens_per_s=0.0,
+        eligible=[],
+        excluded=[],
+        by_actor={},
         elements=elements,
     )
 
@@ -103,9 +139,18 @@ def _log(step: int, delta_bytes: int, changed: int, elements: int, full_bytes: i
 def test_demo_json_density_and_delta_over_full() -> None:
     """``density_mean`` is the mean of changed/elements over the deltas; ``delta_over_full`` the mean delta over the full bytes."""
     res = DemoResult(
-        logs=[_log(0, 100, 10, 500), _log(1, 300, 30, 500)], bit_identical=True, activations_compared=2, mismatches=[],
-        actors_killed=0, actors_joined=0, prompts_lost=0, accepted_twice=0, accepted_wrong_version=0,
-        model_family="qwen3", tokenizer_vocab_size=30, eval_accuracy={5: 0.5, 0: 0.25},
+        logs=[_log(0, 100, 10, 500), _log(1, 300, 30, 500)],
+        bit_identical=True,
+        activations_compared=2,
+        mismatches=[],
+        actors_killed=0,
+        actors_joined=0,
+        prompts_lost=0,
+        accepted_twice=0,
+        accepted_wrong_version=0,
+        model_family="qwen3",
+        tokenizer_vocab_size=30,
+        eval_accuracy={5: 0.5, 0: 0.25},
     )
     j = res.to_json()
     assert j["density_mean"] == pytest.approx(0.04) and j["delta_over_full"] == pytest.approx(0.2)

@@ -105,9 +105,7 @@ def test_unknown_encoding() -> None:
 )
 def test_leb128_size_is_cheap_and_exact(start: int, span: int, offs: list[int]) -> None:
     idx = np.array(sorted(o for o in offs if o < span), dtype=np.int64) + start
-    assert enc.indices_size("leb128", idx, start, start + span) == len(
-        enc.encode_indices("leb128", idx, start, start + span)
-    )
+    assert enc.indices_size("leb128", idx, start, start + span) == len(enc.encode_indices("leb128", idx, start, start + span))
 
 
 # --- rejection of hostile index streams ---------------------------------------

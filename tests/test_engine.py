@@ -147,18 +147,9 @@ def test_logprobs_match_unpadded_rows() -> None:
         # Left padding gives the same numbers (positions follow the mask).
         w = packed.input_ids.shape[1]
         n = packed.attention_mask.sum(-1)
-        left = [
-            torch.roll(t, shifts=int(w - k), dims=0)
-            for t, k in zip(packed.input_ids, n, strict=True)
-        ]
-        lmask = [
-            torch.roll(t, shifts=int(w - k), dims=0)
-            for t, k in zip(packed.attention_mask, n, strict=True)
-        ]
-        lcomp = [
-            torch.roll(t, shifts=int(w - k), dims=0)
-            for t, k in zip(packed.completion_mask, n, strict=True)
-        ]
+        left = [torch.roll(t, shifts=int(w - k), dims=0) for t, k in zip(packed.input_ids, n, strict=True)]
+        lmask = [torch.roll(t, shifts=int(w - k), dims=0) for t, k in zip(packed.attention_mask, n, strict=True)]
+        lcomp = [torch.roll(t, shifts=int(w - k), dims=0) for t, k in zip(packed.completion_mask, n, strict=True)]
         got_left = logprobs(m, torch.stack(left), torch.stack(lmask), torch.stack(lcomp))
         assert torch.allclose(got_left, got, atol=1e-4)
     # Differentiable.
@@ -264,10 +255,7 @@ def staged_v1(engine: TorchEngine) -> StagedDelta:
     plan = engine.fusion_plan()
     base = {n: t.clone() for n, t in hf_weights(engine.model).items()}
     new = hf_weights(trainer_step(engine.model, lr=1e-2, seed=1))
-    segs = [
-        (f"seg-{s.index}", s.data)
-        for s in encode_segments(extract(plan, base, new), 1, segment_bytes=4096)
-    ]
+    segs = [(f"seg-{s.index}", s.data) for s in encode_segments(extract(plan, base, new), 1, segment_bytes=4096)]
     assert len(segs) > 1
     return stage_segments(segs, 1, engine.param_specs())
 
@@ -285,10 +273,7 @@ def test_staged_delta_applies_to_split_weights(engine: TorchEngine) -> None:
     # Same seed, new weights: the samples move (and stay reproducible).
     gen_after = engine.generate(prompts, group=4, max_new_tokens=16, seed=11)
     assert gen_after.completions != gen_before.completions
-    assert (
-        engine.generate(prompts, group=4, max_new_tokens=16, seed=11).completions
-        == gen_after.completions
-    )
+    assert engine.generate(prompts, group=4, max_new_tokens=16, seed=11).completions == gen_after.completions
     # Replaying the same delta on the new version is refused (wrong base).
     with pytest.raises(ChainError, match="based on version 0"):
         engine.apply(staged)

@@ -21,7 +21,15 @@ def test_evals_in_redis_are_read_as_untrusted_and_shown_by_status(redis_client: 
     for v, acc in ((0, 0.25), (2, 0.5), (4, 0.625)):
         record_eval(redis_client, keys, v, {"version": v, "accuracy": acc, "problems": 16})
     # Forged or broken entries are skipped, never shown.
-    redis_client.hset(keys.evals, mapping={"6": "not json", "7": json.dumps({"accuracy": 1.5}), "x": json.dumps({"accuracy": 0.1}), "8": json.dumps({"accuracy": "nan"})})
+    redis_client.hset(
+        keys.evals,
+        mapping={
+            "6": "not json",
+            "7": json.dumps({"accuracy": 1.5}),
+            "x": json.dumps({"accuracy": 0.1}),
+            "8": json.dumps({"accuracy": "nan"}),
+        },
+    )
     got = read_evals(redis_client, keys)
     assert {v: e["accuracy"] for v, e in got.items()} == {0: 0.25, 2: 0.5, 4: 0.625}
     st = collect_status(redis_client, run_name)

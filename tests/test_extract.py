@@ -25,9 +25,7 @@ INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: t
     density=st.sampled_from([0.0, 0.01, 0.3, 1.0]),
     seed=st.integers(0, 2**31),
 )
-def test_changed_indices_matches_bitwise_reference(
-    dtype: str, n: int, offset: int, chunk: int, density: float, seed: int
-) -> None:
+def test_changed_indices_matches_bitwise_reference(dtype: str, n: int, offset: int, chunk: int, density: float, seed: int) -> None:
     """Views at any storage offset (misaligned to 8 bytes), any chunking."""
     g = torch.Generator().manual_seed(seed)
     big_a = torch.randn(n + 8, generator=g).to(DT[dtype])
@@ -90,12 +88,8 @@ def test_extract_yields_every_param_with_fused_offsets_and_bits() -> None:
     d = out["l.self_attn.qkv_proj.weight"]
     assert d.indices.tolist() == [0, 8 + 4 + 3]
     assert d.nnz == 2 and d.new_bits.dtype == np.uint16
-    qkv_old = torch.cat([w[f"l.self_attn.{x}_proj.weight"].reshape(-1) for x in "qkv"]).view(
-        torch.int16
-    )
-    qkv_new = torch.cat([new[f"l.self_attn.{x}_proj.weight"].reshape(-1) for x in "qkv"]).view(
-        torch.int16
-    )
+    qkv_old = torch.cat([w[f"l.self_attn.{x}_proj.weight"].reshape(-1) for x in "qkv"]).view(torch.int16)
+    qkv_new = torch.cat([new[f"l.self_attn.{x}_proj.weight"].reshape(-1) for x in "qkv"]).view(torch.int16)
     assert d.old_bits.view(np.int16).tolist() == qkv_old[[0, 15]].tolist()
     assert d.new_bits.view(np.int16).tolist() == qkv_new[[0, 15]].tolist()
     # dense reads across the block boundary see the new weights

@@ -62,7 +62,9 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None
 def _follow(*args: str, stderr: Any = subprocess.PIPE) -> subprocess.Popen[str]:
     env = {**os.environ, "AURORA_TORCH_THREADS": "1"}
     env.pop("AURORA_REDIS_URL", None)
-    return subprocess.Popen([sys.executable, "-m", "aurora_tools.cli", "follow", *args], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "aurora_tools.cli", "follow", *args], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
+    )
 
 
 def _marker(out: Path) -> dict[str, Any] | None:
@@ -89,7 +91,13 @@ def test_follow_waits_for_the_run_then_holds_every_version_bit_for_bit(tmp_path:
         proc = _follow("--store", store, "--out", str(out), "--until", "3", "--poll-s", "0.1", stderr=err)
     try:
         # Started before the run exists: it waits, saying so.
-        wait_until(lambda: "holds no version yet" in log.read_text(), "word that it waits", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc})
+        wait_until(
+            lambda: "holds no version yet" in log.read_text(),
+            "word that it waits",
+            timeout=WAIT_S,
+            interval=0.05,
+            processes={"aurora follow": proc},
+        )
         model = load_pretrained(model_dir)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         dirs = []
@@ -99,7 +107,13 @@ def test_follow_waits_for_the_run_then_holds_every_version_bit_for_bit(tmp_path:
                     _step(model, opt, v)
                 p = pub.publish(model)
                 assert p is not None and p.version == v
-                wait_until(lambda: (_marker(out) or {}).get("version") == v, f"v{v} in place", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc})  # noqa: B023
+                wait_until(
+                    lambda: (_marker(out) or {}).get("version") == v,
+                    f"v{v} in place",
+                    timeout=WAIT_S,
+                    interval=0.05,
+                    processes={"aurora follow": proc},
+                )  # noqa: B023
                 m = _marker(out)
                 assert m is not None and m["state"] == p.state and m["weights_digest"] == p.weights_digest and m["run"] == "run"
                 assert _loaded_digest(out) == p.weights_digest == digest_of(model)
@@ -163,7 +177,13 @@ def test_with_redis_every_load_during_the_run_is_a_complete_published_version(
                     assert p is not None and p.version == v
                     published[p.weights_digest] = v
                     if v % 2 == 0:  # let some versions land one by one, others two at a time
-                        wait_until(lambda: (_marker(out) or {}).get("version") == v, f"v{v} in place", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc})  # noqa: B023
+                        wait_until(
+                            lambda: (_marker(out) or {}).get("version") == v,
+                            f"v{v} in place",
+                            timeout=WAIT_S,
+                            interval=0.05,
+                            processes={"aurora follow": proc},
+                        )  # noqa: B023
             finally:
                 done.set()
                 loader.join()
@@ -193,21 +213,44 @@ def test_redis_going_away_and_coming_back_is_ridden_out(tmp_path: Path, model_di
         pub.publish(model)
     log = tmp_path / "follow.log"
     with open(log, "w") as sink:
-        proc = _follow("--store", store, "--redis", own_redis_server.url, "--out", str(out), "--poll-s", "0.2", "--outage-budget-s", "300", stderr=sink)
+        proc = _follow(
+            "--store", store, "--redis", own_redis_server.url, "--out", str(out), "--poll-s", "0.2", "--outage-budget-s", "300", stderr=sink
+        )
     try:
-        wait_until(lambda: (_marker(out) or {}).get("version") == 0, "v0 in place", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc}, logs=[log])
+        wait_until(
+            lambda: (_marker(out) or {}).get("version") == 0,
+            "v0 in place",
+            timeout=WAIT_S,
+            interval=0.05,
+            processes={"aurora follow": proc},
+            logs=[log],
+        )
         own_redis_server.stop()
         _step(model, opt, 1)
         with Publisher(store, run=run_name) as quiet:  # the Trainer's Redis is away; the store takes the version
             p1 = quiet.publish(model)
         assert p1 is not None and p1.version == 1
-        wait_until(lambda: "unreachable" in log.read_text(), "word of the outage", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc}, logs=[log])  # met, and ridden (it still runs)
+        wait_until(
+            lambda: "unreachable" in log.read_text(),
+            "word of the outage",
+            timeout=WAIT_S,
+            interval=0.05,
+            processes={"aurora follow": proc},
+            logs=[log],
+        )  # met, and ridden (it still runs)
         own_redis_server.start()  # back, empty
         _step(model, opt, 2)
         with Publisher(store, redis=own_redis_server.url, run=run_name) as pub:
             p2 = pub.publish(model)
         assert p2 is not None and p2.version == 2
-        wait_until(lambda: (_marker(out) or {}).get("version") == 2, "v2 in place", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc}, logs=[log])
+        wait_until(
+            lambda: (_marker(out) or {}).get("version") == 2,
+            "v2 in place",
+            timeout=WAIT_S,
+            interval=0.05,
+            processes={"aurora follow": proc},
+            logs=[log],
+        )
         assert _loaded_digest(out) == p2.weights_digest
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=WAIT_S) == 0, log.read_text()[-3000:]
@@ -268,9 +311,21 @@ def test_the_vllm_example_starts_from_the_followed_dir_and_applies_two_versions_
         assert follow(FollowConfig(store=store, out=str(out), until=0), threading.Event()) == 0  # in this process: aurora follow's loop
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "AURORA_TORCH_THREADS": "1"}
         with open(log, "w") as sink:
-            proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--store", store, "--model", str(out), "--until", "2"], stdout=sink, stderr=subprocess.STDOUT, text=True, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, str(EXAMPLE), "--store", store, "--model", str(out), "--until", "2"],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
         try:
-            wait_until(lambda: "loaded by vLLM" in log.read_text(), "vLLM started", timeout=WAIT_S, interval=0.05, processes={"aurora follow": proc})
+            wait_until(
+                lambda: "loaded by vLLM" in log.read_text(),
+                "vLLM started",
+                timeout=WAIT_S,
+                interval=0.05,
+                processes={"aurora follow": proc},
+            )
             assert f"v0: loaded by vLLM from {out}, digest {p0.weights_digest[:19]}... checked" in log.read_text()
             digests = []
             for v in (1, 2):
@@ -298,13 +353,24 @@ def test_a_config_file_gives_follow_its_options_and_flags_win(tmp_path: Path, mo
     f.write_text(
         'store = "file:///tmp/run"\nregion = "eu"\n'  # top level: the Actor's region is skipped here
         '[follow]\nout = "/srv/served"\nuntil = 3\npoll-s = 0.5\nstorage-option = ["anon=true"]\n'
-        '[trainer]\nlr = 0.1\n'
+        "[trainer]\nlr = 0.1\n"
     )
-    fills = {"trainer": run_cmds.add_trainer_arguments, "actor": run_cmds.add_actor_arguments, "relay": run_cmds.add_relay_arguments, "follow": run_cmds.add_follow_arguments}
+    fills = {
+        "trainer": run_cmds.add_trainer_arguments,
+        "actor": run_cmds.add_actor_arguments,
+        "relay": run_cmds.add_relay_arguments,
+        "follow": run_cmds.add_follow_arguments,
+    }
     argv = ["follow", "--config", str(f), "--until", "5"]
     args = config_file.parse_worker_args(build_parser(argv), argv, fills)
     cfg = config_from_args(args)
-    assert (cfg.store, cfg.out, cfg.until, cfg.poll_s, dict(cfg.storage_options)) == ("file:///tmp/run", "/srv/served", 5, 0.5, {"anon": True})
+    assert (cfg.store, cfg.out, cfg.until, cfg.poll_s, dict(cfg.storage_options)) == (
+        "file:///tmp/run",
+        "/srv/served",
+        5,
+        0.5,
+        {"anon": True},
+    )
     assert cfg.redis is None and cfg.run is None
     f.write_text('[follow]\nout = "/srv/served"\nuntill = 3\n')
     with pytest.raises(SystemExit) as e:

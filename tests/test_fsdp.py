@@ -136,15 +136,42 @@ def test_trainer_nproc2_versions_reach_an_actor_bit_identical(tmp_path: Path, re
     logs = tmp_path / "trainer.log"
     with open(logs, "wb") as tlog, open(tmp_path / "actor.log", "wb") as alog:
         trainer = subprocess.Popen(
-            [sys.executable, "-m", "aurora_tools.cli", "trainer", *common, "--steps", "4", "--batch", "8", "--group", "4", "--nproc", "2",
-             "--snapshot-every", "0"],
-            env=env, stdout=tlog, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "aurora_tools.cli",
+                "trainer",
+                *common,
+                "--steps",
+                "4",
+                "--batch",
+                "8",
+                "--group",
+                "4",
+                "--nproc",
+                "2",
+                "--snapshot-every",
+                "0",
+            ],
+            env=env,
+            stdout=tlog,
+            stderr=subprocess.STDOUT,
         )
         # An Actor needs the model description and v0, which the Trainer writes after its warm start.
         r = connect(redis_url)
-        wait_until(lambda: r.hget(RunKeys("fsdp").trainer, "head") is not None, "v0", timeout=300, interval=0.2, processes={"the Trainer": trainer}, logs=[logs])
+        wait_until(
+            lambda: r.hget(RunKeys("fsdp").trainer, "head") is not None,
+            "v0",
+            timeout=300,
+            interval=0.2,
+            processes={"the Trainer": trainer},
+            logs=[logs],
+        )
         actor = subprocess.Popen(
-            [sys.executable, "-m", "aurora_tools.cli", "actor", *common, "--id", "a0"], env=env, stdout=alog, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "aurora_tools.cli", "actor", *common, "--id", "a0"],
+            env=env,
+            stdout=alog,
+            stderr=subprocess.STDOUT,
         )
         try:
             rc = trainer.wait(timeout=420)

@@ -201,22 +201,15 @@ def test_source_lookup() -> None:
     seed=st.integers(0, 2**31),
     density=st.floats(0.0, 1.0),
 )
-def test_split_matches_torch_cat(
-    q_rows: int, k_rows: int, cols: int, bias: bool, seed: int, density: float
-) -> None:
+def test_split_matches_torch_cat(q_rows: int, k_rows: int, cols: int, bias: bool, seed: int, density: float) -> None:
     suffix = "bias" if bias else "weight"
-    shapes = (
-        {"q": (q_rows,), "k": (k_rows,), "v": (k_rows,)}
-        if bias
-        else {"q": (q_rows, cols), "k": (k_rows, cols), "v": (k_rows, cols)}
-    )
+    shapes = {"q": (q_rows,), "k": (k_rows,), "v": (k_rows,)} if bias else {"q": (q_rows, cols), "k": (k_rows, cols), "v": (k_rows, cols)}
     specs = {f"m.self_attn.{x}_proj.{suffix}": ParamSpec(s, "float32") for x, s in shapes.items()}
     plan = FusionPlan.from_specs(specs)
     fused = f"m.self_attn.qkv_proj.{suffix}"
     # each element holds a unique tag: (block number, local flat index)
     src = {
-        n: torch.arange(ParamSpec(s.shape, s.dtype).numel, dtype=torch.float32).reshape(s.shape)
-        + 1000 * k
+        n: torch.arange(ParamSpec(s.shape, s.dtype).numel, dtype=torch.float32).reshape(s.shape) + 1000 * k
         for k, (n, s) in enumerate(specs.items())
     }
     cat = torch.cat([src[n] for n in specs], dim=0)
@@ -241,9 +234,7 @@ def test_split_matches_torch_cat(
         pieces = plan.split_range(fused, lo, hi)
         rebuilt = torch.cat([src[b.source].reshape(-1)[a:z] for b, a, z, _ in pieces])
         assert torch.equal(rebuilt, flat[lo:hi])
-        assert [off for *_, off in pieces] == np.cumsum(
-            [0] + [z - a for _, a, z, _ in pieces[:-1]]
-        ).tolist()
+        assert [off for *_, off in pieces] == np.cumsum([0] + [z - a for _, a, z, _ in pieces[:-1]]).tolist()
 
 
 def test_split_of_unfused_param_is_identity() -> None:

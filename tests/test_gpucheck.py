@@ -25,8 +25,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL = ROOT / "aurora_tools" / "gpucheck" / "install.py"
 KEYS = {
-    "extract_ms_8b", "extract_device_ms_8b", "device_gbps", "encode_ms_8b", "apply_ms_8b",
-    "grpo_steps_ok", "vllm", "nnz_8b", "params_8b", "ok",
+    "extract_ms_8b",
+    "extract_device_ms_8b",
+    "device_gbps",
+    "encode_ms_8b",
+    "apply_ms_8b",
+    "grpo_steps_ok",
+    "vllm",
+    "nnz_8b",
+    "params_8b",
+    "ok",
 }
 
 
@@ -38,7 +46,11 @@ def _env() -> dict[str, str]:
 def test_cpu_small_run_reports_every_figure_and_passes() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "aurora_tools.gpucheck", "--device", "cpu", "--small", "--reps", "1"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
@@ -62,7 +74,11 @@ def test_cpu_small_run_reports_every_figure_and_passes() -> None:
 def test_cuda_without_a_device_is_one_line_and_exit_2() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "aurora_tools.gpucheck", "--skip-8b", "--skip-grpo"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 2
     assert r.stdout == ""
@@ -100,7 +116,9 @@ def test_install_skips_present_distributions_and_installs_the_rest(tmp_path: Pat
     target = tmp_path / "site"
     r = subprocess.run(
         [sys.executable, str(INSTALL), "--wheels", str(wheels), "--target", str(target)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr
     assert "installed aurora_gpucheck_probe-1.0-py3-none-any.whl" in r.stdout
@@ -112,7 +130,9 @@ def test_install_skips_present_distributions_and_installs_the_rest(tmp_path: Pat
 def test_install_without_wheels_says_what_to_run(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, str(INSTALL), "--wheels", str(tmp_path / "none"), "--target", str(tmp_path / "site")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 2
     assert "make gpu-wheels" in r.stderr and "Traceback" not in r.stderr

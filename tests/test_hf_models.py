@@ -65,7 +65,13 @@ def test_the_run_root_holds_the_description_and_an_actor_rebuilds_model_and_toke
     listed, _ = model_files_listed(store)
     assert listed is not None
     assert sorted(listed) == sorted(MODEL_PREFIX + n for n in md.files)
-    assert {"model/config.json", "model/tokenizer.json", "model/tokenizer_config.json", "model/generation_config.json", "model/chat_template.jinja"} <= set(listed)
+    assert {
+        "model/config.json",
+        "model/tokenizer.json",
+        "model/tokenizer_config.json",
+        "model/generation_config.json",
+        "model/chat_template.jinja",
+    } <= set(listed)
 
     skeleton, tok = read_model_description(store)
     assert isinstance(tok, HFTokenizer)
@@ -94,7 +100,9 @@ def test_the_built_in_model_is_described_the_same_way(tmp_path: Path) -> None:
     store = open_store(f"file://{tmp_path}/run")
     tok = CharTokenizer()
     m = tiny_qwen3(tok.vocab_size, seed=0)
-    write_model_description(store, m.config.to_json_string(), tok.to_json(), {"generation_config.json": m.generation_config.to_json_string().encode()})
+    write_model_description(
+        store, m.config.to_json_string(), tok.to_json(), {"generation_config.json": m.generation_config.to_json_string().encode()}
+    )
     skeleton, got = read_model_description(store, unlisted_ok=True)
     assert isinstance(got, CharTokenizer) and got.render_prompt("Q: 1+2=? A:") == tok.encode("Q: 1+2=? A:", bos=True)
     assert store.exists("model/generation_config.json")
@@ -129,11 +137,26 @@ def test_aurora_tiny_model_writes_a_loadable_directory_and_data(tmp_path: Path) 
 
     out = tmp_path / "m"
     r = subprocess.run(
-        [sys.executable, "-m", "aurora_tools.cli", "tiny-model", "--family", "llama", "--out", str(out), "--data-dir", str(tmp_path / "data")],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "aurora_tools.cli",
+            "tiny-model",
+            "--family",
+            "llama",
+            "--out",
+            str(out),
+            "--data-dir",
+            str(tmp_path / "data"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr[-2000:]
     md = read_model_dir(out)
     assert md.family == "llama" and (tmp_path / "data" / "gsm8k.jsonl").exists() and (tmp_path / "data" / "math.jsonl").exists()
-    again = subprocess.run([sys.executable, "-m", "aurora_tools.cli", "tiny-model", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-m", "aurora_tools.cli", "tiny-model", "--out", str(out)], capture_output=True, text=True, timeout=120
+    )
     assert again.returncode != 0 and "exists" in again.stderr and "Traceback" not in again.stderr

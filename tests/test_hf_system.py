@@ -47,10 +47,28 @@ def test_hf_models_and_tasks_through_the_whole_system(pretrained: dict[str, Pret
             p = pretrained[family]
             run = f"hf-{family}"
             cfg = DemoConfig(
-                steps=steps, batch=8, group=4, actors_relay=1, actors_origin=1, kill_at=-1, join_at=-1, snapshot_every=3,
-                redis=rs.url, run=run, workdir=str(tmp_path / family), display=False, engines=("torch", "vllm"),
-                trainer_extra={"model": str(p.model), "task": task, "data": str(getattr(p, task)), "eval_every": 2, "eval_size": 8, "max_new_tokens": 32,
-                               "min_actors": 2},
+                steps=steps,
+                batch=8,
+                group=4,
+                actors_relay=1,
+                actors_origin=1,
+                kill_at=-1,
+                join_at=-1,
+                snapshot_every=3,
+                redis=rs.url,
+                run=run,
+                workdir=str(tmp_path / family),
+                display=False,
+                engines=("torch", "vllm"),
+                trainer_extra={
+                    "model": str(p.model),
+                    "task": task,
+                    "data": str(getattr(p, task)),
+                    "eval_every": 2,
+                    "eval_size": 8,
+                    "max_new_tokens": 32,
+                    "min_actors": 2,
+                },
             )
             res = run_system_demo(cfg, say=lambda *a, **k: None)
             logs = {n: (tmp_path / family / "logs" / f"{n}.log").read_text(errors="replace")[-3000:] for n in ("eu-0", "us-0")}

@@ -113,9 +113,7 @@ CASES = [
         "declares 1048576 bytes",
     ),
     Case("zstd-corrupt", ZSTD_ONLY, flip_in("1.val", 6), "zstd frame is corrupt|truncated"),
-    Case(
-        "zstd-garbage", ZSTD_ONLY, set_tensor("1.val", b"this is not zstd"), "zstd frame is corrupt"
-    ),
+    Case("zstd-garbage", ZSTD_ONLY, set_tensor("1.val", b"this is not zstd"), "zstd frame is corrupt"),
     Case(
         "zstd-wrong-size",
         ZSTD_ONLY,
@@ -204,9 +202,7 @@ CASES = [
         set_tensor("1.idx", leb(3, 7, 40, 1, 49) + b"\x00" * 50),
         "exceeds its bound 50",
     ),
-    Case(
-        "bitmask-bit-past-range", BITMASK, bit_past_range, r"sets a bit past the range \[0, 124\)"
-    ),
+    Case("bitmask-bit-past-range", BITMASK, bit_past_range, r"sets a bit past the range \[0, 124\)"),
     Case("bitmask-count", BITMASK, set_field(nnz=4), "bitmask marks 5 indices, nnz is 4"),
     Case(
         "u32-not-increasing",
@@ -239,9 +235,7 @@ def _apply_case(case: Case) -> bytes:
     return mutated_segment(case.target, case.mutate)
 
 
-@pytest.mark.parametrize(
-    "target", [PAPER, ZSTD_ONLY, EncodeOptions()], ids=["paper", "zstd", "auto"]
-)
+@pytest.mark.parametrize("target", [PAPER, ZSTD_ONLY, EncodeOptions()], ids=["paper", "zstd", "auto"])
 def test_unmodified_rewrite_is_accepted(target: EncodeOptions) -> None:
     """The rewriting helper is faithful: without a mutation the segment applies."""
     data = rewrite_segment(valid_segment(target))
@@ -314,9 +308,7 @@ def test_partially_overlapping_ranges() -> None:
     second = rewrite_segment(
         seg2,
         entries=narrow(100, 128),
-        tensors=lambda t: t.update(
-            {"1.idx": ("U8", [1], leb(0)), "1.val": ("BF16", [1], t["1.val"][2][-2:])}
-        ),
+        tensors=lambda t: t.update({"1.idx": ("U8", [1], leb(0)), "1.val": ("BF16", [1], t["1.val"][2][-2:])}),
     )
     second = rewrite_segment(second, entries=lambda e: e[0].update(nnz=1))
     stage_segments([("s1", first)], 1, specs())  # each alone is fine
@@ -586,11 +578,7 @@ def test_apply_refuses_dtype_mismatch_with_the_sink() -> None:
         [
             (
                 "s",
-                valid_segment(
-                    EncodeOptions(
-                        index_encodings=("dense",), value_modes=("new",), codecs=("none",)
-                    )
-                ),
+                valid_segment(EncodeOptions(index_encodings=("dense",), value_modes=("new",), codecs=("none",))),
             )
         ],
         1,

@@ -104,7 +104,5 @@ def test_tarjan_finds_cycles_and_self_imports() -> None:
 def test_no_import_cycle_anywhere() -> None:
     edges = import_graph()
     components = strongly_connected(edges)
-    report = "\n".join(
-        f"  {', '.join(c)}\n    e.g. " + " -> ".join(one_cycle(edges, c)) for c in components
-    )
+    report = "\n".join(f"  {', '.join(c)}\n    e.g. " + " -> ".join(one_cycle(edges, c)) for c in components)
     assert not components, f"import cycles (lazy imports included):\n{report}"

@@ -63,9 +63,7 @@ def leb128_gaps(stream: bytes) -> list[int]:
     return out
 
 
-def stream_bytes(
-    tensors: dict[str, Any], name: str, codec: str, size: int | None, bound: int
-) -> bytes:
+def stream_bytes(tensors: dict[str, Any], name: str, codec: str, size: int | None, bound: int) -> bytes:
     code, shape, raw = tensors[name]
     if codec == "none":
         return raw
@@ -91,9 +89,7 @@ def decode_entry(e: dict[str, Any], tensors: dict[str, Any]) -> tuple[np.ndarray
             "u32": 4 * nnz,
             "u64": 8 * nnz,
         }[enc]
-        raw = stream_bytes(
-            tensors, e["idx"], e.get("idx_codec", "none"), None if enc == "leb128" else bound, bound
-        )
+        raw = stream_bytes(tensors, e["idx"], e.get("idx_codec", "none"), None if enc == "leb128" else bound, bound)
         if enc == "leb128":
             pos, positions = start, []
             for k, g in enumerate(leb128_gaps(raw)):
@@ -164,9 +160,7 @@ OPTS = {
     "paper": PAPER,
     "auto": EncodeOptions(),
     "naive": NAIVE,
-    "bitmask-xor-zstd": EncodeOptions(
-        index_encodings=("bitmask",), value_modes=("xor",), codecs=("zstd",)
-    ),
+    "bitmask-xor-zstd": EncodeOptions(index_encodings=("bitmask",), value_modes=("xor",), codecs=("zstd",)),
     "dense": EncodeOptions(index_encodings=("dense",)),
 }
 

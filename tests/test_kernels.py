@@ -197,6 +197,7 @@ def test_apply_matches_reference(width: str, n: int, density: float, xor: bool, 
     want = flat.copy()
     for i, v in zip(idx.tolist(), bits.tolist(), strict=True):
         want[i] = (want[i] ^ v) if xor else v
+
     def applied(jit: bool) -> np.ndarray:
         f = flat.copy()
         kernels.apply_bits(f, idx, bits, xor, jit=jit)
@@ -372,9 +373,7 @@ def test_varint_decode_agrees_with_the_oracle_on_any_bytes(data: bytes, count: i
     span=st.one_of(st.integers(1, 2000), st.integers(1, 1 << 62)),
     nnz_delta=st.sampled_from([0, 0, 0, -1, 1]),
 )
-def test_leb128_indices_agree_with_the_oracle(
-    path: str, gaps: list[int], start: int, span: int, nnz_delta: int
-) -> None:
+def test_leb128_indices_agree_with_the_oracle(path: str, gaps: list[int], start: int, span: int, nnz_delta: int) -> None:
     """Valid and invalid gap lists: same indices, or the same error text."""
     data = b"".join(py_encode(g) for g in gaps)
     nnz = max(0, len(gaps) + nnz_delta)
@@ -385,9 +384,7 @@ def test_leb128_indices_agree_with_the_oracle(
 
 @path_settings
 @given(data=hostile_bytes, start=st.integers(0, 100), span=st.integers(1, 1 << 40), nnz=st.integers(0, 12))
-def test_leb128_indices_agree_with_the_oracle_on_any_bytes(
-    path: str, data: bytes, start: int, span: int, nnz: int
-) -> None:
+def test_leb128_indices_agree_with_the_oracle_on_any_bytes(path: str, data: bytes, start: int, span: int, nnz: int) -> None:
     want = outcome(original_decode_indices, data, start, start + span, nnz)
     assert outcome(enc.decode_indices, "leb128", data, start, start + span, nnz) == want
 

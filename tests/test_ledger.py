@@ -177,7 +177,9 @@ def test_result_at_the_expiry_boundary(ledger: Ledger, clock: ManualClock, offse
 # the rest of the predicate
 
 
-@pytest.mark.parametrize("version, state, reason", [(V - 1, H, "wrong_version"), (V + 1, H, "wrong_version"), (V, "sha256:other", "wrong_digest")])
+@pytest.mark.parametrize(
+    "version, state, reason", [(V - 1, H, "wrong_version"), (V + 1, H, "wrong_version"), (V, "sha256:other", "wrong_digest")]
+)
 def test_wrong_version_or_digest_is_rejected_and_released(ledger: Ledger, version: int, state: str, reason: str) -> None:
     join(ledger, "a")
     join(ledger, "b")
@@ -356,7 +358,6 @@ def test_settle_many_is_one_round_trip(redis_client: Any, redis_server: RedisSer
     assert counter.snapshot()[0] == 1
 
 
-
 def test_settle_many_survives_a_lost_script_cache(redis_client: Any, redis_server: RedisServer, run_name: str, clock: ManualClock) -> None:
     """A Redis that lost its scripts (restart, SCRIPT FLUSH) answers NOSCRIPT: the batch is sent again, each result once."""
     led, counter = _counted_ledger(redis_server.url, run_name, clock)
@@ -445,6 +446,7 @@ def test_held_versions_of_live_actors(ledger: Ledger, clock: ManualClock) -> Non
 def test_held_versions_is_the_lineage_interface(ledger: Ledger) -> None:
     held: HeldVersions = LedgerHeldVersions(ledger)  # mypy checks the signature, isinstance the method
     assert isinstance(held, HeldVersions)
+
 
 # ---------------------------------------------------------------------------
 # known defects (strict xfails: they start passing when fixed)
@@ -575,9 +577,7 @@ def _read_json_line(proc: subprocess.Popen[str], timeout_s: float = 30.0) -> dic
     return json.loads(line)
 
 
-def _claim_until(
-    led: Ledger, actor: str, want: set[str], keep: Callable[[Lease], bool], timeout_s: float = 20.0
-) -> dict[str, Lease]:
+def _claim_until(led: Ledger, actor: str, want: set[str], keep: Callable[[Lease], bool], timeout_s: float = 20.0) -> dict[str, Lease]:
     """Claim (server clock) until every prompt in ``want`` was leased to ``actor``.
 
     Each lease is settled at once unless ``keep(lease)``; the kept ones are

@@ -25,9 +25,7 @@ def join(ledger: Ledger, actor: str, v: int = V) -> None:
     register_on(ledger, actor, v, v, H)
 
 
-def test_claim_is_one_round_trip_and_carries_the_step(
-    redis_server: RedisServer, run_name: str, clock: ManualClock
-) -> None:
+def test_claim_is_one_round_trip_and_carries_the_step(redis_server: RedisServer, run_name: str, clock: ManualClock) -> None:
     counter = CallCounter()
     led = Ledger(counting_client(redis_server.url, counter), run_name, clock=clock)
     join(led, "a")
@@ -39,27 +37,19 @@ def test_claim_is_one_round_trip_and_carries_the_step(
     assert counter.snapshot()[0] == 1
     assert status == "ok" and [le.prompt for le in leases] == ["p001", "p002", "p003", "p004"]
     assert {(le.version, le.state, le.group, le.step_id) for le in leases} == {(V - 1, H, 3, V)}
-    assert [le.token for le in leases] == sorted(
-        {le.token for le in leases}
-    )  # distinct, increasing
+    assert [le.token for le in leases] == sorted({le.token for le in leases})  # distinct, increasing
     assert all(le.expiry_ms == clock() + LEASE for le in leases)
 
 
-def test_claim_drops_duplicates_in_the_lists_and_fills_up(
-    ledger: Ledger, redis_client: Any
-) -> None:
+def test_claim_drops_duplicates_in_the_lists_and_fills_up(ledger: Ledger, redis_client: Any) -> None:
     """A prompt repeated in the lists (a write repeated after a partial loss) is leased once; the claim
     pops further to fill up."""
     join(ledger, "a")
     ledger.create_step(V, H, jobs(5), {"a": 2}, group=1, lease_ms=LEASE)
-    redis_client.lpush(
-        ledger.k_assigned(V, "a"), "p000", "p000", "ghost"
-    )  # ghost p000 p000 p000 p001
+    redis_client.lpush(ledger.k_assigned(V, "a"), "p000", "p000", "ghost")  # ghost p000 p000 p000 p001
     _, leases = ledger.claim("a", V, 4)
     assert [le.prompt for le in leases] == ["p000", "p001", "p002", "p003"]
-    assert (
-        int(redis_client.hget(ledger.k_step(V), "duplicates")) == 3
-    )  # ghost (no such prompt), p000 twice
+    assert int(redis_client.hget(ledger.k_step(V), "duplicates")) == 3  # ghost (no such prompt), p000 twice
 
 
 def test_claim_returns_every_expired_lease_to_the_pool(ledger: Ledger, clock: ManualClock) -> None:
@@ -71,15 +61,10 @@ def test_claim_returns_every_expired_lease_to_the_pool(ledger: Ledger, clock: Ma
     _, again = ledger.claim("b", V, 30)
     assert sorted(le.prompt for le in again) == sorted(le.prompt for le in held)
     assert ledger.step_status(V).expired == 30
-    assert all(
-        s.reason == "stale_token"
-        for s in ledger.settle_many("a", [(le, V, H, b"x") for le in held])
-    )
+    assert all(s.reason == "stale_token" for s in ledger.settle_many("a", [(le, V, H, b"x") for le in held]))
 
 
-def test_settle_many_is_one_script_per_step(
-    redis_server: RedisServer, redis_client: Any, run_name: str, clock: ManualClock
-) -> None:
+def test_settle_many_is_one_script_per_step(redis_server: RedisServer, redis_client: Any, run_name: str, clock: ManualClock) -> None:
     counter = CallCounter()
     led = Ledger(counting_client(redis_server.url, counter), run_name, clock=clock)
     join(led, "a")
@@ -92,9 +77,7 @@ def test_settle_many_is_one_script_per_step(
     counter.reset()
     out = led.settle_many("a", [(le, V, H, b"r" + le.prompt.encode()) for le in mixed])
     assert counter.snapshot()[0] == 1
-    assert (
-        int(redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]) - before == 2
-    )  # one per step
+    assert int(redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]) - before == 2  # one per step
     assert [s.prompt for s in out] == [le.prompt for le in mixed] and all(s.accepted for s in out)
     for v, want in ((V, a), (V + 1, b)):
         got = led.collect(v)
@@ -106,9 +89,7 @@ def test_settle_many_is_one_script_per_step(
     assert rec is not None and rec.settled == 8
 
 
-def test_settle_many_judges_each_result_as_settle_would(
-    ledger: Ledger, redis_client: Any, clock: ManualClock
-) -> None:
+def test_settle_many_judges_each_result_as_settle_would(ledger: Ledger, redis_client: Any, clock: ManualClock) -> None:
     """The same mix of results settled one by one on one step and as one batch on a twin step: same answers,
     same ledger afterwards."""
     join(ledger, "a")
@@ -131,24 +112,16 @@ def test_settle_many_judges_each_result_as_settle_would(
             (mine[3], V, H, b"3"),
         ]
         if v == V:
-            answers.append(
-                [ledger.settle("a", le, ver, st, body).reason for le, ver, st, body in batch]
-            )
+            answers.append([ledger.settle("a", le, ver, st, body).reason for le, ver, st, body in batch])
         else:
             answers.append([s.reason for s in ledger.settle_many("a", batch)])
-        clock.advance_ms(
-            LEASE - 5
-        )  # `short` (leased 10 ms later) is still valid, the others are past expiry
+        clock.advance_ms(LEASE - 5)  # `short` (leased 10 ms later) is still valid, the others are past expiry
         late = (
             [ledger.settle("a", mine[4], V, H, b"late").reason]
             if v == V
             else [ledger.settle_many("a", [(mine[4], V, H, b"late")])[0].reason]
         )
-        ok = (
-            [ledger.settle("a", short, V, H, b"s").reason]
-            if v == V
-            else [ledger.settle_many("a", [(short, V, H, b"s")])[0].reason]
-        )
+        ok = [ledger.settle("a", short, V, H, b"s").reason] if v == V else [ledger.settle_many("a", [(short, V, H, b"s")])[0].reason]
         answers[-1] += late + ok
         clock.advance_ms(-(LEASE - 5))
     assert answers[0] == answers[1]
@@ -172,12 +145,8 @@ def test_settle_many_judges_each_result_as_settle_would(
         s2.leased,
         s2.pending,
     )
-    assert [(r.prompt, r.seq, r.payload) for r in ledger.collect(V)] == [
-        (r.prompt, r.seq, r.payload) for r in ledger.collect(V + 1)
-    ]
-    assert redis_client.lrange(ledger.k_step(V, "pool"), 0, -1) == redis_client.lrange(
-        ledger.k_step(V + 1, "pool"), 0, -1
-    )
+    assert [(r.prompt, r.seq, r.payload) for r in ledger.collect(V)] == [(r.prompt, r.seq, r.payload) for r in ledger.collect(V + 1)]
+    assert redis_client.lrange(ledger.k_step(V, "pool"), 0, -1) == redis_client.lrange(ledger.k_step(V + 1, "pool"), 0, -1)
 
 
 def test_settle_many_on_a_closed_or_missing_step(ledger: Ledger) -> None:
@@ -185,16 +154,9 @@ def test_settle_many_on_a_closed_or_missing_step(ledger: Ledger) -> None:
     ledger.create_step(V, H, jobs(3), {}, group=1, lease_ms=LEASE)
     _, leases = ledger.claim("a", V, 3)
     ledger.seal_step(V)
-    assert [s.reason for s in ledger.settle_many("a", [(le, V, H, b"r") for le in leases])] == [
-        "closed"
-    ] * 3
-    gone = [
-        le.__class__(le.prompt, le.token, V, H, 1, le.expiry_ms, b"", step=V + 9)
-        for le in leases[:2]
-    ]
-    assert [s.reason for s in ledger.settle_many("a", [(le, V, H, b"r") for le in gone])] == [
-        "no_step"
-    ] * 2
+    assert [s.reason for s in ledger.settle_many("a", [(le, V, H, b"r") for le in leases])] == ["closed"] * 3
+    gone = [le.__class__(le.prompt, le.token, V, H, 1, le.expiry_ms, b"", step=V + 9) for le in leases[:2]]
+    assert [s.reason for s in ledger.settle_many("a", [(le, V, H, b"r") for le in gone])] == ["no_step"] * 2
 
 
 def test_a_large_batch_settles_in_one_script(ledger: Ledger) -> None:

@@ -93,8 +93,20 @@ def _collect(
     collected: dict[str, Any] = {}
     counts = Collected()
     done = collect_batch(
-        ledger, b, V, need, collected, [], counts, 60_000, kw.pop("progress_s", 30.0), 1.0, threading.Event(), ScriptedClock(on_wait),
-        recreate or (lambda: pytest.fail("the step was not lost")), **kw,
+        ledger,
+        b,
+        V,
+        need,
+        collected,
+        [],
+        counts,
+        60_000,
+        kw.pop("progress_s", 30.0),
+        1.0,
+        threading.Event(),
+        ScriptedClock(on_wait),
+        recreate or (lambda: pytest.fail("the step was not lost")),
+        **kw,
     )
     return done, collected, counts
 
@@ -133,16 +145,19 @@ class ExtraRedis:
         self.dir = self.dir or tempfile.mkdtemp(prefix="aurora-redis-x-")
         self.proc = subprocess.Popen(
             [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", self.dir, *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         client = connect(self.url)
         try:
+
             def up() -> bool:
                 assert self.proc is not None and self.proc.poll() is None, "redis-server exited"
                 try:
                     return bool(client.ping())
                 except Exception:  # noqa: BLE001 - not listening yet, or loading its AOF
                     return False
+
             wait_until(up, what="redis-server to answer")
         finally:
             client.close()
@@ -546,7 +561,10 @@ def _a_run(client: Any, run: str, cfg: LedgerConfig, clock: ManualClock, churn: 
         if v == 2 and churn:
             # churn Actors join, activate, claim, and leave (restarted spot instances), pipelined
             # (the scripts the Ledger and record_digest run, queued by SHA: one round trip)
-            sha = {name: client.script_load(src) for name, src in (("register", REGISTER), ("heartbeat", HEARTBEAT), ("versioned", RECORD_VERSIONED))}
+            sha = {
+                name: client.script_load(src)
+                for name, src in (("register", REGISTER), ("heartbeat", HEARTBEAT), ("versioned", RECORD_VERSIONED))
+            }
             ttl = int(cfg.actor_ttl_s * 1000)
             pipe = client.pipeline(transaction=False)
             for i in range(churn):
@@ -563,7 +581,9 @@ def _a_run(client: Any, run: str, cfg: LedgerConfig, clock: ManualClock, churn: 
         if v == 2 and churn:
             pipe = client.pipeline(transaction=False)
             for i in range(churn):
-                pipe.evalsha(led._scripts.mark_actor.sha, 1, led.k_actor(f"spot-{i:04d}"), int(cfg.departed_ttl_s * 1000), "", "status", "left")
+                pipe.evalsha(
+                    led._scripts.mark_actor.sha, 1, led.k_actor(f"spot-{i:04d}"), int(cfg.departed_ttl_s * 1000), "", "status", "left"
+                )
             pipe.execute()
         led.close_step(v, epoch=1)
     return led
@@ -577,6 +597,7 @@ def test_a_run_that_churned_1000_actors_uses_the_memory_of_one_that_did_not(redi
     assert len(busy.actors()) == 1001  # the departed are still shown for departed_ttl_s
     mem_peak = int(redis_client.info("memory")["used_memory"])
     peak = sum(_run_keys(redis_client, "busy").values())
+
     # the departed records and the closed steps' tombstones expire; the Trainer's reap trims the set
     def settled() -> bool:
         busy.reap(60_000)
@@ -594,7 +615,9 @@ def test_a_run_that_churned_1000_actors_uses_the_memory_of_one_that_did_not(redi
     t, a = read_digests(redis_client, RunKeys("busy"))
     assert sorted(t) == [8, 9, 10, 11] and sorted(a) == [("stays", v) for v in (8, 9, 10, 11)]
     mem_after = int(redis_client.info("memory")["used_memory"])
-    print(f"used_memory: peak {mem_peak} B, after expiry {mem_after} B; run keys: quiet {sum(q.values())} B, busy {peak} B at the peak, {sum(b.values())} B after")
+    print(
+        f"used_memory: peak {mem_peak} B, after expiry {mem_after} B; run keys: quiet {sum(q.values())} B, busy {peak} B at the peak, {sum(b.values())} B after"
+    )
 
 
 def test_actor_records_expire_and_writes_never_revive_them(redis_client: Any, run_name: str, clock: ManualClock) -> None:
@@ -699,4 +722,3 @@ def test_aof_restart_keeps_results_collectable(extra_redis: Callable[..., ExtraR
     assert sorted(have) + [r.prompt for r in more] == [p for p, _ in jobs(6)]
     assert led2.create_step(V, H, jobs(6), {}, group=1, lease_ms=60_000, epoch=1) == "exists"
     assert led2.close_step(V, epoch=1, have=set(have) | {r.prompt for r in more}).results == []
-

@@ -121,7 +121,15 @@ class Run:
         for _ in range(n):
             v = max(self.weights) + 1
             new = self.master.step(lr=lr)
-            m = publish_delta(self.store, "t", v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], self.cfg, weights_digest=weights_digest(new, self.plan))
+            m = publish_delta(
+                self.store,
+                "t",
+                v,
+                extract(self.plan, self.weights[v - 1], new),
+                self.states[v - 1],
+                self.cfg,
+                weights_digest=weights_digest(new, self.plan),
+            )
             self.weights[v], self.states[v] = new, m.state
 
     def snapshot(self, v: int) -> None:
@@ -137,7 +145,9 @@ def test_adaptive_segments_use_every_stream() -> None:
     m = publish_delta(run.store, "t", 1, iter(deltas), run.states[0], run.cfg)  # a one-shot iterator is fine
     assert 3 <= len(m.segments) <= 8  # about 2 x streams (the estimate is within 2x)
     assert max(s.bytes for s in m.segments) <= expect * 1.1
-    fixed = publish_delta(run.store, "t", 2, extract(run.plan, new, run.master.step(lr=1e-3)), m.state, PublishConfig(streams=2, segment_bytes=1 << 20))
+    fixed = publish_delta(
+        run.store, "t", 2, extract(run.plan, new, run.master.step(lr=1e-3)), m.state, PublishConfig(streams=2, segment_bytes=1 << 20)
+    )
     assert len(fixed.segments) == 1  # a set size is used as is
     tensors, state = materialize(run.store, 1)
     assert state == m.state

@@ -34,17 +34,10 @@ def canon(x: Any) -> bytes:
 
 
 def refs(n: int = 2) -> tuple[SegmentRef, ...]:
-    return tuple(
-        SegmentRef(
-            f"{ATTEMPT}/seg-{i:05d}.safetensors", 1000 + i, hashlib.sha256(bytes([i])).hexdigest()
-        )
-        for i in range(n)
-    )
+    return tuple(SegmentRef(f"{ATTEMPT}/seg-{i:05d}.safetensors", 1000 + i, hashlib.sha256(bytes([i])).hexdigest()) for i in range(n))
 
 
-def delta_json(
-    version: int = 121, base_state: str | None = None, segs: tuple[SegmentRef, ...] | None = None
-) -> dict[str, Any]:
+def delta_json(version: int = 121, base_state: str | None = None, segs: tuple[SegmentRef, ...] | None = None) -> dict[str, Any]:
     segs = refs() if segs is None else segs
     base_state = base_state or sha(b"base")
     seg_list = [{"key": s.key, "bytes": s.bytes, "sha256": s.sha256} for s in segs]
@@ -245,8 +238,14 @@ def test_layout_helpers() -> None:
     [
         b'{"format": 1, "version": 1' + b"1" * 5000 + b"}",  # json's int-digits ValueError
         json.dumps(
-            {"format": 1, "kind": "snapshot", "version": 0, "state": "sha256:" + "0" * 64,
-             "segments": [], "params": {"a": {"shape": [1], "dtype": ["bfloat16"]}}}
+            {
+                "format": 1,
+                "kind": "snapshot",
+                "version": 0,
+                "state": "sha256:" + "0" * 64,
+                "segments": [],
+                "params": {"a": {"shape": [1], "dtype": ["bfloat16"]}},
+            }
         ).encode(),  # an unhashable dtype
     ],
     ids=["int-digits", "dtype-list"],

@@ -70,8 +70,22 @@ def installed() -> Iterator[Callable[[str], Metrics]]:
 
 def _step(step: int = 2, **kw: Any) -> StepLog:
     base: dict[str, Any] = dict(
-        step=step, version=step + 1, gen_version=step, reward=0.25, wait_s=0.5, train_s=1.5, extract_publish_s=0.02, step_s=2.1,
-        delta_bytes=1234, full_bytes=99999, changed=77, tokens=640, tokens_per_s=304.0, eligible=["a"], excluded=[], by_actor={"a": 3, "b": 5},
+        step=step,
+        version=step + 1,
+        gen_version=step,
+        reward=0.25,
+        wait_s=0.5,
+        train_s=1.5,
+        extract_publish_s=0.02,
+        step_s=2.1,
+        delta_bytes=1234,
+        full_bytes=99999,
+        changed=77,
+        tokens=640,
+        tokens_per_s=304.0,
+        eligible=["a"],
+        excluded=[],
+        by_actor={"a": 3, "b": 5},
     )
     base.update(kw)
     return StepLog(**base)
@@ -211,7 +225,9 @@ def test_serve_from_args_is_off_without_a_port(installed: Callable[[str], Metric
         srv.close()
 
 
-def test_metrics_port_from_a_config_file_reaches_every_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_metrics_port_from_a_config_file_reaches_every_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A top-level ``metrics-port`` applies to every worker (each has the option); a bad one is one line."""
     from aurora_tools.cli import config_file, run_cmds
     from aurora_tools.cli.main import build_parser
@@ -302,7 +318,9 @@ def test_scraped_workers_match_the_store_and_the_ledger(tmp_path: Path, installe
     procs: dict[str, subprocess.Popen[bytes]] = {}
     # Waits fail at once, with the logs' tails, if a child dies; an endpoint not listening yet is "not yet".
     watch: dict[str, Any] = {
-        "processes": procs, "logs": [logs / "relay.log", logs / "actor.log"], "interval": 0.1,
+        "processes": procs,
+        "logs": [logs / "relay.log", logs / "actor.log"],
+        "interval": 0.1,
         "ignoring": (urllib.error.URLError, ConnectionError, OSError),
     }
     ports = {"relay": free_port(), "actor": free_port()}
@@ -310,16 +328,29 @@ def test_scraped_workers_match_the_store_and_the_ledger(tmp_path: Path, installe
         m = installed("trainer")
         srv = m.serve(0)
         cfg = TrainerConfig(
-            steps=STEPS, batch=4, group=4, eval_every=2, eval_size=4, checkpoint_every=0,
-            snapshot_every=2, keep_snapshots=0, min_actors=1, warm_start_steps=2,  # counts, not learning
+            steps=STEPS,
+            batch=4,
+            group=4,
+            eval_every=2,
+            eval_size=4,
+            checkpoint_every=0,
+            snapshot_every=2,
+            keep_snapshots=0,
+            min_actors=1,
+            warm_start_steps=2,  # counts, not learning
         )
         trainer = Trainer(Endpoints(origin_url, rs.url, run, {}), cfg)
         common = ["--store", origin_url, "--redis", rs.url, "--run", run, "--region", "eu", "--mirror", mirror_url]
 
         def start(name: str, argv: list[str]) -> None:
             out = open(logs / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
-            procs[name] = subprocess.Popen([sys.executable, "-m", "aurora_tools.cli", *argv, "--metrics-port", str(ports[name])],
-                                           cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "aurora_tools.cli", *argv, "--metrics-port", str(ports[name])],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
         failure: list[BaseException] = []
 
@@ -349,7 +380,10 @@ def test_scraped_workers_match_the_store_and_the_ledger(tmp_path: Path, installe
             snaps = sum(read_manifest(store, "snapshot", v).total_bytes for v in scan_versions(store).snapshots)
             assert _v(tr, "aurora_published_bytes_total", kind="snapshot") == snaps
             assert _v(tr, "aurora_trainer_steps_total") == STEPS
-            assert _v(tr, "aurora_publish_seconds_count") == STEPS, ([lg.delta_bytes for lg in trainer.logs], [(k, v) for k, v in tr.items() if "publish_seconds" in k[0]])
+            assert _v(tr, "aurora_publish_seconds_count") == STEPS, (
+                [lg.delta_bytes for lg in trainer.logs],
+                [(k, v) for k, v in tr.items() if "publish_seconds" in k[0]],
+            )
             assert _v(tr, "aurora_trainer_rollouts_total") == STEPS * cfg.batch
             assert _v(tr, "aurora_trainer_tokens_total") == sum(lg.tokens for lg in trainer.logs)
             assert _v(tr, "aurora_reward_mean") == pytest.approx(trainer.logs[-1].reward)
@@ -370,8 +404,11 @@ def test_scraped_workers_match_the_store_and_the_ledger(tmp_path: Path, installe
             def actor_caught_up() -> bool:
                 got = _scrape(ports["actor"])
                 rec = ledger.actor("a0")
-                return (rec is not None and _v(got, "aurora_active_version", **a) == head
-                        and _v(got, "aurora_leases_settled_total", **a, result="accepted") == rec.settled)
+                return (
+                    rec is not None
+                    and _v(got, "aurora_active_version", **a) == head
+                    and _v(got, "aurora_leases_settled_total", **a, result="accepted") == rec.settled
+                )
 
             wait_until(actor_caught_up, "the Actor to activate the head", timeout=180, **watch)
             ac = _scrape(ports["actor"])
@@ -386,7 +423,10 @@ def test_scraped_workers_match_the_store_and_the_ledger(tmp_path: Path, installe
             # Every delta it staged, from the mirror or origin: their bytes are the deltas' bytes.
             assert _v(ac, "aurora_versions_staged_total", **a, kind="delta") == head
             assert _sum(ac, "aurora_fetched_bytes_total", **a, kind="delta") == deltas
-            assert _v(ac, "aurora_fetched_bytes_total", **a, kind="snapshot", origin="origin") == read_manifest(store, "snapshot", 0).total_bytes
+            assert (
+                _v(ac, "aurora_fetched_bytes_total", **a, kind="snapshot", origin="origin")
+                == read_manifest(store, "snapshot", 0).total_bytes
+            )
             assert _v(ac, "aurora_outage", worker="actor", dependency="Redis") == 0
 
             # The Relay: what it mirrored is what the mirror holds.
@@ -432,15 +472,24 @@ def test_the_dashboard_queries_metrics_that_exist_and_covers_the_issue() -> None
     used = {n for e in exprs for n in re.findall(r"\baurora_[a-z_]+", e)}
     known = _sample_names(Metrics())
     assert used and used <= set(known), sorted(used - set(known))
-    for wanted in ("aurora_actor_lag_versions", "aurora_fetched_bytes_total", "aurora_publish_seconds_bucket", "aurora_stage_seconds_bucket",
-                   "aurora_activation_seconds_bucket", "aurora_leases_settled_total", "aurora_reward_mean", "aurora_eval_accuracy", "aurora_outage"):
+    for wanted in (
+        "aurora_actor_lag_versions",
+        "aurora_fetched_bytes_total",
+        "aurora_publish_seconds_bucket",
+        "aurora_stage_seconds_bucket",
+        "aurora_activation_seconds_bucket",
+        "aurora_leases_settled_total",
+        "aurora_reward_mean",
+        "aurora_eval_accuracy",
+        "aurora_outage",
+    ):
         assert wanted in used, wanted
     assert any("histogram_quantile(0.95" in e for e in exprs) and any("histogram_quantile(0.5" in e for e in exprs)
 
 
 def test_docs_list_every_metric() -> None:
     text = (REPO / "docs" / "WORKERS.md").read_text()
-    section = text[text.index("## Metrics"):]
+    section = text[text.index("## Metrics") :]
     section = section[: section.index("\n## ", 1)]
     families = set(_sample_names(Metrics()).values())
     assert len(families) >= 30

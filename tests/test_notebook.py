@@ -31,9 +31,7 @@ pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "lineage.ipynb"
-SHAPE = Qwen3Shape(
-    vocab=1024, hidden=64, layers=4, intermediate=128, heads=4, kv_heads=2, head_dim=16
-)
+SHAPE = Qwen3Shape(vocab=1024, hidden=64, layers=4, intermediate=128, heads=4, kv_heads=2, head_dim=16)
 DELTAS = 7
 SNAPSHOT_AT = 4
 
@@ -70,9 +68,7 @@ def make_run(url: str) -> None:
         store.put(eval_key(v), json.dumps({"version": v, "accuracy": acc, "problems": 8}).encode())
     store.put(eval_key(5), b'{"accuracy": 7}')  # out of range: skipped
     # A publish of the next version killed before its manifest: one orphan segment.
-    store.put(
-        f"{version_dir('delta', DELTAS + 1)}/{new_attempt_id()}/seg-00000.safetensors", b"x" * 1000
-    )
+    store.put(f"{version_dir('delta', DELTAS + 1)}/{new_attempt_id()}/seg-00000.safetensors", b"x" * 1000)
 
 
 @pytest.mark.slow
@@ -85,15 +81,11 @@ def test_lineage_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("AURORA_STORAGE_OPTIONS", "{}")
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     # The kernel must be this interpreter (the venv), with aurora_store importable.
-    monkeypatch.setenv(
-        "PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    )
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     assert nb.cells[1].metadata.get("tags") == ["parameters"]
-    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
-        "commit the notebook without outputs"
-    )
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
     nb.cells.append(nbformat.v4.new_code_cell("import sys; print('KERNEL', sys.executable)"))
 
     client = nbclient.NotebookClient(
@@ -128,15 +120,9 @@ def test_lineage_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert re.search(rf"^delta\s+{v}\s+{v - 1}\s", text, re.M), f"no table row for delta v{v}"
     for v in (0, SNAPSHOT_AT):
         assert re.search(rf"^snapshot\s+{v}\s", text, re.M), f"no table row for snapshot v{v}"
-    assert (
-        f"{DELTAS} deltas (v1..v{DELTAS}), 2 snapshots (v0, v{SNAPSHOT_AT}); latest version v{DELTAS}"
-        in text
-    )
+    assert f"{DELTAS} deltas (v1..v{DELTAS}), 2 snapshots (v0, v{SNAPSHOT_AT}); latest version v{DELTAS}" in text
     assert f"chain: {DELTAS} of {DELTAS} deltas apply" in text
-    assert (
-        "1 orphan object(s)" in text
-        and f"deltas/v{DELTAS + 1:010d}: 1 object(s), never committed" in text
-    )
+    assert "1 orphan object(s)" in text and f"deltas/v{DELTAS + 1:010d}: 1 object(s), never committed" in text
     assert "0 gap(s)" in text
 
     if os.environ.get("AURORA_NOTEBOOK_OUT"):  # keep the rendered plots for a look

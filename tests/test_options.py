@@ -100,7 +100,9 @@ def parse(*argv: str) -> argparse.Namespace:
     from aurora_tools.cli import run_cmds
 
     fills = {
-        "trainer": run_cmds.add_trainer_arguments, "actor": run_cmds.add_actor_arguments, "relay": run_cmds.add_relay_arguments,
+        "trainer": run_cmds.add_trainer_arguments,
+        "actor": run_cmds.add_actor_arguments,
+        "relay": run_cmds.add_relay_arguments,
         "follow": run_cmds.add_follow_arguments,
     }
     return config_file.parse_worker_args(build_parser(list(argv)), list(argv), fills)
@@ -127,7 +129,11 @@ def resolve(command: str, args: argparse.Namespace, environ: dict[str, str]) -> 
 
 #: Variables checked by a test of their own below (not generated from a declaration).
 CHECKED_APART = {
-    "AURORA_REDIS_URL", "AURORA_REDIS_PASSWORD_FILE", "AURORA_DEBUG_LOGGERS", "AURORA_TRUST_KEYS", "AURORA_ACTOR_MIRROR_OPTIONS",
+    "AURORA_REDIS_URL",
+    "AURORA_REDIS_PASSWORD_FILE",
+    "AURORA_DEBUG_LOGGERS",
+    "AURORA_TRUST_KEYS",
+    "AURORA_ACTOR_MIRROR_OPTIONS",
 }
 
 
@@ -271,11 +277,16 @@ def test_production_commands_carry_no_benchmark_flags(command: str, capsys: pyte
     assert not bad, f"aurora {command} --help lists benchmark flags: {bad}"
 
 
-@pytest.mark.parametrize(("command", "flags"), [
-    ("synthetic-trainer", ["--params", "--density", "--transfer", "--steps", "--streams", "--max-lag"]),
-    ("synthetic-actor", ["--transfer", "--hold-weights", "--region", "--claim", "--streams"]),
-])
-def test_synthetic_commands_have_the_workers_and_the_workload_options(command: str, flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("command", "flags"),
+    [
+        ("synthetic-trainer", ["--params", "--density", "--transfer", "--steps", "--streams", "--max-lag"]),
+        ("synthetic-actor", ["--transfer", "--hold-weights", "--region", "--claim", "--streams"]),
+    ],
+)
+def test_synthetic_commands_have_the_workers_and_the_workload_options(
+    command: str, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit):
         build_parser(["bench", command]).parse_args(["bench", command, "--help"])
     text = capsys.readouterr().out

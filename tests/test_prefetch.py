@@ -107,9 +107,7 @@ class Published:
         )
 
     def copy_manifest(self, dest: Path, v: int) -> None:
-        shutil.copy(
-            self.root / "published" / manifest_key("delta", v), dest / manifest_key("delta", v)
-        )
+        shutil.copy(self.root / "published" / manifest_key("delta", v), dest / manifest_key("delta", v))
 
 
 class Tampering:
@@ -160,10 +158,7 @@ def test_announcements_are_parsed_strictly() -> None:
     sha = "a" * 64
     assert announced_segment(3, good, "17", sha) == (good, 17, sha)
     assert announced_segment(4, good, 17, sha) is None  # another version's folder
-    assert (
-        announced_segment(3, good.replace("deltas", "snapshots").replace("seg", "shard"), 17, sha)
-        is None
-    )
+    assert announced_segment(3, good.replace("deltas", "snapshots").replace("seg", "shard"), 17, sha) is None
     assert announced_segment(3, "deltas/v0000000003/../../model/config.json", 17, sha) is None
     assert announced_segment(3, good, "-1", sha) is None
     assert announced_segment(3, good, "many", sha) is None
@@ -179,15 +174,11 @@ def test_prefetched_segments_stage_the_same_version(tmp_path: Path, decoded: lis
     assert store.segments_read("delta", 1) == []  # every segment came from the prefetch
     assert pf.stats.taken == len(m.segments) and pf.held_bytes == 0
     _, plain = fetch_delta(pub.src, 1, pub.specs(), streams=2)
-    assert [(e.param, e.start, e.stop, e.nnz) for e in staged.entries] == [
-        (e.param, e.start, e.stop, e.nnz) for e in plain.entries
-    ]
+    assert [(e.param, e.start, e.stop, e.nnz) for e in staged.entries] == [(e.param, e.start, e.stop, e.nnz) for e in plain.entries]
     pf.close()
 
 
-def test_wrong_bytes_and_unlisted_keys_are_never_decoded(
-    tmp_path: Path, decoded: list[bytes]
-) -> None:
+def test_wrong_bytes_and_unlisted_keys_are_never_decoded(tmp_path: Path, decoded: list[bytes]) -> None:
     pub = Published(tmp_path, versions=2)
     m1 = pub.manifests[1]
     vdir = version_dir("delta", 1)
@@ -204,12 +195,8 @@ def test_wrong_bytes_and_unlisted_keys_are_never_decoded(
     pf = Prefetcher(streams=2)
     for ev in pub.events[1]:
         sha = hashlib.sha256(forged).hexdigest() if ev.key == listed[1] else ev.sha256
-        assert pf.announce(
-            store, 1, ev.key, len(forged) if ev.key == listed[1] else ev.bytes, sha, 0
-        )
-    assert pf.announce(
-        store, 1, planted, len(planted_bytes), hashlib.sha256(planted_bytes).hexdigest(), 0
-    )
+        assert pf.announce(store, 1, ev.key, len(forged) if ev.key == listed[1] else ev.bytes, sha, 0)
+    assert pf.announce(store, 1, planted, len(planted_bytes), hashlib.sha256(planted_bytes).hexdigest(), 0)
     _wait_downloads(pf)
     m, staged = fetch_delta(store, 1, pub.specs(), streams=2, held=pf.take)
     assert m.state == m1.state and staged.nnz == sum(int(p["nnz"]) for p in m1.params.values())
@@ -220,9 +207,7 @@ def test_wrong_bytes_and_unlisted_keys_are_never_decoded(
     pf.close()
 
 
-def test_bytes_that_fail_the_manifest_check_are_read_again(
-    tmp_path: Path, decoded: list[bytes]
-) -> None:
+def test_bytes_that_fail_the_manifest_check_are_read_again(tmp_path: Path, decoded: list[bytes]) -> None:
     """Held bytes of the right announcement but other content (a replaced object): dropped, not decoded."""
     pub = Published(tmp_path, versions=1)
     m1 = pub.manifests[1]
@@ -236,13 +221,9 @@ def test_bytes_that_fail_the_manifest_check_are_read_again(
     assert bad not in decoded and staged.version == 1
 
 
-def test_a_forged_signed_run_is_refused_before_any_held_byte_is_used(
-    tmp_path: Path, decoded: list[bytes]
-) -> None:
+def test_a_forged_signed_run_is_refused_before_any_held_byte_is_used(tmp_path: Path, decoded: list[bytes]) -> None:
     trusted, forger = Signer.generate(), Signer.generate()
-    pub = Published(
-        tmp_path, versions=1, signer=forger
-    )  # the manifest and its segments: someone else's
+    pub = Published(tmp_path, versions=1, signer=forger)  # the manifest and its segments: someone else's
     pf = Prefetcher(streams=2)
     _announce_all(pf, pub.src, pub.events[1], held_version=0)
     _wait_downloads(pf)
@@ -278,12 +259,8 @@ def test_held_memory_is_bounded(tmp_path: Path) -> None:
     assert started[:2] == [True, True] and not any(started[2:])
     assert pf.held_bytes <= bound and pf.stats.peak_held_bytes <= bound
     # Too far ahead of what is held, or already held: never fetched.
-    assert not pf.announce(
-        pub.src, 2, pub.events[2][0].key, 1, pub.events[2][0].sha256, held_version=-1
-    )
-    assert not pf.announce(
-        pub.src, 1, pub.events[1][0].key, 1, pub.events[1][0].sha256, held_version=1
-    )
+    assert not pf.announce(pub.src, 2, pub.events[2][0].key, 1, pub.events[2][0].sha256, held_version=-1)
+    assert not pf.announce(pub.src, 1, pub.events[1][0].key, 1, pub.events[1][0].sha256, held_version=1)
     # An object bigger than announced is read no further than announced (plus one byte), and dropped.
     small = Prefetcher(streams=1, max_held_bytes=1 << 20)
     ev = pub.events[1][0]
@@ -316,9 +293,7 @@ def test_the_manifest_may_land_after_every_segment(tmp_path: Path, decoded: list
 
 
 @pytest.mark.server
-def test_held_segments_spill_to_a_private_folder_for_workers_that_read_a_store(
-    tmp_path: Path, redis_client: Any, run_name: str
-) -> None:
+def test_held_segments_spill_to_a_private_folder_for_workers_that_read_a_store(tmp_path: Path, redis_client: Any, run_name: str) -> None:
     """vLLM's workers read a store themselves: what is held is checked and written where they read it."""
     pub = Published(tmp_path, versions=1)
     m1 = pub.manifests[1]
@@ -360,8 +335,12 @@ def _actor(
     eng.load_base()
     rec = SourceRecorder()
     a = Actor.from_endpoints(
-        Endpoints(f"file://{tmp}/origin", redis_url, run), ActorConfig(actor_id="a", region="r1", fetch=fetch, **kw),
-        clock or ManualClock(), origin=Counting(open_store(f"file://{tmp}/origin")), engine=eng, observers=[rec],
+        Endpoints(f"file://{tmp}/origin", redis_url, run),
+        ActorConfig(actor_id="a", region="r1", fetch=fetch, **kw),
+        clock or ManualClock(),
+        origin=Counting(open_store(f"file://{tmp}/origin")),
+        engine=eng,
+        observers=[rec],
     )
     a.holding.start_at(0, pub.spec.base_state)
     return a, rec
@@ -415,12 +394,7 @@ def test_manifest_first_is_the_old_path(
     add_arguments(ap)
     base = ["--store", "file:///x", "--redis", "redis://127.0.0.1:1/0", "--run", "r"]
     assert config_from_args(ap.parse_args(base), engine="synthetic").fetch == "announced"
-    assert (
-        config_from_args(
-            ap.parse_args([*base, "--fetch", "manifest-first"]), engine="synthetic"
-        ).fetch
-        == "manifest-first"
-    )
+    assert config_from_args(ap.parse_args([*base, "--fetch", "manifest-first"]), engine="synthetic").fetch == "manifest-first"
     with pytest.raises(SystemExit):
         ap.parse_args([*base, "--fetch", "eventually"])
     with pytest.raises(ConfigError):
@@ -444,9 +418,7 @@ def test_manifest_first_is_the_old_path(
     redis_client.hset(RunKeys(run_name).trainer, mapping={"head": 1})
     a.stager.stage_once()
     assert a.staged_version == 1 and ranged == []
-    assert sorted(a.origin.segments_read("delta", 1)) == sorted(
-        f"{version_dir('delta', 1)}/{r.key}" for r in pub.manifests[1].segments
-    )
+    assert sorted(a.origin.segments_read("delta", 1)) == sorted(f"{version_dir('delta', 1)}/{r.key}" for r in pub.manifests[1].segments)
 
 
 @contextlib.contextmanager
@@ -496,9 +468,7 @@ def test_the_stager_loop_prefetches_from_the_stream(
     """The real loop: announcements on the stream start downloads before the manifest exists."""
     pub = Published(tmp_path, versions=1)
     (tmp_path / "origin").mkdir()
-    a, _ = _actor(
-        pub, tmp_path, redis_server.url, run_name, redis_client, "announced", clock=SYSTEM_CLOCK, stage_block_ms=50
-    )
+    a, _ = _actor(pub, tmp_path, redis_server.url, run_name, redis_client, "announced", clock=SYSTEM_CLOCK, stage_block_ms=50)
     reads = _stream_reads(a, monkeypatch)
     with _stager_running(a):
         bus = Bus(redis_client, run_name)
@@ -518,15 +488,11 @@ def test_the_stager_loop_prefetches_from_the_stream(
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
-    }
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.server
-def test_a_relay_mirroring_with_prefetch_makes_the_same_mirror(
-    tmp_path: Path, redis_server: Any, redis_client: Any, run_name: str
-) -> None:
+def test_a_relay_mirroring_with_prefetch_makes_the_same_mirror(tmp_path: Path, redis_server: Any, redis_client: Any, run_name: str) -> None:
     ap = argparse.ArgumentParser()
     relay_arguments(ap)
     base = [
@@ -542,9 +508,7 @@ def test_a_relay_mirroring_with_prefetch_makes_the_same_mirror(
         "x",
     ]
     assert relay_config(ap.parse_args(base)).fetch == "announced"
-    assert (
-        relay_config(ap.parse_args([*base, "--fetch", "manifest-first"])).fetch == "manifest-first"
-    )
+    assert relay_config(ap.parse_args([*base, "--fetch", "manifest-first"])).fetch == "manifest-first"
     with pytest.raises(ConfigError):
         RelayConfig(
             origin="file:///o",
@@ -607,14 +571,8 @@ def test_a_relay_mirroring_with_prefetch_makes_the_same_mirror(
 
 
 def test_the_fetch_experiment_and_its_table() -> None:
-    cs = [
-        c
-        for c in build_sweep(SweepOptions(experiments=("fetch", "bandwidth")))
-        if "fetch" in c.experiments
-    ]
-    assert {(c.link.gbps, c.fetch) for c in cs} == {
-        (g, f) for g in (0.25, 1.0) for f in ("announced", "manifest-first")
-    }
+    cs = [c for c in build_sweep(SweepOptions(experiments=("fetch", "bandwidth"))) if "fetch" in c.experiments]
+    assert {(c.link.gbps, c.fetch) for c in cs} == {(g, f) for g in (0.25, 1.0) for f in ("announced", "manifest-first")}
     assert all(c.actors == 1 and not c.uses_relay and c.mode == "delta" for c in cs)
     # The announced runs are the bandwidth experiment's (shared), the manifest-first ones their own.
     assert all("bandwidth" in c.experiments for c in cs if c.fetch == "announced")
@@ -628,9 +586,7 @@ def test_the_fetch_experiment_and_its_table() -> None:
         (1.0, "announced", 0.15),
         (1.0, "manifest-first", 0.33),
     ):
-        cfg = RunConfig(
-            "delta", Link(gbps, 20.0), 1, False, 4, 4, 1, experiments=("fetch",), fetch=fetch
-        )
+        cfg = RunConfig("delta", Link(gbps, 20.0), 1, False, 4, 4, 1, experiments=("fetch",), fetch=fetch)
         published = {
             v: {
                 "start_ms": 1000.0 * v,
@@ -640,13 +596,8 @@ def test_the_fetch_experiment_and_its_table() -> None:
             }
             for v in range(1, 4)
         }
-        staged = {
-            ("a0", v): {"t_ms": 1000.0 * v + 100 + 1000 * took, "stage_s": 0.1} for v in range(1, 4)
-        }
-        steps = [
-            {"step": i, "step_s": 1.0, "tokens": 10, "tokens_per_s": 10.0, "version": max(0, i - 1)}
-            for i in range(4)
-        ]
+        staged = {("a0", v): {"t_ms": 1000.0 * v + 100 + 1000 * took, "stage_s": 0.1} for v in range(1, 4)}
+        steps = [{"step": i, "step_s": 1.0, "tokens": 10, "tokens_per_s": 10.0, "version": max(0, i - 1)} for i in range(4)]
         r = summarize(
             cfg,
             steps,
@@ -654,37 +605,22 @@ def test_the_fetch_experiment_and_its_table() -> None:
             staged,
             {},
             10**9,
-            announced={
-                v: {"first_segment_ms": 1000.0 * v + 100, "last_segment_ms": 1000.0 * v + 150}
-                for v in range(1, 4)
-            },
+            announced={v: {"first_segment_ms": 1000.0 * v + 100, "last_segment_ms": 1000.0 * v + 150} for v in range(1, 4)},
         )
-        assert r["announce_to_staged_s"] == pytest.approx(took) and r[
-            "segments_span_s"
-        ] == pytest.approx(0.05)
+        assert r["announce_to_staged_s"] == pytest.approx(took) and r["segments_span_s"] == pytest.approx(0.05)
         r["error"] = None
         results.append(r)
     table = delta_over_wire_floor(results)
     assert list(table) == ["0.25", "1"]
-    assert table["0.25"]["wire_floor_s"] == pytest.approx(0.4) and table["1"][
-        "wire_floor_s"
-    ] == pytest.approx(0.1)
-    assert table["0.25"]["announced"] == pytest.approx(0.55 / 0.4) and table["0.25"][
-        "manifest_first"
-    ] == pytest.approx(0.7 / 0.4)
-    assert table["1"]["announced"] == pytest.approx(1.5) and table["1"][
-        "manifest_first_s"
-    ] == pytest.approx(0.33)
+    assert table["0.25"]["wire_floor_s"] == pytest.approx(0.4) and table["1"]["wire_floor_s"] == pytest.approx(0.1)
+    assert table["0.25"]["announced"] == pytest.approx(0.55 / 0.4) and table["0.25"]["manifest_first"] == pytest.approx(0.7 / 0.4)
+    assert table["1"]["announced"] == pytest.approx(1.5) and table["1"]["manifest_first_s"] == pytest.approx(0.33)
     t = targets(results)["delta_fetch_at_wire_speed"]
-    assert (
-        t["value"] == {"0.25": pytest.approx(1.375), "1": pytest.approx(1.5)} and t["met"] is False
-    )
+    assert t["value"] == {"0.25": pytest.approx(1.375), "1": pytest.approx(1.5)} and t["met"] is False
 
 
 @pytest.mark.server
-def test_a_version_announcement_reads_ahead_only_what_the_stager_would(
-    tmp_path: Path, redis_client: Any, run_name: str
-) -> None:
+def test_a_version_announcement_reads_ahead_only_what_the_stager_would(tmp_path: Path, redis_client: Any, run_name: str) -> None:
     """The manifest read when a version is announced is checked as the stager checks it; a failed one is read again."""
     from workers.actor.announced import AnnouncedFetch
 
@@ -693,26 +629,20 @@ def test_a_version_announcement_reads_ahead_only_what_the_stager_would(
     ev = Event("1-0", "version", 1, {"kind": "delta"})
     early = AnnouncedFetch(2, 1 << 20, RunRecords(redis_client, run_name))
     early.version(pub.src, ev, 0, trusted.trust(), None)
-    assert (
-        early.manifest(pub.src, 1) is None
-    )  # refused (signed by another key): the stager's own read raises
+    assert early.manifest(pub.src, 1) is None  # refused (signed by another key): the stager's own read raises
     assert early.expected_state(1) == (True, None)  # no record in Redis
     early.done(1)
     early.version(pub.src, ev, 0, forger.trust(), None)
     assert early.manifest(pub.src, 1) == pub.manifests[1]
     other = open_store(f"file://{tmp_path}/elsewhere")
     assert early.manifest(other, 1) is None  # read from another store: not this one's
-    early.version(
-        pub.src, Event("2-0", "version", 3, {"kind": "delta"}), 0, None, None
-    )  # not the next version: ignored
+    early.version(pub.src, Event("2-0", "version", 3, {"kind": "delta"}), 0, None, None)  # not the next version: ignored
     assert early.manifest(pub.src, 1) == pub.manifests[1]
     early.close()
 
 
 @pytest.mark.server
-def test_the_state_read_early_serves_the_check_after_the_fetch(
-    tmp_path: Path, redis_client: Any, run_name: str
-) -> None:
+def test_the_state_read_early_serves_the_check_after_the_fetch(tmp_path: Path, redis_client: Any, run_name: str) -> None:
     """The stager checks the Trainer's record after the fetch (after ``done``): the early read serves that check, once."""
     from workers.actor.announced import AnnouncedFetch
 
@@ -747,9 +677,7 @@ def test_the_stager_loop_reads_segment_announcements_without_polling_between(
     """Segments of a version still being published: back to the stream at once, no poll of the head between them."""
     pub = Published(tmp_path, versions=1)
     (tmp_path / "origin").mkdir()
-    a, _ = _actor(
-        pub, tmp_path, redis_server.url, run_name, redis_client, "announced", clock=SYSTEM_CLOCK, stage_block_ms=5_000
-    )
+    a, _ = _actor(pub, tmp_path, redis_server.url, run_name, redis_client, "announced", clock=SYSTEM_CLOCK, stage_block_ms=5_000)
     polls = []
     real_poll = a.stager.poll
 

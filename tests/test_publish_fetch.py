@@ -59,7 +59,15 @@ class Run:
         for _ in range(n):
             v = max(self.weights) + 1
             new = self.master.step(lr=2.5e-7)
-            m = publish_delta(self.store, "t", v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], CFG, weights_digest=weights_digest(new, self.plan))
+            m = publish_delta(
+                self.store,
+                "t",
+                v,
+                extract(self.plan, self.weights[v - 1], new),
+                self.states[v - 1],
+                CFG,
+                weights_digest=weights_digest(new, self.plan),
+            )
             self.weights[v], self.states[v] = new, m.state
 
     def snapshot(self, v: int) -> None:
@@ -132,7 +140,9 @@ def test_concurrent_manifest_creates_have_one_winner(backend: str, tmp_path, req
     n = 6
     start_at = time.time() + 4.0  # every process is past its imports by then
     procs = [
-        subprocess.Popen([sys.executable, "-c", _put_race_script(url, opts, key, f"writer-{i}", start_at)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _put_race_script(url, opts, key, f"writer-{i}", start_at)], stdout=subprocess.PIPE, text=True
+        )
         for i in range(n)
     ]
     outs = [p.communicate(timeout=60)[0].strip() for p in procs]
@@ -310,7 +320,14 @@ def test_cli_on_s3_never_leaks_credentials(s3_server, s3_bucket, tmp_path, capsy
     save_file(master.step(lr=2.5e-7), str(files[2]))
     secret = s3_server.storage_options()["secret"]
     url = f"s3://{s3_bucket}/cli-run"
-    so = ["--storage-option", f"endpoint_url={s3_server.endpoint}", "--storage-option", "key=testing", "--storage-option", f"secret={secret}"]
+    so = [
+        "--storage-option",
+        f"endpoint_url={s3_server.endpoint}",
+        "--storage-option",
+        "key=testing",
+        "--storage-option",
+        f"secret={secret}",
+    ]
     assert main(["snapshot", "create", str(files[0]), "--store", url, "--version", "0", *so]) == 0
     for v in (1, 2):
         assert main(["delta", "create", str(files[v - 1]), str(files[v]), "--store", url, "--version", str(v), *so]) == 0

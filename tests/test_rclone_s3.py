@@ -109,8 +109,9 @@ def test_server_interface_and_secrets(rclone_server: RcloneS3Server) -> None:
     import boto3
     from botocore.exceptions import ClientError
 
-    bad = boto3.client("s3", endpoint_url=srv.endpoint, aws_access_key_id=srv.access_key,
-                       aws_secret_access_key="not-the-secret", region_name="us-east-1")
+    bad = boto3.client(
+        "s3", endpoint_url=srv.endpoint, aws_access_key_id=srv.access_key, aws_secret_access_key="not-the-secret", region_name="us-east-1"
+    )
     with pytest.raises(ClientError):
         bad.list_buckets()
     bucket = srv.new_bucket("files")

@@ -208,9 +208,7 @@ def test_a_5000_digit_integer_in_a_manifest_is_a_manifest_error(memory_store: St
 
 
 def test_twenty_digit_integers_are_fine() -> None:
-    assert load_json(b'[18446744073709551616, -18446744073709551616]', lambda why: ManifestError("m", why)) == [
-        1 << 64, -(1 << 64)
-    ]
+    assert load_json(b"[18446744073709551616, -18446744073709551616]", lambda why: ManifestError("m", why)) == [1 << 64, -(1 << 64)]
     with pytest.raises(ManifestError, match="21 digits"):
         load_json(b"[100000000000000000000]", lambda why: ManifestError("m", why))
 
@@ -328,7 +326,9 @@ def test_relay_skips_a_version_whose_manifest_holds_a_5000_digit_integer(redis_s
 
 
 @pytest.mark.server
-def test_actor_reads_origin_when_the_mirror_manifest_breaks_a_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any) -> None:
+def test_actor_reads_origin_when_the_mirror_manifest_breaks_a_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any, redis_server: Any
+) -> None:
     """Mirror delta 1's manifest holds a 5,000-digit integer, delta 2's is past 16 MiB:
     both are staged from origin, each refusal a format error the stager handles."""
     from test_actor_staging import _actor, _mirror
@@ -374,7 +374,9 @@ def test_many_small_parameters_are_cut_into_segments_readers_accept() -> None:
     spec = ParamSpec((4,), "bfloat16")
     idx = np.array([1], dtype=np.int64)
     deltas = [
-        ParamDelta(f"model.layers.{i}.mlp.experts.{i % 128}.down_proj.weight", spec, idx, np.array([7], np.uint16), np.array([0], np.uint16))
+        ParamDelta(
+            f"model.layers.{i}.mlp.experts.{i % 128}.down_proj.weight", spec, idx, np.array([7], np.uint16), np.array([0], np.uint16)
+        )
         for i in range(n)
     ]
     segs = list(encode_segments(deltas, 1))

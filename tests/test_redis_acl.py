@@ -186,7 +186,11 @@ def test_relay_and_readonly_users(prepared: tuple[RedisServer, tuple[int, ...]])
     relay.set(keys.relay("eu"), "s3://mirror-eu/run", px=5000)
     relay.set(keys.relay_held("eu"), '{"versions": [1]}', px=5000)
     relay.xadd(keys.events("eu"), {"kind": "version", "version": "1"})
-    for write in (lambda: relay.hset(keys.trainer, "head", "9"), lambda: relay.xadd(keys.events(), {"kind": "x"}), lambda: relay.set(keys.epoch, "9")):
+    for write in (
+        lambda: relay.hset(keys.trainer, "head", "9"),
+        lambda: relay.xadd(keys.events(), {"kind": "x"}),
+        lambda: relay.set(keys.epoch, "9"),
+    ):
         with pytest.raises(rx.NoPermissionError):
             write()
     relay.close()
@@ -194,13 +198,19 @@ def test_relay_and_readonly_users(prepared: tuple[RedisServer, tuple[int, ...]])
     if version >= (7, 0):
         assert ro.hget(keys.trainer, "head") == b"1"
         assert ro.get(keys.relay("eu")) == b"s3://mirror-eu/run"
-    for write in (lambda: ro.hset(keys.trainer, "head", "9"), lambda: ro.set(keys.relay("eu"), "x"), lambda: ro.hset(keys.actor("a1"), "status", "dead")):
+    for write in (
+        lambda: ro.hset(keys.trainer, "head", "9"),
+        lambda: ro.set(keys.relay("eu"), "x"),
+        lambda: ro.hset(keys.actor("a1"), "status", "dead"),
+    ):
         with pytest.raises(rx.NoPermissionError):
             write()
     ro.close()
 
 
-def test_a_password_file_reaches_the_server(prepared: tuple[RedisServer, tuple[int, ...]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_password_file_reaches_the_server(
+    prepared: tuple[RedisServer, tuple[int, ...]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """AURORA_REDIS_URL without a password plus AURORA_REDIS_PASSWORD_FILE: nothing secret on a command line."""
     server, _ = prepared
     pw = tmp_path / "actor.pw"
@@ -245,7 +255,10 @@ def test_the_workers_run_under_their_own_users(tmp_path: Path) -> None:
             return subprocess.Popen([*cli, *argv], env=env, cwd=REPO, stdout=open(tmp_path / f"{role}.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
         procs = {
-            "trainer": start("trainer", ["trainer", "--store", store, "--run", run, "--steps", "3", "--batch", "4", "--group", "2", "--snapshot-every", "2"]),
+            "trainer": start(
+                "trainer",
+                ["trainer", "--store", store, "--run", run, "--steps", "3", "--batch", "4", "--group", "2", "--snapshot-every", "2"],
+            ),
             "relay": start("relay", ["relay", "--store", store, "--mirror", mirror, "--run", run, "--region", "eu"]),
             "actor": start("actor", ["actor", "--store", store, "--run", run, "--region", "eu", "--id", "a1", "--mirror", mirror]),
         }

@@ -65,9 +65,7 @@ def _replicates(node: Any, master: Any) -> bool:
 
 def _retry_read(fn: Any) -> Any:
     """``fn()``, riding out what is left of a failover."""
-    dep = Dependency(
-        "Redis", logging.getLogger("t.cluster"), budget_s=60, initial_s=0.05, max_s=0.5
-    )
+    dep = Dependency("Redis", logging.getLogger("t.cluster"), budget_s=60, initial_s=0.05, max_s=0.5)
     return dep.call(fn, "read after the failover")
 
 
@@ -102,9 +100,7 @@ def test_cluster_errors_are_outages_or_answers() -> None:
 
     for e in (
         rx.SlotNotCoveredError('Slot "1" is not covered by the cluster.'),
-        rx.RedisClusterException(
-            "Redis Cluster cannot be connected. Please provide at least one reachable node: x"
-        ),
+        rx.RedisClusterException("Redis Cluster cannot be connected. Please provide at least one reachable node: x"),
         rx.ClusterDownError("CLUSTERDOWN The cluster is down"),
         rx.TryAgainError("TRYAGAIN"),
     ):
@@ -115,9 +111,7 @@ def test_cluster_errors_are_outages_or_answers() -> None:
         rx.SlotNotCoveredError("x"),
     ):
         assert is_transient(e), e  # the raw client's errors, inside Dependency.call
-    blocked = translate_redis_error(
-        "op", rx.RedisClusterException("ERROR: Calling pipelined function evalsha is blocked")
-    )
+    blocked = translate_redis_error("op", rx.RedisClusterException("ERROR: Calling pipelined function evalsha is blocked"))
     assert isinstance(blocked, CoordinationError) and not isinstance(blocked, RedisUnavailable)
 
 
@@ -137,11 +131,15 @@ def test_a_cluster_that_comes_up_while_a_worker_connects_is_waited_for(caplog: p
     c._ports = lambda n: ports  # type: ignore[method-assign]  # the ports the worker already dials
     got: list[Any] = []
     worker = threading.Thread(
-        target=lambda: got.append(connect(f"redis+cluster://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", RedisConfig(cluster_connect_wait_s=120)))
+        target=lambda: got.append(
+            connect(f"redis+cluster://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", RedisConfig(cluster_connect_wait_s=120))
+        )
     )
     with caplog.at_level(logging.WARNING, logger="aurora.redis"):
         worker.start()
-        wait_until(lambda: any("no seed answers yet" in r.getMessage() for r in caplog.records), "the connect to say it waits", interval=0.05)
+        wait_until(
+            lambda: any("no seed answers yet" in r.getMessage() for r in caplog.records), "the connect to say it waits", interval=0.05
+        )
         with c:  # starts it
             worker.join(timeout=120)
             assert got and is_cluster_client(got[0]) and got[0].ping()
@@ -158,9 +156,7 @@ def test_connect_gives_a_cluster_client(cluster: RedisCluster) -> None:
     assert r2.ping()
 
 
-def test_ledger_bus_and_commit_records_work_and_the_run_lives_on_one_master(
-    cluster: RedisCluster, run: str
-) -> None:
+def test_ledger_bus_and_commit_records_work_and_the_run_lives_on_one_master(cluster: RedisCluster, run: str) -> None:
     r = connect(cluster.url)
     keys = RunKeys(run)
     led = Ledger(r, run)
@@ -170,10 +166,7 @@ def test_ledger_bus_and_commit_records_work_and_the_run_lives_on_one_master(
         led.register(a, region="eu")
         assert led.heartbeat(a, active=V, staged=V, active_state=H)
     jobs = [(f"p{i}", f"prompt {i}".encode()) for i in range(6)]
-    assert (
-        led.create_step(V, H, jobs, {"a": 3, "b": 3}, group=2, lease_ms=60_000, epoch=1)
-        == "created"
-    )
+    assert led.create_step(V, H, jobs, {"a": 3, "b": 3}, group=2, lease_ms=60_000, epoch=1) == "created"
     status, la = led.claim("a", V, 3)
     assert status == "ok" and len(la) == 3
     status, lb = led.claim("b", V, 3)
@@ -183,9 +176,7 @@ def test_ledger_bus_and_commit_records_work_and_the_run_lives_on_one_master(
     assert [s.reason for s in out] == ["accepted", "accepted", "duplicate"]
     assert all(s.accepted for s in led.settle_many("b", [(x, V, H, b"r") for x in lb]))
     poll = led.poll(V)
-    assert poll.settled == poll.total == 6 and sorted(x.prompt for x in poll.results) == [
-        p for p, _ in jobs
-    ]
+    assert poll.settled == poll.total == 6 and sorted(x.prompt for x in poll.results) == [p for p, _ in jobs]
     assert abs(poll.now_ms - server_time_ms(r, keys.fence)) < 60_000
     assert led.open_step_info() == [(V, V, 0)]
     assert led.lease_counts() == {}
@@ -224,9 +215,7 @@ def test_a_failover_is_an_outage_that_passes(run: str) -> None:
     the step finishes with each prompt accepted once."""
     with RedisCluster(node_timeout_ms=1000) as c:
         keys = RunKeys(run)
-        dep = Dependency(
-            "Redis", logging.getLogger("t.cluster"), budget_s=60, initial_s=0.05, max_s=0.5
-        )
+        dep = Dependency("Redis", logging.getLogger("t.cluster"), budget_s=60, initial_s=0.05, max_s=0.5)
         led = riding(Ledger(connect(c.url), run), dep)
         led.register("a")
         assert led.heartbeat("a", active=V, staged=V, active_state=H)
@@ -254,9 +243,7 @@ def test_a_failover_is_an_outage_that_passes(run: str) -> None:
         # the old master comes back as a replica of the new one
         c.restart(old)
         c.wait_ok()
-        c.wait_until(
-            lambda: c.replicas_of(new) == [old], 30, "the old master following the new one"
-        )
+        c.wait_until(lambda: c.replicas_of(new) == [old], 30, "the old master following the new one")
 
 
 @pytest.mark.slow
@@ -286,7 +273,9 @@ def test_the_demo_system_survives_losing_its_master(tmp_path: Any) -> None:
         try:
             r = connect(c.url)
             # until the run is in its third step (or the demo ended, which the assert reports)
-            wait_until(lambda: not t.is_alive() or int(r.hget(keys.trainer, "step") or -1) >= 2, "the third step", timeout=300, interval=0.05)
+            wait_until(
+                lambda: not t.is_alive() or int(r.hget(keys.trainer, "step") or -1) >= 2, "the third step", timeout=300, interval=0.05
+            )
             assert t.is_alive(), out
             old = c.master_of(keys.fence)
             c.kill(old)

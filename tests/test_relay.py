@@ -55,12 +55,13 @@ def redis(redis_server: RedisServer) -> Iterator[Any]:
     client.close()
 
 
-
 # ---------------------------------------------------------------------------
 
 
 @pytest.mark.server
-def test_cut_through_mirror_and_region_announcements(s3_server: S3Server, redis_server: RedisServer, redis: Any, run_name: str, tmp_path: Path) -> None:
+def test_cut_through_mirror_and_region_announcements(
+    s3_server: S3Server, redis_server: RedisServer, redis: Any, run_name: str, tmp_path: Path
+) -> None:
     """S3 origin -> file mirror: every version arrives, segments before the manifest exists at origin."""
     origin = open_store(f"s3://{s3_server.new_bucket()}/runs/{run_name}", s3_server.storage_options())
     mirror = open_store(f"file://{tmp_path}/mirror")
@@ -117,7 +118,9 @@ def test_cut_through_mirror_and_region_announcements(s3_server: S3Server, redis_
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_late_relay_catches_up_and_restarts_without_copying_again(s3_server: S3Server, redis_server: RedisServer, redis: Any, run_name: str) -> None:
+def test_late_relay_catches_up_and_restarts_without_copying_again(
+    s3_server: S3Server, redis_server: RedisServer, redis: Any, run_name: str
+) -> None:
     """S3 -> S3: a Relay started late lists origin; a restarted one brings only what is new."""
     origin = open_store(f"s3://{s3_server.new_bucket()}/runs/{run_name}", s3_server.storage_options())
     mirror = open_store(f"s3://{s3_server.new_bucket()}/eu/{run_name}", s3_server.storage_options())
@@ -185,7 +188,9 @@ def test_duplicate_announcements_copy_each_object_once(redis_server: RedisServer
 
 
 @pytest.mark.server
-def test_untrusted_bytes_are_never_mirrored(redis_server: RedisServer, redis: Any, run_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_untrusted_bytes_are_never_mirrored(
+    redis_server: RedisServer, redis: Any, run_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A wrong announced digest, then a damaged origin object: neither lands in the mirror."""
     caplog.set_level(logging.INFO, logger="aurora.relay")
     origin = open_store(f"file://{tmp_path}/origin")
@@ -236,9 +241,7 @@ def test_untrusted_bytes_are_never_mirrored(redis_server: RedisServer, redis: An
         # Repaired at origin: the Relay's retry listing picks it up.
         origin.put(key, damaged[key], mode="overwrite")
         wait_until(mirrored(relay, ("delta", 2)), "delta 2 after the repair")
-    assert hashlib.sha256(mirror.get(key)).hexdigest() == next(
-        r.sha256 for r in m2.segments if key.endswith(r.key)
-    )
+    assert hashlib.sha256(mirror.get(key)).hexdigest() == next(r.sha256 for r in m2.segments if key.endswith(r.key))
     tensors, _ = materialize(mirror, 2)
     assert weights_digest(tensors) == trainer.digest(2)
     assert [e.version for e in region_events(redis, run_name) if e.type == VERSION] == [0, 1, 2]
@@ -290,8 +293,25 @@ def test_redis_restart_loses_stream_and_heartbeat(own_redis_server: RedisServer,
 
 def _relay_process(origin: str, mirror: str, redis_url: str, run: str, region: str) -> subprocess.Popen[str]:
     args = [
-        sys.executable, "-m", "workers.relay", "--store", origin, "--mirror", mirror, "--redis", redis_url,
-        "--run", run, "--region", region, "--heartbeat-s", "0.2", "--ttl-s", "1.5", "--block-ms", "100",
+        sys.executable,
+        "-m",
+        "workers.relay",
+        "--store",
+        origin,
+        "--mirror",
+        mirror,
+        "--redis",
+        redis_url,
+        "--run",
+        run,
+        "--region",
+        region,
+        "--heartbeat-s",
+        "0.2",
+        "--ttl-s",
+        "1.5",
+        "--block-ms",
+        "100",
     ]
     env = {**os.environ, "AURORA_TORCH_THREADS": "1"}
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -299,7 +319,9 @@ def _relay_process(origin: str, mirror: str, redis_url: str, run: str, region: s
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_heartbeat_deleted_on_sigterm_and_expires_after_sigkill(redis_server: RedisServer, redis: Any, run_name: str, tmp_path: Path) -> None:
+def test_heartbeat_deleted_on_sigterm_and_expires_after_sigkill(
+    redis_server: RedisServer, redis: Any, run_name: str, tmp_path: Path
+) -> None:
     origin = f"file://{tmp_path}/origin"
     describe_model(open_store(origin))  # else the Relays wait for the run to appear
     procs = {r: _relay_process(origin, f"file://{tmp_path}/mirror-{r}", redis_server.url, run_name, r) for r in ("a", "b")}
@@ -307,7 +329,8 @@ def test_heartbeat_deleted_on_sigterm_and_expires_after_sigkill(redis_server: Re
         for r, p in procs.items():
             wait_until(
                 lambda r=r, p=p: redis.get(relay_key(run_name, r)) is not None or p.poll() is not None,  # type: ignore[misc]
-                f"relay {r} heartbeating", timeout=60,
+                f"relay {r} heartbeating",
+                timeout=60,
             )
             assert p.poll() is None, p.communicate()[0]
         assert redis.get(relay_key(run_name, "a")) == f"file://{tmp_path}/mirror-a".encode()
@@ -334,18 +357,42 @@ def test_heartbeat_deleted_on_sigterm_and_expires_after_sigkill(redis_server: Re
 def test_config_and_arguments() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args([
-        "--store", "s3://origin/runs/r1", "--storage-option", "endpoint_url=http://127.0.0.1:9000",
-        "--storage-option", "secret=hunter2", "--mirror", "s3://eu/runs/r1", "--mirror-option", "anon=true",
-        "--redis", "redis://127.0.0.1:1/0", "--run", "r1", "--region", "eu", "--streams", "3",
-    ])
+    args = p.parse_args(
+        [
+            "--store",
+            "s3://origin/runs/r1",
+            "--storage-option",
+            "endpoint_url=http://127.0.0.1:9000",
+            "--storage-option",
+            "secret=hunter2",
+            "--mirror",
+            "s3://eu/runs/r1",
+            "--mirror-option",
+            "anon=true",
+            "--redis",
+            "redis://127.0.0.1:1/0",
+            "--run",
+            "r1",
+            "--region",
+            "eu",
+            "--streams",
+            "3",
+        ]
+    )
     cfg = config_from_args(args)
     assert cfg.origin_options == {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}, "secret": "hunter2"}
     assert cfg.mirror_options == {"anon": True}
     assert (cfg.streams, cfg.heartbeat_s, cfg.ttl_s) == (3, 2.0, 6.0)
     assert "hunter2" not in repr(cfg)  # credentials never reach a log line
     base = {"origin": "file:///o", "mirror": "file:///m", "redis": "redis://h/0", "run": "r", "region": "eu"}
-    for bad in ({"region": "e{u}"}, {"ttl_s": 1.0, "heartbeat_s": 2.0}, {"block_ms": 0}, {"streams": 0}, {"mirror": "file:///o/"}, {"run": "a b"}):
+    for bad in (
+        {"region": "e{u}"},
+        {"ttl_s": 1.0, "heartbeat_s": 2.0},
+        {"block_ms": 0},
+        {"streams": 0},
+        {"mirror": "file:///o/"},
+        {"run": "a b"},
+    ):
         with pytest.raises(ConfigError):
             RelayConfig(**{**base, **bad})  # type: ignore[arg-type]
 

@@ -196,8 +196,21 @@ def test_an_outage_past_the_budget_ends_the_relay(own_redis_server: RedisServer,
 @pytest.mark.server
 def test_aurora_relay_exits_with_one_line_past_the_budget(dead_redis_url: str, tmp_path: Path) -> None:
     args = [
-        sys.executable, "-m", "workers.relay", "--store", f"file://{tmp_path}/origin", "--mirror", f"file://{tmp_path}/mirror",
-        "--redis", dead_redis_url, "--run", "r", "--region", "eu", "--outage-budget-s", "1",
+        sys.executable,
+        "-m",
+        "workers.relay",
+        "--store",
+        f"file://{tmp_path}/origin",
+        "--mirror",
+        f"file://{tmp_path}/mirror",
+        "--redis",
+        dead_redis_url,
+        "--run",
+        "r",
+        "--region",
+        "eu",
+        "--outage-budget-s",
+        "1",
     ]
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
@@ -335,7 +348,9 @@ def test_relay_flags() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
     base = ["--store", "file:///o", "--mirror", "file:///m", "--redis", "redis://h/0", "--run", "r", "--region", "eu"]
-    cfg = config_from_args(p.parse_args([*base, "--outage-budget-s", "30", "--keep-snapshots", "0", "--gc-every-s", "5", "--grace-s", "60"]))
+    cfg = config_from_args(
+        p.parse_args([*base, "--outage-budget-s", "30", "--keep-snapshots", "0", "--gc-every-s", "5", "--grace-s", "60"])
+    )
     assert (cfg.outage_budget_s, cfg.keep_snapshots, cfg.gc_every_s, cfg.grace_s) == (30.0, 0, 5.0, 60.0)
     cfg = config_from_args(p.parse_args(base))
     assert cfg.outage_budget_s >= 600 and cfg.keep_snapshots == 2

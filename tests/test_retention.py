@@ -100,8 +100,18 @@ def test_force_removes_what_holders_need_and_says_so(tmp_path: Path) -> None:
 def test_relay_held_values_and_hostile_ones() -> None:
     assert parse_relay_held(relay_held_value([5, 3, 3, -1])) == {3, 5}
     assert parse_relay_held(relay_held_value([]).encode()) == frozenset()
-    for bad in (b"", b"not json", b"[1, 2]", b'{"versions": "1"}', b'{"versions": [1.5]}', b'{"versions": [true]}',
-                b'{"versions": [-1]}', b'{"versions": [1099511627776]}', b"\xff\xfe", b'{"versions": [' + b"1," * 5000 + b"1]}"):
+    for bad in (
+        b"",
+        b"not json",
+        b"[1, 2]",
+        b'{"versions": "1"}',
+        b'{"versions": [1.5]}',
+        b'{"versions": [true]}',
+        b'{"versions": [-1]}',
+        b'{"versions": [1099511627776]}',
+        b"\xff\xfe",
+        b'{"versions": [' + b"1," * 5000 + b"1]}",
+    ):
         assert parse_relay_held(bad) is None, bad
     assert parse_relay_held(None) is None
 

@@ -32,12 +32,19 @@ def test_trainer_and_actor_ride_out_redis_and_s3_outages(tmp_path: Path) -> None
         bucket = s3.new_bucket()
         store_url = f"s3://{bucket}/run"
         env = {
-            **os.environ, **s3.env_vars, "AURORA_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            **os.environ,
+            **s3.env_vars,
+            "AURORA_TORCH_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
             # Two warm-start steps: riding out outages is the point, not what the model learns.
             "AURORA_TRAINER_WARM_START_STEPS": "2",
             # Short timeouts, so an outage is noticed within a second or two.
-            "AURORA_REDIS_COMMAND_TIMEOUT_S": "1", "AURORA_REDIS_CONNECT_TIMEOUT_S": "1", "AURORA_REDIS_BLOCK_MARGIN_S": "1",
-            "AURORA_STORE_RETRIES": "1", "AURORA_STORE_READ_TIMEOUT_S": "1", "AURORA_STORE_CONNECT_TIMEOUT_S": "1",
+            "AURORA_REDIS_COMMAND_TIMEOUT_S": "1",
+            "AURORA_REDIS_CONNECT_TIMEOUT_S": "1",
+            "AURORA_REDIS_BLOCK_MARGIN_S": "1",
+            "AURORA_STORE_RETRIES": "1",
+            "AURORA_STORE_READ_TIMEOUT_S": "1",
+            "AURORA_STORE_CONNECT_TIMEOUT_S": "1",
             "AURORA_STORE_OP_TIMEOUT_S": "3",
             # Digests kept outside Redis, which the restart erases.
             "AURORA_DIGEST_LOG": str(tmp_path / "digests.jsonl"),
@@ -45,13 +52,32 @@ def test_trainer_and_actor_ride_out_redis_and_s3_outages(tmp_path: Path) -> None
         common = ["--store", store_url, "--redis", rs.url, "--run", RUN]
         tlog, alog = tmp_path / "trainer.log", tmp_path / "actor.log"
         trainer = subprocess.Popen(
-            [sys.executable, "-m", "aurora_tools.cli", "trainer", *common, "--steps", str(STEPS), "--batch", "8", "--group", "4",
-             "--snapshot-every", "0", "--checkpoint-every", "0"],
-            env=env, stdout=open(tlog, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+            [
+                sys.executable,
+                "-m",
+                "aurora_tools.cli",
+                "trainer",
+                *common,
+                "--steps",
+                str(STEPS),
+                "--batch",
+                "8",
+                "--group",
+                "4",
+                "--snapshot-every",
+                "0",
+                "--checkpoint-every",
+                "0",
+            ],
+            env=env,
+            stdout=open(tlog, "wb"),
+            stderr=subprocess.STDOUT,  # noqa: SIM115
         )
         actor = subprocess.Popen(
             [sys.executable, "-m", "aurora_tools.cli", "actor", *common, "--id", "a0"],
-            env=env, stdout=open(alog, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+            env=env,
+            stdout=open(alog, "wb"),
+            stderr=subprocess.STDOUT,  # noqa: SIM115
         )
         procs, logs = [trainer, actor], [tlog, alog]
         both: dict[str, Any] = {"timeout": 240, "interval": 0.05, "processes": {"the Trainer": trainer, "the Actor": actor}, "logs": logs}
@@ -68,7 +94,9 @@ def test_trainer_and_actor_ride_out_redis_and_s3_outages(tmp_path: Path) -> None
             wait_until(lambda: head() >= 2, "v2", **both)
             os.kill(rs.proc.pid, signal.SIGSTOP)
             try:
-                wait_until(lambda: said(tlog, "Redis unreachable") and said(alog, "Redis unreachable"), "both to notice Redis is away", **both)
+                wait_until(
+                    lambda: said(tlog, "Redis unreachable") and said(alog, "Redis unreachable"), "both to notice Redis is away", **both
+                )
             finally:
                 os.kill(rs.proc.pid, signal.SIGCONT)
             # 2. The S3 server paused until the Trainer, publishing, notices it.
@@ -84,7 +112,14 @@ def test_trainer_and_actor_ride_out_redis_and_s3_outages(tmp_path: Path) -> None
             os.kill(actor.pid, signal.SIGSTOP)
             try:
                 rs.restart()
-                wait_until(lambda: said(tlog, "ledger lost"), "the Trainer to re-issue the lost step", timeout=240, interval=0.05, processes={"the Trainer": trainer}, logs=[tlog])
+                wait_until(
+                    lambda: said(tlog, "ledger lost"),
+                    "the Trainer to re-issue the lost step",
+                    timeout=240,
+                    interval=0.05,
+                    processes={"the Trainer": trainer},
+                    logs=[tlog],
+                )
             finally:
                 os.kill(actor.pid, signal.SIGCONT)
             assert trainer.wait(timeout=300) == 0, tlog.read_text(errors="replace")[-3000:]

@@ -66,7 +66,6 @@ from aurora_tools.synthetic.shapes import QWEN3_TINY, MasterWeights, make_weight
 pytestmark = pytest.mark.server
 
 
-
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in list(os.environ):
@@ -151,9 +150,9 @@ def persistent_redis(tmp_path: Path) -> Iterator[str]:
     """A redis-server started with ``--appendonly yes`` (what Redis-commit mode requires)."""
     port = free_port()
     proc = subprocess.Popen(
-        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes", "--save", "",
-         "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes", "--save", "", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"redis://127.0.0.1:{port}/0"
 
@@ -349,8 +348,7 @@ def test_cli_on_moto_publishes_create_only(moto: S3Server, tmp_path: Path, capsy
     other = _other_weights(tmp_path)
     bucket = moto.new_bucket()
     url = f"s3://{bucket}/runs/demo"
-    opts = ["--storage-option", "key=testing", "--storage-option", "secret=testing",
-            "--storage-option", f"endpoint_url={moto.endpoint}"]
+    opts = ["--storage-option", "key=testing", "--storage-option", "secret=testing", "--storage-option", f"endpoint_url={moto.endpoint}"]
     assert _cli(["snapshot", "create", files[0], "--version", "0", "--store", url, *opts], capsys)[0] == 0
     assert _cli(["delta", "create", files[0], files[1], "--version", "1", "--store", url, *opts], capsys)[0] == 0
     rc, err = _cli(["delta", "create", files[0], other, "--version", "1", "--store", url, *opts], capsys)
@@ -374,7 +372,10 @@ def test_two_racing_writers_leave_one_committed_version(rclone: RcloneS3, persis
     def writer(new: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
             [sys.executable, "-m", "aurora_tools.cli", "delta", "create", files[0], new, "--version", "1", "--store", url, *via],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
 
     procs = [writer(files[1]), writer(other)]
@@ -437,9 +438,30 @@ def test_the_trainer_on_a_server_without_conditional_writes(
 
     def trainer(redis_url: str, *extra: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [sys.executable, "-m", "aurora_tools.cli", "trainer", "--store", url, "--redis", redis_url, "--run", "t",
-             "--steps", "1", "--batch", "2", "--group", "2", *rclone.cli_options(), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "aurora_tools.cli",
+                "trainer",
+                "--store",
+                url,
+                "--redis",
+                redis_url,
+                "--run",
+                "t",
+                "--steps",
+                "1",
+                "--batch",
+                "2",
+                "--group",
+                "2",
+                *rclone.cli_options(),
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
 
     p = trainer(redis_server.url)
@@ -451,7 +473,9 @@ def test_the_trainer_on_a_server_without_conditional_writes(
     p = trainer(persistent_redis, "--commit-via", "redis")
     client = connect(persistent_redis)
     try:
-        wait_until(lambda: p.poll() is not None or client.exists("aurora:{t}:commit:snapshot:0"), "v0's commit record", timeout=240, interval=0.05)
+        wait_until(
+            lambda: p.poll() is not None or client.exists("aurora:{t}:commit:snapshot:0"), "v0's commit record", timeout=240, interval=0.05
+        )
         assert p.poll() is None, p.communicate()[0]
         commits = commit_records_for(client, "t")
         assert commits is not None

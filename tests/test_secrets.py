@@ -58,8 +58,13 @@ def test_redact_url_masks_the_password_and_secret_query_values() -> None:
 
 
 def test_redact_options_and_text() -> None:
-    opts = {"key": "AKIAEXAMPLE", "secret": "wJalr", "token": "FQo", "anon": False,
-            "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000", "aws_session_token": "tok"}}
+    opts = {
+        "key": "AKIAEXAMPLE",
+        "secret": "wJalr",
+        "token": "FQo",
+        "anon": False,
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000", "aws_session_token": "tok"},
+    }
     out = redact_options(opts)
     assert out["key"] == out["secret"] == out["token"] == out["client_kwargs"]["aws_session_token"] == MASK
     assert out["anon"] is False and out["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9000"
@@ -77,8 +82,9 @@ def test_reprs_of_configs_hide_urls_passwords_and_options() -> None:
 
     pw = "repr-pass-" + secrets.token_hex(4)
     ep = Endpoints("s3://b/run", f"redis://u:{pw}@h:6379/0", "run", {"secret": "opt-secret-1", "key": "AKIA1"})
-    relay = RelayConfig(origin="s3://o/r", mirror="s3://m/r", redis=f"redis://u:{pw}@h/0", run="r", region="eu",
-                        origin_options={"secret": "opt-secret-1"})
+    relay = RelayConfig(
+        origin="s3://o/r", mirror="s3://m/r", redis=f"redis://u:{pw}@h/0", run="r", region="eu", origin_options={"secret": "opt-secret-1"}
+    )
     demo = DemoConfig(redis=f"redis://u:{pw}@h/0")
     for obj in (ep, relay, demo):
         shown = repr(obj) + str(obj)
@@ -100,7 +106,10 @@ def test_redis_from_the_environment_and_a_password_file(tmp_path: Path, monkeypa
     with pytest.raises(SystemExit):  # neither flag nor environment: argparse says --redis is required
         _parse(["--store", "x", "--run", "r"])
     # Either order: the password is folded into the URL, percent-encoded.
-    for argv in (["--redis", "redis://actor@h:1/0", "--redis-password-file", str(pw)], ["--redis-password-file", str(pw), "--redis", "redis://actor@h:1/0"]):
+    for argv in (
+        ["--redis", "redis://actor@h:1/0", "--redis-password-file", str(pw)],
+        ["--redis-password-file", str(pw), "--redis", "redis://actor@h:1/0"],
+    ):
         a = _parse(["--store", "x", "--run", "r", *argv])
         assert a.redis == "redis://actor:p%40ss%2Fw%3Ard-1@h:1/0"
     monkeypatch.setenv("AURORA_REDIS_URL", "redis://actor@h:1/0")
@@ -111,7 +120,10 @@ def test_redis_from_the_environment_and_a_password_file(tmp_path: Path, monkeypa
     with pytest.raises(ConfigError, match="password file") as e:
         resolve_redis_url(None, str(tmp_path / "absent"))
     assert "p@ss" not in str(e.value)
-    assert redis_child_env("redis://actor@h:1/0", str(pw)) == {"AURORA_REDIS_URL": "redis://actor@h:1/0", "AURORA_REDIS_PASSWORD_FILE": str(pw)}
+    assert redis_child_env("redis://actor@h:1/0", str(pw)) == {
+        "AURORA_REDIS_URL": "redis://actor@h:1/0",
+        "AURORA_REDIS_PASSWORD_FILE": str(pw),
+    }
     with pytest.raises(ConfigError, match="must start with") as e2:
         connect("http://u:pw-in-a-bad-url@h/0")
     assert "pw-in-a-bad-url" not in str(e2.value)
@@ -250,7 +262,10 @@ def _file_texts(root: Path) -> Iterable[tuple[str, bytes]]:
 def _s3_texts(client: Any, bucket: str) -> Iterable[tuple[str, bytes]]:
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
         for obj in page.get("Contents", []):
-            yield f"s3://{bucket}/{obj['Key']}", obj["Key"].encode() + b"\n" + client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+            yield (
+                f"s3://{bucket}/{obj['Key']}",
+                obj["Key"].encode() + b"\n" + client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read(),
+            )
 
 
 def scan(secret_values: dict[str, str], sources: Iterable[tuple[str, bytes]]) -> list[str]:
@@ -292,8 +307,13 @@ def test_demo_with_a_password_and_s3_keys_leaks_no_secret(tmp_path: Path, monkey
         boot.execute_command("ACL", "SETUSER", "aurora", "on", f">{redis_pw}", "~*", "&*", "+@all")
         boot.execute_command("ACL", "SETUSER", "default", "off")
         boot.close()
-        for k, v in {"AWS_ACCESS_KEY_ID": s3_key_id, "AWS_SECRET_ACCESS_KEY": s3_secret, "AWS_SESSION_TOKEN": s3_token,
-                     "AWS_ENDPOINT_URL": s3.endpoint, "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for k, v in {
+            "AWS_ACCESS_KEY_ID": s3_key_id,
+            "AWS_SECRET_ACCESS_KEY": s3_secret,
+            "AWS_SESSION_TOKEN": s3_token,
+            "AWS_ENDPOINT_URL": s3.endpoint,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
             monkeypatch.setenv(k, v)
         for k in ("AURORA_REDIS_URL", "AURORA_REDIS_PASSWORD_FILE", "AURORA_DEBUG_LOGGERS"):
             monkeypatch.delenv(k, raising=False)
@@ -302,9 +322,23 @@ def test_demo_with_a_password_and_s3_keys_leaks_no_secret(tmp_path: Path, monkey
         client.create_bucket(Bucket=bucket)
         url = f"redis://aurora@127.0.0.1:{rs.port}/0"
         cfg = DemoConfig(
-            steps=2, batch=4, group=2, actors_relay=1, actors_origin=0, kill_at=-1, join_at=-1, snapshot_every=2,
-            store=f"s3://{bucket}/run", redis=url, redis_password_file=str(pw_file), run="secrets",
-            workdir=str(workdir), display=True, mirror_grace_s=0.5, tiny_hidden=64, tiny_intermediate=192,
+            steps=2,
+            batch=4,
+            group=2,
+            actors_relay=1,
+            actors_origin=0,
+            kill_at=-1,
+            join_at=-1,
+            snapshot_every=2,
+            store=f"s3://{bucket}/run",
+            redis=url,
+            redis_password_file=str(pw_file),
+            run="secrets",
+            workdir=str(workdir),
+            display=True,
+            mirror_grace_s=0.5,
+            tiny_hidden=64,
+            tiny_intermediate=192,
         )
         res = run_system_demo(cfg, say=lambda *a, **k: printed.append(" ".join(map(str, a))))
         argv.sweep()
@@ -330,6 +364,7 @@ def test_demo_with_a_password_and_s3_keys_leaks_no_secret(tmp_path: Path, monkey
         planted = "planted-" + secrets.token_hex(8)
         sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"--redis=redis://x:{planted}@h/0"])
         try:
+
             def seen() -> bool:
                 argv.sweep()
                 return any(planted in a for a in argv.argvs.values())

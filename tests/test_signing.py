@@ -102,8 +102,16 @@ def test_sign_verify_round_trip(alg: str, tmp_path: Path) -> None:
     # Deterministic: a retried publish writes the very same bytes (create-only reads back equal).
     m1 = read_manifest(store, "delta", 1)
     again = publish_delta(
-        store, "t", 1, extract(chain.plan, chain.weights[0], chain.weights[1]), chain.states[0], CFG,
-        attempt=m1.segments[0].key.split("/")[0], created_at=m1.created_at, signer=signer, weights_digest=chain.digest(1),
+        store,
+        "t",
+        1,
+        extract(chain.plan, chain.weights[0], chain.weights[1]),
+        chain.states[0],
+        CFG,
+        attempt=m1.segments[0].key.split("/")[0],
+        created_at=m1.created_at,
+        signer=signer,
+        weights_digest=chain.digest(1),
     )
     assert again.to_bytes() == store.get(manifest_key("delta", 1))
     tensors, state = materialize(store, 1, trust=signer.trust())
@@ -383,7 +391,10 @@ def test_actor_with_trust_key_refuses_forged_versions_before_reading_segments(tm
             _resign(origin, kind, v, signer)
         clock = ManualClock()
         a = Actor.from_endpoints(
-            Endpoints(origin.url, trainer.redis_url, trainer.run), ActorConfig(actor_id="a", trust=signer.trust()), clock, origin=CountingStore(origin.url),
+            Endpoints(origin.url, trainer.redis_url, trainer.run),
+            ActorConfig(actor_id="a", trust=signer.trust()),
+            clock,
+            origin=CountingStore(origin.url),
         )
         a.bootstrap()
         assert a.active == 1
@@ -407,7 +418,9 @@ def test_actor_with_trust_key_refuses_forged_versions_before_reading_segments(tm
 
 
 @pytest.mark.server
-def test_relay_with_trust_key_mirrors_only_signed_versions(tmp_path: Path, redis_server, run_name: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_relay_with_trust_key_mirrors_only_signed_versions(
+    tmp_path: Path, redis_server, run_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
     import logging
 
     from relay_helpers import describe_model, make_relay, mirrored, running
@@ -429,7 +442,10 @@ def test_relay_with_trust_key_mirrors_only_signed_versions(tmp_path: Path, redis
         with running(relay):
             wait_until(relay.caught_up.is_set, "the first listing")
             trainer = FakeTrainer(origin, run_name, Bus(redis, run_name))  # v0, unsigned
-            wait_until(lambda: any("snapshot 0 not mirrored" in r.getMessage() and "unsigned" in r.getMessage() for r in caplog.records), "v0 refused")
+            wait_until(
+                lambda: any("snapshot 0 not mirrored" in r.getMessage() and "unsigned" in r.getMessage() for r in caplog.records),
+                "v0 refused",
+            )
             assert not mirror.exists(manifest_key("snapshot", 0))
             _resign(origin, "snapshot", 0, signer)
             wait_until(mirrored(relay, ("snapshot", 0)), "v0 once signed")
@@ -481,12 +497,22 @@ def test_signed_run_end_to_end_trainer_and_actor_processes(tmp_path: Path, redis
     tlog, alog = open(tmp_path / "trainer.log", "wb"), open(tmp_path / "actor.log", "wb")  # noqa: SIM115
     trainer = subprocess.Popen(
         [*base, "trainer", *common, "--steps", "3", "--batch", "4", "--group", "2", "--snapshot-every", "2", "--checkpoint-every", "0"],
-        env={**env, "AURORA_SIGN_KEY": str(priv)}, stdout=tlog, stderr=subprocess.STDOUT,
+        env={**env, "AURORA_SIGN_KEY": str(priv)},
+        stdout=tlog,
+        stderr=subprocess.STDOUT,
     )
-    actor = subprocess.Popen([*base, "actor", *common, "--id", "a0", "--trust-key", str(pub)], env=env, stdout=alog, stderr=subprocess.STDOUT)
+    actor = subprocess.Popen(
+        [*base, "actor", *common, "--id", "a0", "--trust-key", str(pub)], env=env, stdout=alog, stderr=subprocess.STDOUT
+    )
     try:
-        wait_until(lambda: trainer.poll() is not None, "the Trainer to finish", timeout=600, interval=0.2,
-                   processes={"the Actor": actor}, logs=[tmp_path / "trainer.log", tmp_path / "actor.log"])
+        wait_until(
+            lambda: trainer.poll() is not None,
+            "the Trainer to finish",
+            timeout=600,
+            interval=0.2,
+            processes={"the Actor": actor},
+            logs=[tmp_path / "trainer.log", tmp_path / "actor.log"],
+        )
         assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text(errors="replace")[-3000:]
     finally:
         for p in (trainer, actor):

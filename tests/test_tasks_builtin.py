@@ -43,7 +43,10 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
 
 def gsm8k_rows(n: int) -> list[dict[str, str]]:
     return [
-        {"question": f"Tom has {i} apples and buys {i + 1} more. How many?", "answer": f"{i}+{i + 1}=<<{i}+{i + 1}={2 * i + 1}>>{2 * i + 1}\n#### {2 * i + 1}"}
+        {
+            "question": f"Tom has {i} apples and buys {i + 1} more. How many?",
+            "answer": f"{i}+{i + 1}=<<{i}+{i + 1}={2 * i + 1}>>{2 * i + 1}\n#### {2 * i + 1}",
+        }
         for i in range(n)
     ]
 

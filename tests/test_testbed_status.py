@@ -76,8 +76,17 @@ def test_testbed_up_background_then_down(tmp_path: Path, capsys: pytest.CaptureF
     d = tmp_path / "tb"
     assert main(["testbed", "up", "--background", "--dir", str(d), "--bucket", "tb-bg"]) == 0
     out = capsys.readouterr().out
-    for word in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
-                 "--store s3://tb-bg/", "aurora trainer", "aurora actor", "aurora relay", "testbed down"):
+    for word in (
+        "AWS_ENDPOINT_URL",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_DEFAULT_REGION",
+        "--store s3://tb-bg/",
+        "aurora trainer",
+        "aurora actor",
+        "aurora relay",
+        "testbed down",
+    ):
         assert word in out, word
     state_file = d / testbed.STATE_FILE
     state = json.loads(state_file.read_text())
@@ -157,7 +166,10 @@ def _populate(redis: Any, run: str, clock: ManualClock) -> int:
     assert len(ledger.claim("a2", 1, 1)[1]) == 1  # returns the two expired leases to the pool first
     assert ledger.heartbeat("a2")
 
-    redis.hset(f"aurora:{{{run}}}:trainer", mapping={"head": 1, "head_state": H, "published_ms": clock.now_ms - 3_000, "step": 1, "status": "running"})
+    redis.hset(
+        f"aurora:{{{run}}}:trainer",
+        mapping={"head": 1, "head_state": H, "published_ms": clock.now_ms - 3_000, "step": 1, "status": "running"},
+    )
     redis.set(f"aurora:{{{run}}}:relay:eu", "s3://aurora/mirrors/eu/r", px=30_000)
     # Another run whose name starts alike: its relay must not show up.
     redis.set(f"aurora:{{{run}x}}:relay:zz", "s3://other", px=30_000)
@@ -171,7 +183,14 @@ def test_collect_status_numbers(redis_client: Any, run_name: str) -> None:
     st = collect_status(redis_client, run_name, now_ms=now)
     assert st["run"] == run_name and st["now_ms"] == now
 
-    assert st["trainer"] == {"head": 1, "head_state": H, "published_ms": t0 + 2_000 - 3_000, "published_age_s": 3.5, "step": 1, "status": "running"}
+    assert st["trainer"] == {
+        "head": 1,
+        "head_state": H,
+        "published_ms": t0 + 2_000 - 3_000,
+        "published_age_s": 3.5,
+        "step": 1,
+        "status": "running",
+    }
 
     assert len(st["relays"]) == 1
     relay = st["relays"][0]

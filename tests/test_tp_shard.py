@@ -194,9 +194,7 @@ def test_sharded_weights_validate_against_the_whole_parameter() -> None:
 # ---------------------------------------------------------------------------
 # against vLLM's own layers (runs where vllm is installed; needs no GPU)
 
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install 'aurora-store[vllm]')"
-)
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install 'aurora-store[vllm]')")
 
 
 @contextlib.contextmanager

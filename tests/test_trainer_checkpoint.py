@@ -26,7 +26,9 @@ from workers.trainer.checkpoint import (
 
 def _ck(step: int) -> Checkpoint:
     emb = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
-    return Checkpoint(step=step, epoch=1, tensors={"model.embed": emb, "model.head": emb, "rng": torch.get_rng_state()}, meta={"tau": {"a": 1.5}})
+    return Checkpoint(
+        step=step, epoch=1, tensors={"model.embed": emb, "model.head": emb, "rng": torch.get_rng_state()}, meta={"tau": {"a": 1.5}}
+    )
 
 
 def test_round_trip_keeps_aliases_and_meta(tmp_path: Path) -> None:

@@ -28,7 +28,6 @@ from workers.trainer.crash import CRASH_ENV
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 
-
 def _env() -> dict[str, str]:
     return {**os.environ, "AURORA_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -36,8 +35,27 @@ def _env() -> dict[str, str]:
 def _trainer(store: str, redis_url: str, log: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     run = Path(store.removeprefix("file://")).parent.name  # one run name per test (the Redis server is shared)
     cmd = [
-        sys.executable, "-m", "aurora_tools.cli", "trainer", "--store", store, "--redis", redis_url, "--run", run,
-        "--steps", "9", "--batch", "8", "--group", "4", "--snapshot-every", "0", "--checkpoint-every", "2", *extra,
+        sys.executable,
+        "-m",
+        "aurora_tools.cli",
+        "trainer",
+        "--store",
+        store,
+        "--redis",
+        redis_url,
+        "--run",
+        run,
+        "--steps",
+        "9",
+        "--batch",
+        "8",
+        "--group",
+        "4",
+        "--snapshot-every",
+        "0",
+        "--checkpoint-every",
+        "2",
+        *extra,
     ]
     return subprocess.Popen(cmd, env={**_env(), **(env or {})}, stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
@@ -71,10 +89,19 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
     trainer = _trainer(store_url, redis_url, tlog, *extra, env={CRASH_ENV: spec} if crash else None)
     actor = None
     try:
-        wait_until(lambda: r.hget(RunKeys(RUN).trainer, "head") is not None, "v0", timeout=300, interval=0.1, processes={"the Trainer": trainer}, logs=[tlog])
+        wait_until(
+            lambda: r.hget(RunKeys(RUN).trainer, "head") is not None,
+            "v0",
+            timeout=300,
+            interval=0.1,
+            processes={"the Trainer": trainer},
+            logs=[tlog],
+        )
         actor = subprocess.Popen(
             [sys.executable, "-m", "aurora_tools.cli", "actor", "--store", store_url, "--redis", redis_url, "--run", RUN, "--id", "a0"],
-            env=_env(), stdout=open(alog, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+            env=_env(),
+            stdout=open(alog, "wb"),
+            stderr=subprocess.STDOUT,  # noqa: SIM115
         )
 
         def head() -> int:
@@ -88,7 +115,14 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
                 h = head()
                 return h >= 3 and h % 2 == 1 and max(list_checkpoints(store), default=-1) < h
 
-            wait_until(past_checkpoint, "an odd version after a checkpoint", timeout=300, interval=0.01, processes={"the Trainer": trainer}, logs=[tlog])
+            wait_until(
+                past_checkpoint,
+                "an odd version after a checkpoint",
+                timeout=300,
+                interval=0.01,
+                processes={"the Trainer": trainer},
+                logs=[tlog],
+            )
             trainer.send_signal(signal.SIGKILL)
             assert trainer.wait(timeout=30) == -signal.SIGKILL
         else:
@@ -157,16 +191,34 @@ def test_an_old_epoch_trainer_woken_after_a_resume_is_fenced_out(tmp_path: Path,
     old = _trainer(store_url, redis_url, old_log)
     new = actor = None
     try:
-        wait_until(lambda: r.hget(RunKeys(RUN).trainer, "head") is not None, "v0", timeout=300, interval=0.1, processes={"the Trainer": old}, logs=[old_log])
+        wait_until(
+            lambda: r.hget(RunKeys(RUN).trainer, "head") is not None,
+            "v0",
+            timeout=300,
+            interval=0.1,
+            processes={"the Trainer": old},
+            logs=[old_log],
+        )
         actor = subprocess.Popen(
             [sys.executable, "-m", "aurora_tools.cli", "actor", "--store", store_url, "--redis", redis_url, "--run", RUN, "--id", "a0"],
-            env=_env(), stdout=open(alog, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+            env=_env(),
+            stdout=open(alog, "wb"),
+            stderr=subprocess.STDOUT,  # noqa: SIM115
         )
-        wait_until(lambda: (scan_versions(store).latest or 0) >= 2, "v2", timeout=300, interval=0.1, processes={"the Trainer": old}, logs=[old_log])
+        wait_until(
+            lambda: (scan_versions(store).latest or 0) >= 2, "v2", timeout=300, interval=0.1, processes={"the Trainer": old}, logs=[old_log]
+        )
         old.send_signal(signal.SIGSTOP)  # a partition, a paused VM: it thinks it is still the Trainer
         stopped_at = scan_versions(store).latest or 0
         new = _trainer(store_url, redis_url, new_log, "--resume")
-        wait_until(lambda: (scan_versions(store).latest or 0) >= stopped_at + 2, "the resumed Trainer to publish", timeout=300, interval=0.1, processes={"the Trainer": new}, logs=[new_log])
+        wait_until(
+            lambda: (scan_versions(store).latest or 0) >= stopped_at + 2,
+            "the resumed Trainer to publish",
+            timeout=300,
+            interval=0.1,
+            processes={"the Trainer": new},
+            logs=[new_log],
+        )
         old.send_signal(signal.SIGCONT)
         rc_old = old.wait(timeout=120)
         assert new.wait(timeout=420) == 0, new_log.read_text(errors="replace")[-3000:]

@@ -106,11 +106,24 @@ def length_reward(completions: list[list[dict[str, str]]], **kwargs: Any) -> lis
 def grpo(model_dir: str, out: Path, callbacks: list[TrainerCallback], steps: int = STEPS) -> GRPOTrainer:
     prompts = [{"prompt": [{"role": "user", "content": f"Q: {a}+{a + 3}=? A:"}]} for a in range(8)]
     args = GRPOConfig(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
-        learning_rate=1e-2, report_to=[], bf16=False, use_cpu=True, use_vllm=False, save_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, seed=0,
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        report_to=[],
+        bf16=False,
+        use_cpu=True,
+        use_vllm=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
     )
-    return GRPOTrainer(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=Dataset.from_list(prompts), callbacks=callbacks)
+    return GRPOTrainer(
+        model=model_dir, reward_funcs=length_reward, args=args, train_dataset=Dataset.from_list(prompts), callbacks=callbacks
+    )
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +139,11 @@ def test_grpo_publishes_every_step_and_a_follower_process_stays_bit_identical(
     weights_file = os.path.join(model_dir, "model.safetensors")
     env = {**os.environ, "AURORA_TORCH_THREADS": "1"}
     follower = subprocess.Popen(
-        [sys.executable, "-c", FOLLOWER, store, weights_file, str(STEPS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [sys.executable, "-c", FOLLOWER, store, weights_file, str(STEPS)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         digests = Digests(sorted(load_file(weights_file)))
@@ -205,7 +222,17 @@ def test_every_rank_publishes_and_all_stop_at_the_step_rank_0_could_not_publish(
     script.write_text(RANKS)
     store = f"file://{tmp_path}/run"
     env = {**os.environ, "AURORA_TORCH_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), model_dir, store, str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(script),
+        model_dir,
+        store,
+        str(tmp_path / "out"),
+    ]
     # A session of its own: should a rank hang, the guard below ends torchrun and both ranks together.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_engine import CFG, VERSIONS, Run, engine, needs_vllm, run  # noqa: F401 - fixtures
+from vllm_fixtures import CFG, VERSIONS, Run, needs_vllm
 
 from aurora_store.lineage.fetch import fetch_snapshot
 from aurora_store.lineage.publish import publish_snapshot
@@ -24,12 +24,12 @@ pytestmark = pytest.mark.slow
 
 
 @needs_vllm
-def test_the_workers_fallback_bootstrap_skips_a_planted_snapshot(engine: Any, run: Run, tmp_path: Path) -> None:  # noqa: F811
+def test_the_workers_fallback_bootstrap_skips_a_planted_snapshot(vllm_engine: Any, vllm_run: Run, tmp_path: Path) -> None:
     root = tmp_path / "planted"
-    shutil.copytree(run.root, root)
+    shutil.copytree(vllm_run.root, root)
     store = open_store(f"file://{root}")
     _, v0 = fetch_snapshot(store, 0)
     forged = {n: t + 0.25 for n, t in v0.items()}
-    publish_snapshot(store, "t", VERSIONS, forged, run.states[VERSIONS], CFG)  # the true state, other weights
-    assert engine.bootstrap_from_store(store, {}, None, 2) == (VERSIONS, run.states[VERSIONS])
-    assert engine.digest() == run.digests[VERSIONS], "the worker started from the planted snapshot"
+    publish_snapshot(store, "t", VERSIONS, forged, vllm_run.states[VERSIONS], CFG)  # the true state, other weights
+    assert vllm_engine.bootstrap_from_store(store, {}, None, 2) == (VERSIONS, vllm_run.states[VERSIONS])
+    assert vllm_engine.digest() == vllm_run.digests[VERSIONS], "the worker started from the planted snapshot"

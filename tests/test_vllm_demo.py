@@ -45,8 +45,21 @@ def test_cli_takes_engine_vllm() -> None:
 def test_demo_with_a_vllm_actor_is_bit_identical(tmp_path: Path) -> None:
     with RedisServer() as rs:
         cfg = DemoConfig(
-            steps=3, batch=8, group=4, actors_relay=0, actors_origin=1, relay=False, kill_at=-1, join_at=-1,
-            redis=rs.url, run="vllm-e2e", workdir=str(tmp_path), display=False, engine="vllm", tiny_hidden=64, tiny_intermediate=192,
+            steps=3,
+            batch=8,
+            group=4,
+            actors_relay=0,
+            actors_origin=1,
+            relay=False,
+            kill_at=-1,
+            join_at=-1,
+            redis=rs.url,
+            run="vllm-e2e",
+            workdir=str(tmp_path),
+            display=False,
+            engine="vllm",
+            tiny_hidden=64,
+            tiny_intermediate=192,
         )
         res = run_system_demo(cfg, say=lambda *a, **k: None)
     logs = (tmp_path / "logs" / "us-0.log").read_text(errors="replace")
@@ -71,10 +84,11 @@ def test_demo_with_a_vllm_actor_is_bit_identical(tmp_path: Path) -> None:
 def test_tensor_parallel_vllm_patches_each_shard(tmp_path: Path) -> None:
     """TP=2 on the CPU: the shards, patched rank by rank, digest like the Trainer's whole weights."""
     import test_vllm_engine as t
+    from vllm_fixtures import make_run
 
     from workers.engine.vllm_engine import VLLMConfig, VLLMEngine
 
-    run = t.make_run(tmp_path / "run")  # the same Trainer run as test_vllm_engine's
+    run = make_run(tmp_path / "run")  # the same Trainer run as test_vllm_engine's
     e = VLLMEngine(t.TOK, VLLMConfig(kv_cache_mib=64, tensor_parallel_size=2))
     try:
         e.load(run.skeleton)

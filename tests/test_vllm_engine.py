@@ -10,49 +10,25 @@ parameters and compared with the Trainer's ``weights_digest``.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from test_engine import trainer_step  # the Trainer's update, shared with the torch engine's tests
+from vllm_fixtures import BIG_STEP, CFG, HEAD_DIM, TOK, VERSIONS, Run, needs_vllm
 
-from aurora_store.apply.sink import weights_digest
 from aurora_store.codec.entries import DecodedEntry
 from aurora_store.codec.extract import extract
-from aurora_store.codec.fusion import FusionPlan
 from aurora_store.errors import ChainError, ConfigError, IntegrityError, ModelMismatchError
 from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import version_dir
 from aurora_store.lineage.fetch import fetch_delta, read_manifest
-from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
-from aurora_store.storage import Store, open_store
+from aurora_store.lineage.publish import publish_delta
+from aurora_store.storage import open_store
 from workers.engine import Engine, RemoteStaged, StoreStaging, make_engine
-from workers.model import (
-    fused_weights,
-    fusion_plan_for,
-    hf_weights,
-    tiny_qwen3,
-)
+from workers.model import hf_weights, tiny_qwen3
 from workers.task import make_problems
-from workers.tokenizer import CharTokenizer
-
-TOK = CharTokenizer()
-CFG = PublishConfig(streams=2, segment_bytes=16 << 10)
-HEAD_DIM = 32
-VERSIONS = 4
-BIG_STEP = 3
-"""Version made by a large step: its logits differ visibly from its base's."""
-
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason="vllm is not installed: pip install 'aurora-store[vllm]' (make venv installs it)",
-)
 
 
 def test_choosing_vllm_without_it_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,55 +91,7 @@ def test_worker_errors_cross_back_with_their_class_and_fields() -> None:
 
 
 # ---------------------------------------------------------------------------
-# a Trainer's run in a file:// store
-
-
-@dataclass
-class Run:
-    store: Store
-    root: Path
-    plan: FusionPlan
-    digests: dict[int, str]
-    """The Trainer's weights_digest of each version."""
-    states: dict[int, str]
-    skeleton: torch.nn.Module
-    weights: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    """The Trainer's weights (Hugging Face names) of each version."""
-
-
-def make_run(root: Path) -> Run:
-    """Snapshot v0 and deltas 1..VERSIONS of a Trainer taking Adam steps, under ``root``."""
-    root.mkdir(parents=True)
-    store = open_store(f"file://{root}")
-    model = tiny_qwen3(TOK.vocab_size, seed=0, head_dim=HEAD_DIM)
-    plan = fusion_plan_for(model)
-    base = {n: t.clone() for n, t in hf_weights(model).items()}
-    snap = publish_snapshot(store, "t", 0, fused_weights(base, plan), None, CFG)
-    digests, states, weights = {0: weights_digest(base, plan)}, {0: snap.state}, {0: base}
-    for v in range(1, VERSIONS + 1):
-        model = trainer_step(model, lr=1e-2 if v == BIG_STEP else 1e-5, seed=v)
-        new = {n: t.clone() for n, t in hf_weights(model).items()}
-        m = publish_delta(store, "t", v, extract(plan, base, new), states[v - 1], CFG)
-        digests[v], states[v], base = weights_digest(new, plan), m.state, new
-        weights[v] = new
-    return Run(store, root, plan, digests, states, tiny_qwen3(TOK.vocab_size, seed=0, head_dim=HEAD_DIM), weights)
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return make_run(tmp_path_factory.mktemp("vllm") / "run")
-
-
-@pytest.fixture(scope="module")
-def engine(run: Run) -> Iterator[object]:
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not installed: pip install 'aurora-store[vllm]'")
-    from workers.engine.vllm_engine import VLLMConfig, VLLMEngine
-
-    e = VLLMEngine(TOK, VLLMConfig(kv_cache_mib=64))
-    e.load(run.skeleton)
-    yield e
-    e.close()
+# helpers over the module's engine and run (``vllm_engine``, ``vllm_run``: tests/vllm_fixtures.py)
 
 
 def _stage(engine: object, run: Run, v: int) -> RemoteStaged:
@@ -185,39 +113,39 @@ pytestmark = [pytest.mark.slow]
 
 
 @needs_vllm
-def test_vllm_bootstraps_and_applies_deltas_bit_identical(engine, run: Run) -> None:  # type: ignore[no-untyped-def]
-    assert isinstance(engine, Engine) and isinstance(engine, StoreStaging)
-    assert engine.param_specs() == run.plan.specs()  # fused names, whole shapes: vocab padding hidden
-    assert engine.bootstrap_from_store(run.store, {}, 0, 2) == (0, run.states[0])
-    assert engine.version == 0 and engine.digest() == run.digests[0]
-    ptrs = _ptrs(engine)
+def test_vllm_bootstraps_and_applies_deltas_bit_identical(vllm_engine, vllm_run: Run) -> None:  # type: ignore[no-untyped-def]
+    assert isinstance(vllm_engine, Engine) and isinstance(vllm_engine, StoreStaging)
+    assert vllm_engine.param_specs() == vllm_run.plan.specs()  # fused names, whole shapes: vocab padding hidden
+    assert vllm_engine.bootstrap_from_store(vllm_run.store, {}, 0, 2) == (0, vllm_run.states[0])
+    assert vllm_engine.version == 0 and vllm_engine.digest() == vllm_run.digests[0]
+    ptrs = _ptrs(vllm_engine)
     # Deltas staged by the workers themselves, activated in place.
     for v in range(1, VERSIONS):
-        engine.apply(_stage(engine, run, v))
-        assert engine.version == v
-        assert engine.digest() == run.digests[v], f"v{v} differs from the Trainer's"
+        vllm_engine.apply(_stage(vllm_engine, vllm_run, v))
+        assert vllm_engine.version == v
+        assert vllm_engine.digest() == vllm_run.digests[v], f"v{v} differs from the Trainer's"
     # A delta decoded in this process and shipped to the workers: same bits.
-    _, staged = fetch_delta(run.store, VERSIONS, engine.param_specs(), expect_base_state=run.states[VERSIONS - 1])
-    engine.apply(staged)
-    assert engine.digest() == run.digests[VERSIONS]
-    assert _ptrs(engine) == ptrs  # no parameter was reallocated
-    assert engine.probe()[0]["staged"] == []  # nothing left behind in the worker
+    _, staged = fetch_delta(vllm_run.store, VERSIONS, vllm_engine.param_specs(), expect_base_state=vllm_run.states[VERSIONS - 1])
+    vllm_engine.apply(staged)
+    assert vllm_engine.digest() == vllm_run.digests[VERSIONS]
+    assert _ptrs(vllm_engine) == ptrs  # no parameter was reallocated
+    assert vllm_engine.probe()[0]["staged"] == []  # nothing left behind in the worker
     # Joining late: newest snapshot plus every delta, inside the worker.
-    assert engine.bootstrap_from_store(run.store, {}, None, 2) == (VERSIONS, run.states[VERSIONS])
-    assert engine.digest() == run.digests[VERSIONS]
+    assert vllm_engine.bootstrap_from_store(vllm_run.store, {}, None, 2) == (VERSIONS, vllm_run.states[VERSIONS])
+    assert vllm_engine.digest() == vllm_run.digests[VERSIONS]
     # Whole weights shipped from this process (Hugging Face names), then back to v0 from the store.
     weights = hf_weights(tiny_qwen3(TOK.vocab_size, seed=0, head_dim=HEAD_DIM))
-    engine.load_weights(weights, version=0)
-    assert engine.digest() == run.digests[0] and _ptrs(engine) == ptrs
+    vllm_engine.load_weights(weights, version=0)
+    assert vllm_engine.digest() == vllm_run.digests[0] and _ptrs(vllm_engine) == ptrs
 
 
 @needs_vllm
-def test_vllm_generates_seeded_batches(engine, run: Run) -> None:  # type: ignore[no-untyped-def]
-    engine.bootstrap_from_store(run.store, {}, 0, 2)
+def test_vllm_generates_seeded_batches(vllm_engine, vllm_run: Run) -> None:  # type: ignore[no-untyped-def]
+    vllm_engine.bootstrap_from_store(vllm_run.store, {}, 0, 2)
     prompts = [TOK.encode(p.prompt_text, bos=True) for p in make_problems(5, seed=3)]
-    a = engine.generate(prompts, group=3, max_new_tokens=10, seed=5)
-    b = engine.generate(prompts, group=3, max_new_tokens=10, seed=5)
-    c = engine.generate(prompts, group=3, max_new_tokens=10, seed=6)
+    a = vllm_engine.generate(prompts, group=3, max_new_tokens=10, seed=5)
+    b = vllm_engine.generate(prompts, group=3, max_new_tokens=10, seed=5)
+    c = vllm_engine.generate(prompts, group=3, max_new_tokens=10, seed=6)
     assert a.completions == b.completions != c.completions
     assert len(a.completions) == 5 and all(len(g) == 3 for g in a.completions)
     assert a.new_tokens == sum(len(x.token_ids) for g in a.completions for x in g) > 0
@@ -229,61 +157,63 @@ def test_vllm_generates_seeded_batches(engine, run: Run) -> None:  # type: ignor
             assert TOK.eos_id not in x.token_ids[:-1]
             assert x.text == TOK.decode(x.token_ids)
     # Per-request seeds: a prompt's samples do not depend on the rest of the batch.
-    alone = engine.generate(prompts[:1], group=3, max_new_tokens=10, seed=5)
+    alone = vllm_engine.generate(prompts[:1], group=3, max_new_tokens=10, seed=5)
     assert alone.completions[0] == a.completions[0]
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.generate([[1, 10_000]], group=1, max_new_tokens=4, seed=0)
+        vllm_engine.generate([[1, 10_000]], group=1, max_new_tokens=4, seed=0)
 
 
 @needs_vllm
-def test_vllm_outputs_follow_a_delta_that_changes_the_logits(engine, run: Run) -> None:  # type: ignore[no-untyped-def]
-    engine.bootstrap_from_store(run.store, {}, BIG_STEP - 1, 2)
+def test_vllm_outputs_follow_a_delta_that_changes_the_logits(vllm_engine, vllm_run: Run) -> None:  # type: ignore[no-untyped-def]
+    vllm_engine.bootstrap_from_store(vllm_run.store, {}, BIG_STEP - 1, 2)
     prompts = [TOK.encode(p.prompt_text, bos=True) for p in make_problems(6, seed=9)]
-    before = engine.generate(prompts, group=2, max_new_tokens=12, seed=11)
-    engine.apply(_stage(engine, run, BIG_STEP))
-    after = engine.generate(prompts, group=2, max_new_tokens=12, seed=11)
+    before = vllm_engine.generate(prompts, group=2, max_new_tokens=12, seed=11)
+    vllm_engine.apply(_stage(vllm_engine, vllm_run, BIG_STEP))
+    after = vllm_engine.generate(prompts, group=2, max_new_tokens=12, seed=11)
     assert before.completions != after.completions
     # And back: the same version gives the same samples again.
-    engine.bootstrap_from_store(run.store, {}, BIG_STEP - 1, 2)
-    assert engine.generate(prompts, group=2, max_new_tokens=12, seed=11).completions == before.completions
+    vllm_engine.bootstrap_from_store(vllm_run.store, {}, BIG_STEP - 1, 2)
+    assert vllm_engine.generate(prompts, group=2, max_new_tokens=12, seed=11).completions == before.completions
 
 
 @needs_vllm
-def test_vllm_forgets_prompt_kv_of_the_old_weights(engine, run: Run) -> None:  # type: ignore[no-untyped-def]
+def test_vllm_forgets_prompt_kv_of_the_old_weights(vllm_engine, vllm_run: Run) -> None:  # type: ignore[no-untyped-def]
     """vLLM caches the KV of whole prompt blocks (128 tokens on CPU); a switch must not reuse the old version's."""
     long = [TOK.encode((" ".join(p.prompt_text for _ in range(20)))[:230], bos=True) for p in make_problems(3, seed=4)]
     assert all(len(p) > 128 for p in long)
-    engine.bootstrap_from_store(run.store, {}, BIG_STEP - 1, 2)
-    engine.generate(long, group=2, max_new_tokens=8, seed=3)  # fills the prefix cache at v(BIG_STEP-1)
-    engine.apply(_stage(engine, run, BIG_STEP))
-    switched = engine.generate(long, group=2, max_new_tokens=8, seed=3)
-    assert engine._llm.reset_prefix_cache()  # the same weights, nothing cached
-    fresh = engine.generate(long, group=2, max_new_tokens=8, seed=3)
+    vllm_engine.bootstrap_from_store(vllm_run.store, {}, BIG_STEP - 1, 2)
+    vllm_engine.generate(long, group=2, max_new_tokens=8, seed=3)  # fills the prefix cache at v(BIG_STEP-1)
+    vllm_engine.apply(_stage(vllm_engine, vllm_run, BIG_STEP))
+    switched = vllm_engine.generate(long, group=2, max_new_tokens=8, seed=3)
+    assert vllm_engine._llm.reset_prefix_cache()  # the same weights, nothing cached
+    fresh = vllm_engine.generate(long, group=2, max_new_tokens=8, seed=3)
     assert switched.completions == fresh.completions
 
 
 @needs_vllm
-def test_vllm_refuses_a_bad_delta_without_touching_weights(engine, run: Run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    engine.bootstrap_from_store(run.store, {}, 1, 2)
-    digest, ptrs = engine.digest(), _ptrs(engine)
-    _, good = fetch_delta(run.store, 2, engine.param_specs(), expect_base_state=run.states[1])
+def test_vllm_refuses_a_bad_delta_without_touching_weights(vllm_engine, vllm_run: Run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    vllm_engine.bootstrap_from_store(vllm_run.store, {}, 1, 2)
+    digest, ptrs = vllm_engine.digest(), _ptrs(vllm_engine)
+    _, good = fetch_delta(vllm_run.store, 2, vllm_engine.param_specs(), expect_base_state=vllm_run.states[1])
     first = good.entries[0]
     # A valid entry first, then one past the end of its parameter: nothing may be written.
-    past = DecodedEntry(first.param, first.spec, 0, first.spec.numel, 1,
-                        np.array([first.spec.numel + 5], dtype=np.int64), np.ones(1, np.uint16), "new")
-    unknown = DecodedEntry("model.layers.9.mlp.gate_up_proj.weight", first.spec, 0, 1, 1,
-                           np.array([0], dtype=np.int64), np.ones(1, np.uint16), "new")
+    past = DecodedEntry(
+        first.param, first.spec, 0, first.spec.numel, 1, np.array([first.spec.numel + 5], dtype=np.int64), np.ones(1, np.uint16), "new"
+    )
+    unknown = DecodedEntry(
+        "model.layers.9.mlp.gate_up_proj.weight", first.spec, 0, 1, 1, np.array([0], dtype=np.int64), np.ones(1, np.uint16), "new"
+    )
     wide = DecodedEntry(first.param, first.spec, 0, 1, 1, np.array([0], dtype=np.int64), np.ones(1, np.uint32), "new")
     for bad in (past, unknown, wide):
         with pytest.raises(ModelMismatchError):
-            engine.apply(StagedDelta(2, 1, (*good.entries, bad)))
-        assert engine.digest() == digest and engine.version == 1
+            vllm_engine.apply(StagedDelta(2, 1, (*good.entries, bad)))
+        assert vllm_engine.digest() == digest and vllm_engine.version == 1
     # On another base than the held version.
     with pytest.raises(ChainError):
-        engine.apply(StagedDelta(3, 2, good.entries))
+        vllm_engine.apply(StagedDelta(3, 2, good.entries))
     # A corrupted segment in the store: the worker refuses it while staging.
     copy_root = tmp_path / "run"
-    shutil.copytree(run.root, copy_root)
+    shutil.copytree(vllm_run.root, copy_root)
     bad_store = open_store(f"file://{copy_root}")
     m = read_manifest(bad_store, "delta", 2)
     seg = copy_root / version_dir("delta", 2) / m.segments[0].key
@@ -291,44 +221,44 @@ def test_vllm_refuses_a_bad_delta_without_touching_weights(engine, run: Run, tmp
     raw[-1] ^= 0xFF
     seg.write_bytes(bytes(raw))
     with pytest.raises(IntegrityError):
-        engine.stage_from_store(bad_store, {}, 2, run.states[1], 2)
+        vllm_engine.stage_from_store(bad_store, {}, 2, vllm_run.states[1], 2)
     # A delta on the wrong base state is refused before anything is fetched.
     with pytest.raises(ChainError):
-        engine.stage_from_store(run.store, {}, 2, run.states[0], 2)
-    assert engine.digest() == digest and _ptrs(engine) == ptrs
+        vllm_engine.stage_from_store(vllm_run.store, {}, 2, vllm_run.states[0], 2)
+    assert vllm_engine.digest() == digest and _ptrs(vllm_engine) == ptrs
     # The engine still works: the good delta applies.
-    engine.apply(_stage(engine, run, 2))
-    assert engine.digest() == run.digests[2]
+    vllm_engine.apply(_stage(vllm_engine, vllm_run, 2))
+    assert vllm_engine.digest() == vllm_run.digests[2]
 
 
 @needs_vllm
-def test_vllm_repeated_activations_keep_memory_flat(engine, run: Run) -> None:  # type: ignore[no-untyped-def]
+def test_vllm_repeated_activations_keep_memory_flat(vllm_engine, vllm_run: Run) -> None:  # type: ignore[no-untyped-def]
     def cycle() -> None:
-        engine.bootstrap_from_store(run.store, {}, 0, 2)
+        vllm_engine.bootstrap_from_store(vllm_run.store, {}, 0, 2)
         for v in range(1, VERSIONS + 1):
-            engine.apply(_stage(engine, run, v))
+            vllm_engine.apply(_stage(vllm_engine, vllm_run, v))
 
     cycle()  # warm-up: allocator pools, thread pool, store handles
-    ptrs = _ptrs(engine)
-    rss0 = engine.probe()[0]["rss"]
+    ptrs = _ptrs(vllm_engine)
+    rss0 = vllm_engine.probe()[0]["rss"]
     for _ in range(4):
         cycle()
     # XOR deltas shipped from here: every second one restores the weights.
-    spec = engine.param_specs()["model.layers.0.mlp.gate_up_proj.weight"]
+    spec = vllm_engine.param_specs()["model.layers.0.mlp.gate_up_proj.weight"]
     rng = np.random.default_rng(0)
     idx = np.unique(rng.integers(0, spec.numel, 2000)).astype(np.int64)
     bits = rng.integers(1, 1 << 15, idx.size).astype(np.uint16)
     entry = DecodedEntry("model.layers.0.mlp.gate_up_proj.weight", spec, 0, spec.numel, idx.size, idx, bits, "xor")
     for k in range(40):
-        engine.apply(StagedDelta(VERSIONS + k + 1, VERSIONS + k, (entry,)))
-    assert engine.digest() == run.digests[VERSIONS]
-    rss1 = engine.probe()[0]["rss"]
-    assert _ptrs(engine) == ptrs
+        vllm_engine.apply(StagedDelta(VERSIONS + k + 1, VERSIONS + k, (entry,)))
+    assert vllm_engine.digest() == vllm_run.digests[VERSIONS]
+    rss1 = vllm_engine.probe()[0]["rss"]
+    assert _ptrs(vllm_engine) == ptrs
     assert rss1 - rss0 < 48 << 20, f"worker RSS grew by {(rss1 - rss0) >> 20} MiB over 60 activations"
 
 
 @needs_vllm
-def test_vllm_workers_hold_what_the_actor_checked_not_a_second_read(engine, run: Run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_vllm_workers_hold_what_the_actor_checked_not_a_second_read(vllm_engine, vllm_run: Run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A mirror serves the true manifest of v2 to the Actor, then a forged one (same base_state) to anyone after.
 
     The workers are handed the Actor's manifests and never read them again:
@@ -336,47 +266,47 @@ def test_vllm_workers_hold_what_the_actor_checked_not_a_second_read(engine, run:
     state than it staged refuses before writing.
     """
     root = tmp_path / "mirror"
-    shutil.copytree(run.root, root)
+    shutil.copytree(vllm_run.root, root)
     mirror = open_store(f"file://{root}")
     checked = [read_manifest(mirror, "snapshot", 0), read_manifest(mirror, "delta", 1), read_manifest(mirror, "delta", 2)]
-    forged_w = {n: t.clone() for n, t in run.weights[1].items()}
+    forged_w = {n: t.clone() for n, t in vllm_run.weights[1].items()}
     name = next(n for n in sorted(forged_w) if n.endswith("mlp.down_proj.weight"))
     forged_w[name].view(-1)[:64] += 0.5
     forge = open_store(f"file://{tmp_path / 'forge'}")
-    fm = publish_delta(forge, "t", 2, extract(run.plan, run.weights[1], forged_w), run.states[1], CFG)
+    fm = publish_delta(forge, "t", 2, extract(vllm_run.plan, vllm_run.weights[1], forged_w), vllm_run.states[1], CFG)
     shutil.copytree(tmp_path / "forge" / version_dir("delta", 2), root / version_dir("delta", 2), dirs_exist_ok=True)
-    assert read_manifest(mirror, "delta", 2).state == fm.state != run.states[2]  # a second read gets the forgery
+    assert read_manifest(mirror, "delta", 2).state == fm.state != vllm_run.states[2]  # a second read gets the forgery
 
-    assert engine.bootstrap_from_store(mirror, {}, 2, 2, manifests=checked) == (2, run.states[2])
-    assert engine.digest() == run.digests[2] and engine.held(digest=True) == (2, run.states[2], run.digests[2])
+    assert vllm_engine.bootstrap_from_store(mirror, {}, 2, 2, manifests=checked) == (2, vllm_run.states[2])
+    assert vllm_engine.digest() == vllm_run.digests[2] and vllm_engine.held(digest=True) == (2, vllm_run.states[2], vllm_run.digests[2])
 
-    engine.bootstrap_from_store(run.store, {}, 1, 2)
-    m, staged = engine.stage_from_store(mirror, {}, 2, run.states[1], 2, manifest=checked[2])
-    assert isinstance(staged, RemoteStaged) and m.state == staged.state == run.states[2]
+    vllm_engine.bootstrap_from_store(vllm_run.store, {}, 1, 2)
+    m, staged = vllm_engine.stage_from_store(mirror, {}, 2, vllm_run.states[1], 2, manifest=checked[2])
+    assert isinstance(staged, RemoteStaged) and m.state == staged.state == vllm_run.states[2]
     forged = RemoteStaged(2, 1, fm.state, staged.nnz)
     with pytest.raises(IntegrityError, match="nothing applied"):
-        engine.apply(forged)  # the ranks staged the checked state, not this one
-    assert engine.digest() == run.digests[1] and engine.version == 1
-    engine.apply(_stage(engine, run, 2))
-    assert engine.digest() == run.digests[2]
+        vllm_engine.apply(forged)  # the ranks staged the checked state, not this one
+    assert vllm_engine.digest() == vllm_run.digests[1] and vllm_engine.version == 1
+    vllm_engine.apply(_stage(vllm_engine, vllm_run, 2))
+    assert vllm_engine.digest() == vllm_run.digests[2]
 
 
 @needs_vllm
-def test_a_follower_brings_a_running_vllm_engine_to_each_version(engine, run: Run) -> None:  # type: ignore[no-untyped-def]
+def test_a_follower_brings_a_running_vllm_engine_to_each_version(vllm_engine, vllm_run: Run) -> None:  # type: ignore[no-untyped-def]
     """``Follower.update(engine)``: whole weights the first time, then each delta applied in place in the workers."""
     from aurora_store import Follower
 
-    ptrs = _ptrs(engine)
-    f = Follower(run.store)
-    got = f.update(engine, version=1)
-    assert (got.version, got.path, got.deltas) == (1, "snapshot", 1) and got.state == run.states[1]
-    assert engine.digest() == run.digests[1] and engine.version == 1
+    ptrs = _ptrs(vllm_engine)
+    f = Follower(vllm_run.store)
+    got = f.update(vllm_engine, version=1)
+    assert (got.version, got.path, got.deltas) == (1, "snapshot", 1) and got.state == vllm_run.states[1]
+    assert vllm_engine.digest() == vllm_run.digests[1] and vllm_engine.version == 1
     for v in range(2, VERSIONS + 1):
-        got = f.update(engine, version=v)
+        got = f.update(vllm_engine, version=v)
         assert (got.version, got.path, got.deltas) == (v, "deltas", 1) and got.bytes > 0
-        assert engine.digest() == run.digests[v], f"v{v} differs from the Trainer's"
-    assert f.update(engine).path == "none"  # the newest is held already
-    assert _ptrs(engine) == ptrs  # every write landed in the engine's own tensors
+        assert vllm_engine.digest() == vllm_run.digests[v], f"v{v} differs from the Trainer's"
+    assert f.update(vllm_engine).path == "none"  # the newest is held already
+    assert _ptrs(vllm_engine) == ptrs  # every write landed in the engine's own tensors
     with pytest.raises(ChainError, match="never goes back"):
-        f.update(engine, version=1)
-    assert engine.digest() == run.digests[VERSIONS]
+        f.update(vllm_engine, version=1)
+    assert vllm_engine.digest() == vllm_run.digests[VERSIONS]

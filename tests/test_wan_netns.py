@@ -115,8 +115,7 @@ def test_process_in_region_reaches_loopback_service(http_server: Address) -> Non
         assert st.veth_bytes_down > st.proxy.bytes_down  # the kernel adds headers
         assert st.veth_bytes_up > st.proxy.bytes_up
         # The loopback service itself is not reachable from inside the region.
-        direct = tb.run("eu", [sys.executable, "-c", _FETCH, f"http://{http_server[0]}:{http_server[1]}/"],
-                        capture_output=True, timeout=30)
+        direct = tb.run("eu", [sys.executable, "-c", _FETCH, f"http://{http_server[0]}:{http_server[1]}/"], capture_output=True, timeout=30)
         assert direct.returncode != 0
 
 
@@ -126,11 +125,9 @@ def test_tc_rate_limit_applied(http_server: Address) -> None:
     with WanTestbed({"eu": LinkProfile(rate_mbit=rate)}) as tb:
         region = tb._region("eu")
         assert region.ns and region.veth_root and region.veth_ns
-        for cmd in (["tc", "qdisc", "show", "dev", region.veth_root],
-                    ["tc", "-n", region.ns, "qdisc", "show", "dev", region.veth_ns]):
+        for cmd in (["tc", "qdisc", "show", "dev", region.veth_root], ["tc", "-n", region.ns, "qdisc", "show", "dev", region.veth_ns]):
             assert "qdisc htb 1: root" in subprocess.run(cmd, capture_output=True, text=True).stdout
-        for cmd in (["tc", "class", "show", "dev", region.veth_root],
-                    ["tc", "-n", region.ns, "class", "show", "dev", region.veth_ns]):
+        for cmd in (["tc", "class", "show", "dev", region.veth_root], ["tc", "-n", region.ns, "class", "show", "dev", region.veth_ns]):
             assert "rate 40Mbit ceil 40Mbit" in subprocess.run(cmd, capture_output=True, text=True).stdout
         url = tb.expose_url("eu", f"http://{http_server[0]}:{http_server[1]}/")
         assert tb.proxies("eu")[http_server].stats() is not None
@@ -151,8 +148,7 @@ def test_parallel_testbeds_get_distinct_subnets() -> None:
 def test_cleanup_stale_removes_leftovers() -> None:
     prefix = f"aurt{os.getpid() % 100000}"
     subprocess.run(["ip", "netns", "add", f"{prefix}-eu"], check=True)
-    subprocess.run(["ip", "link", "add", f"{prefix}v200", "type", "veth", "peer", "name", f"{prefix}p200"],
-                   check=True)
+    subprocess.run(["ip", "link", "add", f"{prefix}v200", "type", "veth", "peer", "name", f"{prefix}p200"], check=True)
     try:
         removed = cleanup_stale(prefix)
         assert f"netns {prefix}-eu" in removed and f"link {prefix}v200" in removed

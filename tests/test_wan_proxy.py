@@ -123,8 +123,9 @@ def test_profile_validation() -> None:
 def test_parse_region_spec() -> None:
     name, p = parse_region_spec("eu:1gbit:60ms:jitter=5ms:stall=0.02/300ms:loss=0.01:reset=0.1:seed=7")
     assert name == "eu"
-    assert p == LinkProfile(rate_mbit=1000.0, delay_ms=30.0, jitter_ms=5.0, stall_prob=0.02, stall_ms=300.0,
-                            loss_prob=0.01, reset_prob=0.1, seed=7)
+    assert p == LinkProfile(
+        rate_mbit=1000.0, delay_ms=30.0, jitter_ms=5.0, stall_prob=0.02, stall_ms=300.0, loss_prob=0.01, reset_prob=0.1, seed=7
+    )
     assert parse_region_spec("us:250mbit:delay=10ms")[1] == LinkProfile(rate_mbit=250.0, delay_ms=10.0)
     with pytest.raises(ConfigError, match="unknown key"):
         parse_region_spec("eu:bogus=1")
@@ -137,8 +138,12 @@ def test_same_seed_same_decisions() -> None:
 
     def decisions(p: LinkProfile, conn: int) -> tuple[object, ...]:
         plan = ImpairmentPlan(p, conn)
-        return (plan.fault, plan.up.events_between(0, 64 * MIB), plan.down.events_between(0, 64 * MIB),
-                [plan.up.jitter_s() for _ in range(20)])
+        return (
+            plan.fault,
+            plan.up.events_between(0, 64 * MIB),
+            plan.down.events_between(0, 64 * MIB),
+            [plan.up.jitter_s() for _ in range(20)],
+        )
 
     runs = [decisions(prof, c) for c in range(8)]
     assert runs == [decisions(prof, c) for c in range(8)]
@@ -170,8 +175,7 @@ def test_event_rates_follow_probabilities() -> None:
 
 
 def test_stats_add() -> None:
-    assert ProxyStats(bytes_up=1, stalls=2) + ProxyStats(bytes_up=3, resets=1) == ProxyStats(
-        bytes_up=4, stalls=2, resets=1)
+    assert ProxyStats(bytes_up=1, stalls=2) + ProxyStats(bytes_up=3, resets=1) == ProxyStats(bytes_up=4, stalls=2, resets=1)
 
 
 # ---------------------------------------------------------------------------
@@ -184,6 +188,7 @@ def test_bytes_unchanged_both_directions(echo: Address) -> None:
     # Jitter larger than the gap between chunks: order must hold anyway.
     with ProxyThread(echo, LinkProfile(delay_ms=2, jitter_ms=2, seed=1)) as p:
         with socket.create_connection(p.address, timeout=30) as c:
+
             def send() -> None:
                 c.sendall(payload)
                 c.shutdown(socket.SHUT_WR)
@@ -203,8 +208,7 @@ def test_bytes_unchanged_both_directions(echo: Address) -> None:
 @pytest.mark.server
 def test_rtt_is_twice_the_delay(echo: Address) -> None:
     delay_ms = 40.0
-    with ProxyThread(echo, LinkProfile(delay_ms=delay_ms)) as p, \
-            socket.create_connection(p.address, timeout=10) as c:
+    with ProxyThread(echo, LinkProfile(delay_ms=delay_ms)) as p, socket.create_connection(p.address, timeout=10) as c:
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         rtts = []
         for i in range(4):
@@ -317,9 +321,24 @@ def test_upstream_refused_counts_and_closes() -> None:
 @pytest.mark.server
 def test_cli_prints_bound_address(source: Address) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aurora_tools.wan.proxy", "--listen", "127.0.0.1:0",
-         "--upstream", f"{source[0]}:{source[1]}", "--delay-ms", "5", "--jitter-ms", "1", "--seed", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "aurora_tools.wan.proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            f"{source[0]}:{source[1]}",
+            "--delay-ms",
+            "5",
+            "--jitter-ms",
+            "1",
+            "--seed",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None

@@ -121,7 +121,12 @@ def test_many_connections_spread_and_counted() -> None:
         pids = p.pids
     # Closed: the workers are gone, and the last counters stay readable.
     for pid in pids:
-        wait_until(lambda pid=pid: not os.path.exists(f"/proc/{pid}") or "Z" in _state(pid), "the worker process reaped", timeout=10.0, interval=0.005)
+        wait_until(
+            lambda pid=pid: not os.path.exists(f"/proc/{pid}") or "Z" in _state(pid),
+            "the worker process reaped",
+            timeout=10.0,
+            interval=0.005,
+        )
     assert p.stats().bytes_down == conns * n
 
 
@@ -162,7 +167,12 @@ def test_workers_exit_with_their_parent() -> None:
     pids = [int(x) for x in out.split()]
     assert len(pids) == 2
     for pid in pids:
-        wait_until(lambda pid=pid: _state(pid) == "Z" or not os.path.exists(f"/proc/{pid}"), "the worker process gone", timeout=10.0, interval=0.005)
+        wait_until(
+            lambda pid=pid: _state(pid) == "Z" or not os.path.exists(f"/proc/{pid}"),
+            "the worker process gone",
+            timeout=10.0,
+            interval=0.005,
+        )
 
 
 @needs_netns
@@ -180,8 +190,9 @@ def test_netns_testbed_with_workers() -> None:
             "print(len(b), hashlib.sha256(b).hexdigest())\n"
         )
         for _ in range(3):
-            out = tb.run("eu", [sys.executable, "-c", code, host, str(port), str(n)],
-                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+            out = tb.run(
+                "eu", [sys.executable, "-c", code, host, str(port), str(n)], capture_output=True, text=True, timeout=60, check=True
+            ).stdout.split()
             assert (int(out[0]), out[1]) == (n, hashlib.sha256(_pattern(n)).hexdigest())
         wait_until(lambda: tb.stats("eu").proxy.active == 0, "no active connection at the eu proxy", timeout=10.0, interval=0.005)
         st = tb.stats("eu")
@@ -189,4 +200,9 @@ def test_netns_testbed_with_workers() -> None:
         assert st.veth_bytes_down > st.proxy.bytes_down
         pids = tb.proxies("eu")[up].pids  # type: ignore[union-attr]
     for pid in pids:
-        wait_until(lambda pid=pid: _state(pid) == "Z" or not os.path.exists(f"/proc/{pid}"), "the worker process gone", timeout=10.0, interval=0.005)
+        wait_until(
+            lambda pid=pid: _state(pid) == "Z" or not os.path.exists(f"/proc/{pid}"),
+            "the worker process gone",
+            timeout=10.0,
+            interval=0.005,
+        )

@@ -50,13 +50,24 @@ class FakeTrainer:
 
     Snapshot 0 is published at construction; :meth:`step` publishes the next
     delta, :meth:`snapshot` a snapshot of a version already published.
-    ``signer`` (settable between steps) signs every manifest.
+    ``signer`` (settable between steps) signs every manifest;
+    ``weights_digests=False`` leaves the weights digest out of the deltas
+    (FORMAT.md allows it: a writer that puts digests only where it snapshots).
     """
 
     def __init__(
-        self, store: Store, run: str = "t", bus: Bus | None = None, *, repeat: int = 1, config: PublishConfig = CFG, signer: Signer | None = None,
+        self,
+        store: Store,
+        run: str = "t",
+        bus: Bus | None = None,
+        *,
+        repeat: int = 1,
+        config: PublishConfig = CFG,
+        signer: Signer | None = None,
+        weights_digests: bool = True,
     ) -> None:
         self.store, self.run, self.bus, self.repeat, self.config, self.signer = store, run, bus, repeat, config, signer
+        self.weights_digests = weights_digests
         self.weights = {0: make_weights(QWEN3_TINY, seed=0)}
         self.plan = FusionPlan.from_specs({n: spec_of(t, n) for n, t in self.weights[0].items()})
         self.master = MasterWeights(self.weights[0], seed=0)
@@ -96,8 +107,15 @@ class FakeTrainer:
 
         new = self.master.step(lr=2.5e-7)
         m = publish_delta(
-            self.store, self.run, v, extract(self.plan, self.weights[v - 1], new), self.states[v - 1], self.config, on_segment=on_segment,
-            weights_digest=weights_digest(new, self.plan), signer=self.signer,
+            self.store,
+            self.run,
+            v,
+            extract(self.plan, self.weights[v - 1], new),
+            self.states[v - 1],
+            self.config,
+            on_segment=on_segment,
+            weights_digest=weights_digest(new, self.plan) if self.weights_digests else None,
+            signer=self.signer,
         )
         self.weights[v], self.states[v] = new, m.state
         self._committed(m, announce)
@@ -110,7 +128,9 @@ class FakeTrainer:
 
     def snapshot(self, v: int) -> Manifest:
         """A snapshot of version ``v`` (already published as a delta), announced."""
-        m = publish_snapshot(self.store, self.run, v, fuse_weights(self.weights[v], self.plan), self.states[v], self.config, signer=self.signer)
+        m = publish_snapshot(
+            self.store, self.run, v, fuse_weights(self.weights[v], self.plan), self.states[v], self.config, signer=self.signer
+        )
         self._committed(m, announce=True)
         return m
 
