@@ -108,12 +108,12 @@ def test_follow_waits_for_the_run_then_holds_every_version_bit_for_bit(tmp_path:
                 p = pub.publish(model)
                 assert p is not None and p.version == v
                 wait_until(
-                    lambda: (_marker(out) or {}).get("version") == v,
+                    lambda v=v: (_marker(out) or {}).get("version") == v,
                     f"v{v} in place",
                     timeout=WAIT_S,
                     interval=0.05,
                     processes={"aurora follow": proc},
-                )  # noqa: B023
+                )
                 m = _marker(out)
                 assert m is not None and m["state"] == p.state and m["weights_digest"] == p.weights_digest and m["run"] == "run"
                 assert _loaded_digest(out) == p.weights_digest == digest_of(model)
@@ -178,12 +178,12 @@ def test_with_redis_every_load_during_the_run_is_a_complete_published_version(
                     published[p.weights_digest] = v
                     if v % 2 == 0:  # let some versions land one by one, others two at a time
                         wait_until(
-                            lambda: (_marker(out) or {}).get("version") == v,
+                            lambda v=v: (_marker(out) or {}).get("version") == v,
                             f"v{v} in place",
                             timeout=WAIT_S,
                             interval=0.05,
                             processes={"aurora follow": proc},
-                        )  # noqa: B023
+                        )
             finally:
                 done.set()
                 loader.join()

@@ -70,14 +70,14 @@ def test_trainer_and_actor_ride_out_redis_and_s3_outages(tmp_path: Path) -> None
                 "0",
             ],
             env=env,
-            stdout=open(tlog, "wb"),
-            stderr=subprocess.STDOUT,  # noqa: SIM115
+            stdout=open(tlog, "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
         )
         actor = subprocess.Popen(
             [sys.executable, "-m", "aurora_tools.cli", "actor", *common, "--id", "a0"],
             env=env,
-            stdout=open(alog, "wb"),
-            stderr=subprocess.STDOUT,  # noqa: SIM115
+            stdout=open(alog, "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
         )
         procs, logs = [trainer, actor], [tlog, alog]
         both: dict[str, Any] = {"timeout": 240, "interval": 0.05, "processes": {"the Trainer": trainer, "the Actor": actor}, "logs": logs}

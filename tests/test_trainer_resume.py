@@ -100,8 +100,8 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
         actor = subprocess.Popen(
             [sys.executable, "-m", "aurora_tools.cli", "actor", "--store", store_url, "--redis", redis_url, "--run", RUN, "--id", "a0"],
             env=_env(),
-            stdout=open(alog, "wb"),
-            stderr=subprocess.STDOUT,  # noqa: SIM115
+            stdout=open(alog, "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
         )
 
         def head() -> int:
@@ -202,8 +202,8 @@ def test_an_old_epoch_trainer_woken_after_a_resume_is_fenced_out(tmp_path: Path,
         actor = subprocess.Popen(
             [sys.executable, "-m", "aurora_tools.cli", "actor", "--store", store_url, "--redis", redis_url, "--run", RUN, "--id", "a0"],
             env=_env(),
-            stdout=open(alog, "wb"),
-            stderr=subprocess.STDOUT,  # noqa: SIM115
+            stdout=open(alog, "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
         )
         wait_until(
             lambda: (scan_versions(store).latest or 0) >= 2, "v2", timeout=300, interval=0.1, processes={"the Trainer": old}, logs=[old_log]
