@@ -283,3 +283,21 @@ def test_snapshot_of_delta_version_carries_its_state(run, capsys) -> None:
     assert state == read_manifest(store, "delta", 3).state
     plan = plan_of(run["weights"][0], tied=False)
     assert_bit_identical(tensors, fuse(plan, run["weights"][3]))
+
+
+def test_a_bug_in_a_command_is_one_line_and_its_traceback_only_at_debug_level(
+    run, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error that is neither a fault nor a bad input (a bug) ends the command with one line, exit 1."""
+    from aurora_tools.cli import store_cmds
+
+    def buggy(args: object) -> int:
+        raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
+
+    monkeypatch.setattr(store_cmds, "cmd_lineage", buggy)
+    with caplog.at_level("DEBUG", logger="aurora"):
+        line = fails(["lineage", run["url"]], capsys)
+    assert line.startswith("aurora: error: unexpected TypeError: unsupported operand"), line
+    assert "Traceback" not in capsys.readouterr().err
+    logged = [r for r in caplog.records if r.levelname == "DEBUG" and r.exc_info is not None]
+    assert logged and isinstance(logged[0].exc_info[1], TypeError), "the traceback is kept at debug level"

@@ -250,3 +250,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("aurora: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug, not a fault or a bad input: one line; the traceback at debug level (-v)
+        import logging
+
+        from aurora_store.redact import redact_text
+
+        logging.getLogger("aurora").debug("aurora %s ended with an unexpected error", " ".join(args_list[:1]), exc_info=e)
+        print(
+            f"aurora: error: unexpected {type(e).__name__}: {redact_text(str(e))} (a bug: with -v, its traceback is logged)",
+            file=sys.stderr,
+        )
+        return 1

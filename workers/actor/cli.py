@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from aurora_store.errors import AuroraError, ConfigError
+from aurora_store.errors import ConfigError
 from aurora_store.format.signing import trust_from_option
 from aurora_store.metrics import serve_from_args
 from aurora_store.options import (
@@ -125,15 +125,5 @@ def run_until_stopped(actor: Actor, join_at_version: int | None = None) -> int:
         actor.wait_for_version(join_at_version)
         if actor.stop.is_set():
             return 0
-    try:
-        actor.run()
-    except (AuroraError, OSError, ValueError):
-        raise  # ``aurora``'s entry point prints these on one line
-    except Exception as e:  # a bug ended the Actor: one line; the traceback at debug level (and in the log file)
-        import logging
-        import sys
-
-        logging.getLogger("aurora.actor").debug("%s ended with an error", actor.cfg.actor_id, exc_info=e)
-        print(f"aurora: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    actor.run()  # what ends it otherwise propagates: ``aurora``'s entry point prints one line
     return 0
