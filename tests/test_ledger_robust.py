@@ -590,7 +590,9 @@ def _a_run(client: Any, run: str, cfg: LedgerConfig, clock: ManualClock, churn: 
 
 
 def test_a_run_that_churned_1000_actors_uses_the_memory_of_one_that_did_not(redis_client: Any, clock: ManualClock) -> None:
-    cfg = LedgerConfig(departed_ttl_s=0.3, keep_versions=4, closed_ttl_s=0.3)
+    # The departed stay listed for 3 s: long enough that a loaded machine still counts all of them
+    # below (0.3 s was not: the rest of the run could outlast it), short enough to wait for.
+    cfg = LedgerConfig(departed_ttl_s=3.0, keep_versions=4, closed_ttl_s=0.3)
     redis_client.script_load(MARK_ACTOR)
     quiet = _a_run(redis_client, "quiet", cfg, clock, churn=0)
     busy = _a_run(redis_client, "busy", cfg, clock, churn=1000)
