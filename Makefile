@@ -17,7 +17,7 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 # What ruff, mypy and the import contracts check; tests/ is linted but not type-checked.
 PACKAGES := aurora_store workers aurora_tools
 
-.PHONY: venv demo test test-all static format test-fast lint lint-imports typecheck bench-codec gpu-wheels gpu-check clean
+.PHONY: venv demo test test-all checks static format test-fast lint lint-imports typecheck bench-codec gpu-wheels gpu-check clean
 
 venv: $(STAMP)
 
@@ -37,21 +37,33 @@ demo: $(STAMP)
 
 # The cheap checks first, each stopping the run when it fails: the import contracts
 # (pyproject.toml [tool.importlinter], docs/ARCHITECTURE.md), ruff (lint, then the layout:
-# `make format` rewrites it), mypy, then the tests.
-# mypy keeps its cache in .mypy_cache; a cold cache (a clean clone) costs the most.
+# `make format` rewrites it). mypy runs beside the tests (a cold cache, as in a clean clone,
+# costs a minute of one core that the tests leave partly idle); the run fails when either
+# fails, mypy's report printed after the tests'. `make static` runs all four checks alone.
 # `make test` (CI) leaves out the tests marked `long` (benchmark smoke runs and repeated
 # system runs whose paths other tests cover) to stay within 12 minutes on two cores;
 # `make test-all` runs every test. Both run the tests in $(TEST_WORKERS) xdist workers.
-test: $(STAMP) static
-	$(PY) -m pytest $(XDIST) -m "not long" $(PYTEST_ARGS)
+MYPY_LOG := $(VENV)/mypy-beside-tests.log
+define beside_mypy
+	@echo "mypy $(PACKAGES): beside the tests, its report after theirs"
+	@$(VENV)/bin/mypy $(PACKAGES) > $(MYPY_LOG) 2>&1 & mypy=$$!; \
+	$(1); tests=$$?; \
+	wait $$mypy; typed=$$?; echo "mypy:"; cat $(MYPY_LOG); \
+	if [ $$typed -ne 0 ]; then exit $$typed; fi; exit $$tests
+endef
 
-test-all: $(STAMP) static
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+test: $(STAMP) checks
+	$(call beside_mypy,$(PY) -m pytest $(XDIST) -m "not long" $(PYTEST_ARGS))
 
-static: $(STAMP)
+test-all: $(STAMP) checks
+	$(call beside_mypy,$(PY) -m pytest $(XDIST) $(PYTEST_ARGS))
+
+checks: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check $(PACKAGES) tests
 	$(VENV)/bin/ruff format --check $(PACKAGES) tests
+
+static: checks
 	$(VENV)/bin/mypy $(PACKAGES)
 
 format: $(STAMP)

@@ -85,17 +85,6 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files holding ``slow`` tests first, each file's tests kept together and in order.
-
-    The workers start on the system runs (a minute or two each) and fill the
-    end of the run with short tests; the other way round, one worker is left
-    alone with a long file while the other idles. The order is the same in
-    every worker, as xdist requires.
-    """
-    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: the rest of the order stays
-
 
 @pytest.fixture(scope="session")
 def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
