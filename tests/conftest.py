@@ -85,7 +85,6 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
-
 @pytest.fixture(scope="session")
 def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder every xdist worker of this run shares (the run's own base folder without xdist)."""
