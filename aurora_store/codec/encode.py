@@ -35,6 +35,30 @@ def _as_bytes(payload: bytes | np.ndarray) -> bytes:
     return payload.tobytes() if isinstance(payload, np.ndarray) else payload
 
 
+def _dense_ranges(
+    start: int,
+    stop: int,
+    indices: np.ndarray,
+    new_bits: np.ndarray,
+    xor_sparse: np.ndarray | None,
+    read_new_range: Callable[[int, int], np.ndarray] | None,
+    bits: Any,
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The dense form's value streams over ``[start, stop)``: every new value (when all changed, or
+    ``read_new_range`` can read them) and the XOR with zeros where nothing changed (when XOR is allowed)."""
+    span = stop - start
+    new_range: np.ndarray | None = None
+    if indices.size == span:
+        new_range = new_bits
+    elif read_new_range is not None:
+        new_range = read_new_range(start, stop)
+    xor_range: np.ndarray | None = None
+    if xor_sparse is not None:
+        xor_range = np.zeros(span, dtype=bits)
+        xor_range[indices - start] = xor_sparse
+    return new_range, xor_range
+
+
 def encode_entry(
     param: str,
     spec: ParamSpec,
@@ -139,15 +163,7 @@ def encode_entry(
     if "dense" in options.index_encodings:
         dense_raw = span * info.width
         if best is None or dense_raw <= 2 * best.nbytes:
-            new_range: np.ndarray | None = None
-            if nnz == span:
-                new_range = new_bits
-            elif read_new_range is not None:
-                new_range = read_new_range(start, stop)
-            xor_range: np.ndarray | None = None
-            if xor_sparse is not None:
-                xor_range = np.zeros(span, dtype=info.bits)
-                xor_range[indices - start] = xor_sparse
+            new_range, xor_range = _dense_ranges(start, stop, indices, new_bits, xor_sparse, read_new_range, info.bits)
             if new_range is None and not can_xor:
                 pass
             else:
@@ -299,15 +315,7 @@ def _encode_entry_v2(
 
     # Dense: only worth a look when it could plausibly win (or is the only choice).
     if "dense" in options.index_encodings and (best is None or span * width <= 2 * best.nbytes):
-        new_range: np.ndarray | None = None
-        if nnz == span:
-            new_range = new_bits
-        elif read_new_range is not None:
-            new_range = read_new_range(start, stop)
-        xor_range: np.ndarray | None = None
-        if xor_sparse is not None:
-            xor_range = np.zeros(span, dtype=info.bits)
-            xor_range[indices - start] = xor_sparse
+        new_range, xor_range = _dense_ranges(start, stop, indices, new_bits, xor_sparse, read_new_range, info.bits)
         vals = value_choice(streams_of(new_range, xor_range))
         if vals is not None and (best is None or vals[0] < best.nbytes):
             vmode, vcodec, vbytes, vdtype = vals[1]()
