@@ -183,8 +183,8 @@ def test_tampered_manifest_refused_before_any_segment_read(tmp_path: Path) -> No
     assert CountingStore.segment_reads == 0
     with pytest.raises(SignatureError):
         materialize(store, 2, trust=trust)
-    # materialize used the (trusted) snapshot and delta 1; not one object of delta 2.
-    assert CountingStore.read and not [k for k in CountingStore.read if k.startswith("deltas/v0000000002/")]
+    # materialize refuses before any object is read (delta 2 does not count): not one object of delta 2.
+    assert not [k for k in CountingStore.read if k.startswith("deltas/v0000000002/")]
     # Without a trust key the manifest is still a valid one: read as before.
     assert read_manifest(store, "delta", 2).producer["step"] == 99
 
@@ -234,6 +234,32 @@ def test_key_rotation_trusts_two_keys(tmp_path: Path) -> None:
         materialize(store, 2, trust=old.trust())
     # The environment lists several files too.
     assert trust_key_paths(None, {"AURORA_TRUST_KEYS": "a.pem, b.key,"}) == ["a.pem", "b.key"]
+
+
+def test_keys_bound_to_a_run_refuse_another_runs_signed_chain(tmp_path: Path) -> None:
+    """One key signing two runs: run B's versions, copied under run A's names, are refused by
+    readers that know their run (issue 24, item 10), and still read by keys bound to nothing."""
+    key = Signer.generate()
+    a, b = LocalStore(f"file://{tmp_path / 'a'}"), LocalStore(f"file://{tmp_path / 'b'}")
+    FakeTrainer(a, run="run-a", config=CFG, signer=key).steps(1)
+    FakeTrainer(b, run="run-b", config=CFG, signer=key).steps(2)
+    for v in (0, 1, 2):  # run B's chain under run A's names: delta 2 lands after A's v1
+        kind = "snapshot" if v == 0 else "delta"
+        src = manifest_key(kind, v)
+        for k in b.list(src.rsplit("/", 1)[0]):
+            if not a.exists(k):
+                a.put(k, b.get(k))
+    bound = key.trust().for_run("run-a")
+    assert read_manifest(a, "delta", 1, bound).run == "run-a"
+    with pytest.raises(SignatureError, match="signed for run 'run-b'"):
+        read_manifest(a, "delta", 2, bound)
+    with pytest.raises(SignatureError, match="another run"):
+        fetch_delta(a, 2, None, trust=bound)
+    # Unbound keys accept any run the key signed (the check needs the reader's run).
+    assert read_manifest(a, "delta", 2, key.trust()).run == "run-b"
+    assert key.trust().for_run(None).run is None and bound.for_run("run-a") is bound
+    with pytest.raises(ConfigError, match="two runs"):
+        _ = bound | key.trust().for_run("run-b")
 
 
 def test_untrusted_snapshot_is_planned_around(tmp_path: Path) -> None:

@@ -113,6 +113,8 @@ class Follower:
             self.mirror = riding(m, Dependency("the mirror", log, budget), self.stop)
         self.trust = trust_keys if isinstance(trust_keys, TrustKeys) or trust_keys is None else trust_from_option(list(trust_keys))
         self.run = run or self._run_from_manifests()
+        if self.trust is not None and self.run:  # a key may sign several runs: accept this one's only
+            self.trust = self.trust.for_run(self.run)
         self._raw_redis: Any = None
         self.bus: Bus | None = None
         self._last_event = "$"
@@ -152,7 +154,7 @@ class Follower:
     def _run_from_manifests(self) -> str | None:
         index = self.store_dep.call(lambda: scan_versions(self._raw_origin), "list versions", self.stop)
         for kind, versions in (("delta", index.deltas), ("snapshot", index.snapshots)):
-            for v in sorted(versions, reverse=True)[:1]:
+            for v in sorted(versions)[:1]:  # the root: plants sit far ahead, not in place of it
                 m = ManifestReader(self._raw_origin, self.trust).get(kind, v)
                 if m is not None and m.run:
                     return m.run

@@ -262,11 +262,16 @@ class TrustKeys:
     Immutable. Build with :meth:`from_files` (``--trust-key``), or from a
     :class:`Signer` (:meth:`Signer.trust`); combine with ``|``. Empty trust
     keys are not allowed (use None for "no check").
+
+    A key may sign several runs. A reader that knows its run binds the keys to
+    it (:meth:`for_run`): a manifest signed for another run (its signed ``run``
+    field) is refused like a forged one, so another run's chain copied under
+    this run's names never replays.
     """
 
-    __slots__ = ("_keys",)
+    __slots__ = ("_keys", "run")
 
-    def __init__(self, keys: Iterable[tuple[str, str, Any]]) -> None:
+    def __init__(self, keys: Iterable[tuple[str, str, Any]], run: str | None = None) -> None:
         out: dict[str, tuple[str, Any]] = {}
         for alg, key_id, key in keys:
             if alg not in ALGORITHMS:
@@ -278,6 +283,14 @@ class TrustKeys:
         if not out:
             raise ConfigError("no trust key given")
         self._keys = out
+        self.run = run
+        """The run whose manifests these keys accept; None: any run the keys signed."""
+
+    def for_run(self, run: str | None) -> TrustKeys:
+        """These keys, accepting only manifests whose signed ``run`` is ``run`` (None: unbound)."""
+        if run == self.run:
+            return self
+        return TrustKeys([(a, k, key) for k, (a, key) in self._keys.items()], run)
 
     @classmethod
     def from_file(cls, spec: str | os.PathLike[str]) -> TrustKeys:
@@ -341,7 +354,9 @@ class TrustKeys:
         return out
 
     def __or__(self, other: TrustKeys) -> TrustKeys:
-        return TrustKeys([(a, k, key) for k, (a, key) in (self._keys | other._keys).items()])
+        if self.run is not None and other.run is not None and self.run != other.run:
+            raise ConfigError(f"trust keys bound to two runs ({self.run!r}, {other.run!r}) cannot be combined")
+        return TrustKeys([(a, k, key) for k, (a, key) in (self._keys | other._keys).items()], self.run or other.run)
 
     @property
     def key_ids(self) -> tuple[str, ...]:
@@ -351,7 +366,8 @@ class TrustKeys:
         return len(self._keys)
 
     def __repr__(self) -> str:
-        return f"TrustKeys({', '.join(f'{self._keys[k][0]}:{k}' for k in self.key_ids)})"
+        bound = f", run={self.run!r}" if self.run is not None else ""
+        return f"TrustKeys({', '.join(f'{self._keys[k][0]}:{k}' for k in self.key_ids)}{bound})"
 
     # ------------------------------------------------------------------
     def check_json(self, obj: Mapping[str, Any], where: str, kind: str, version: int) -> str:
@@ -388,6 +404,9 @@ class TrustKeys:
             ok = hmac.compare_digest(hmac.new(key, payload, hashlib.sha256).hexdigest(), sig.value)
         if not ok:
             raise refuse(f"signature by key {sig.key_id} does not verify (the manifest was altered, or forged)", sig.key_id)
+        if self.run is not None and obj.get("run") != self.run:
+            # Checked after the signature: the run named here is the one the key signed.
+            raise refuse(f"signed for run {str(obj.get('run'))[:80]!r}, not this run ({self.run!r}): another run's version", sig.key_id)
         return sig.key_id
 
     def check(self, m: Manifest, where: str) -> str:

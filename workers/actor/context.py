@@ -11,6 +11,7 @@ the statistics and the shared :class:`~workers.actor.holding.Holding`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -57,6 +58,8 @@ class ActorContext:
         engine: Engine | None = None,
     ) -> None:
         self.ep = ep
+        if cfg.trust is not None:  # a key may sign several runs: accept this run's versions only
+            cfg = dataclasses.replace(cfg, trust=cfg.trust.for_run(ep.run))
         self.cfg = cfg
         self.clock = clock
         self.origin = origin
@@ -156,6 +159,8 @@ def _mirror_opener(cfg: ActorConfig) -> MirrorOpener:
     def open_configured() -> Store:
         if cfg.mirror is None:
             raise RuntimeError(f"{cfg.actor_id}: no mirror configured")
-        return open_store(cfg.mirror, dict(cfg.mirror_options))
+        from workers.actor.breaker import mirror_store_config  # one retry, short timeouts: origin is behind it
+
+        return open_store(cfg.mirror, dict(cfg.mirror_options), mirror_store_config(cfg.mirror_timeout_s))
 
     return open_configured
