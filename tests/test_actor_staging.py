@@ -18,7 +18,7 @@ from actor_fixtures import Counting
 
 from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.codec.extract import extract
-from aurora_store.coordination.keys import RunKeys
+from aurora_store.coordination.keys import RunKeys, mirror_token
 from aurora_store.format.manifest import manifest_key, version_dir
 from aurora_store.lineage.publish import PublishConfig, publish_delta
 from aurora_store.storage import open_store
@@ -76,7 +76,7 @@ def _actor(
         run["client"].hset(keys.trainer, mapping={"head": head})
     if relay:
         (tmp / "mirror").mkdir(exist_ok=True)
-        run["client"].set(keys.relay("r1"), f"file://{tmp}/mirror")
+        run["client"].set(keys.relay("r1"), mirror_token(f"file://{tmp}/mirror"))
     return a, rec
 
 

@@ -29,7 +29,7 @@ from trainer_fixtures import FakeTrainer
 
 from aurora_store.apply.sink import weights_digest
 from aurora_store.codec.extract import extract, fuse_weights, plan_of
-from aurora_store.coordination.keys import RunKeys
+from aurora_store.coordination.keys import RunKeys, mirror_token
 from aurora_store.coordination.records import record_expected_state
 from aurora_store.errors import IntegrityError
 from aurora_store.format.manifest import manifest_key
@@ -293,7 +293,7 @@ def _mirror_actor(run: dict[str, Any], record: bool) -> tuple[Actor, SourceRecor
         for v, st in run["states"].items():
             record_expected_state(run["client"], keys, v, st)
     run["client"].hset(keys.trainer, mapping={"head": VERSIONS})
-    run["client"].set(keys.relay("r1"), f"file://{tmp}/mirror")
+    run["client"].set(keys.relay("r1"), mirror_token(f"file://{tmp}/mirror"))
     return a, rec
 
 

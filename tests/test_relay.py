@@ -35,7 +35,7 @@ from trainer_fixtures import FakeTrainer
 
 from aurora_store.apply.sink import weights_digest
 from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus
-from aurora_store.coordination.keys import RunKeys
+from aurora_store.coordination.keys import RunKeys, mirror_token
 from aurora_store.coordination.redisconn import connect
 from aurora_store.errors import ConfigError
 from aurora_store.format.manifest import manifest_key
@@ -83,7 +83,7 @@ def test_cut_through_mirror_and_region_announcements(
     bus = Bus(redis, run_name)
     with running(relay):
         wait_until(relay.caught_up.is_set, "the first listing")
-        assert redis.get(relay_key(run_name, REGION)) == mirror.url.encode()
+        assert redis.get(relay_key(run_name, REGION)) == mirror_token(mirror.url).encode()
         trainer = FakeTrainer(origin, run_name, bus)
         m1 = trainer.step(after=cut_through)
         m2 = trainer.step()
@@ -142,7 +142,7 @@ def test_late_relay_catches_up_and_restarts_without_copying_again(
         assert scan_versions(mirror) == scan_versions(origin)
         assert not mirror.exists(orphan) and mirror.list("deltas/v0000000004") == []
         assert all(mirror.get(k) == data for k, data in model.items())
-        assert redis.get(relay_key(run_name, REGION)) == mirror.url.encode()
+        assert redis.get(relay_key(run_name, REGION)) == mirror_token(mirror.url).encode()
         trainer.step()  # v4 arrives while the Relay follows
         wait_until(mirrored(relay, ("delta", 4)), "delta 4")
         first = relay.stats()
@@ -284,7 +284,7 @@ def test_redis_restart_loses_stream_and_heartbeat(own_redis_server: RedisServer,
         trainer.step(announce=False)  # its announcements die with Redis's state
         own_redis_server.restart()
         wait_until(mirrored(relay, ("delta", 2)), "delta 2 found by listing after the restart")
-        wait_until(lambda: redis.get(key) == mirror.url.encode(), "the heartbeat key back")
+        wait_until(lambda: redis.get(key) == mirror_token(mirror.url).encode(), "the heartbeat key back")
         trainer.step()
         wait_until(mirrored(relay, ("delta", 3)), "delta 3 from the new stream")
     assert redis.get(key) is None
@@ -333,7 +333,7 @@ def test_heartbeat_deleted_on_sigterm_and_expires_after_sigkill(
                 timeout=60,
             )
             assert p.poll() is None, p.communicate()[0]
-        assert redis.get(relay_key(run_name, "a")) == f"file://{tmp_path}/mirror-a".encode()
+        assert redis.get(relay_key(run_name, "a")) == mirror_token(f"file://{tmp_path}/mirror-a").encode()
 
         procs["a"].send_signal(signal.SIGTERM)
         out = procs["a"].communicate(timeout=30)[0]

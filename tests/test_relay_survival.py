@@ -31,6 +31,7 @@ from relay_helpers import REPO, describe_model, make_relay, mirrored, running
 from trainer_fixtures import FakeTrainer
 
 from aurora_store.coordination.bus import Bus
+from aurora_store.coordination.keys import mirror_token
 from aurora_store.coordination.ledger import Ledger
 from aurora_store.coordination.redisconn import connect
 from aurora_store.coordination.retention import RelayHeldVersions
@@ -83,7 +84,7 @@ def test_a_relay_started_before_the_trainer_waits_for_the_run(
         wait_until(relay.caught_up.is_set, "the mirror caught up once the run appeared")
         wait_until(mirrored(relay, ("snapshot", 0), ("delta", 1)), "versions 0 and 1")
         assert mirror.get("model/config.json") == origin.get("model/config.json")
-        assert redis.get(relay.heartbeat_key) == mirror.url.encode()
+        assert redis.get(relay.heartbeat_key) == mirror_token(mirror.url).encode()
     assert len(messages(caplog, "waiting for the run to appear")) == 1
     assert len(messages(caplog, "the run appeared")) == 1
 
@@ -113,7 +114,7 @@ def test_the_relay_rides_out_redis_killed_and_restarted(
         own_redis_server.start()  # back, empty (no stream, no keys)
         wait_until(lambda: not relay.redis_dep.away, "the Relay to see Redis again")
         wait_until(mirrored(relay, ("delta", 1), ("delta", 2)), "deltas 1 and 2 found by listing")
-        wait_until(lambda: redis.get(relay.heartbeat_key) == mirror.url.encode(), "the heartbeat back")
+        wait_until(lambda: redis.get(relay.heartbeat_key) == mirror_token(mirror.url).encode(), "the heartbeat back")
         trainer.step()  # announced on the new stream
         wait_until(mirrored(relay, ("delta", 3)), "delta 3")
     assert len(messages(caplog, "Redis unreachable")) == 1  # one line when it went...

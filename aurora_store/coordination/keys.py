@@ -13,11 +13,12 @@ below are the protocol and must not change.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from aurora_store.errors import ConfigError
 
-__all__ = ["RunKeys", "key_prefix", "validate_run_name", "glob_escape"]
+__all__ = ["RunKeys", "key_prefix", "validate_run_name", "glob_escape", "mirror_token"]
 
 _RUN_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
@@ -33,6 +34,16 @@ def key_prefix(run: str) -> str:
     """``aurora:{run}:``: every key of a run shares the ``{run}`` hash tag, so
     multi-key scripts also work on Redis Cluster (one slot per run)."""
     return f"aurora:{{{validate_run_name(run)}}}:"
+
+
+def mirror_token(url: str) -> str:
+    """What a Relay's ``relay:{region}`` key holds for mirror ``url``: a digest, never the URL.
+
+    Every role reads that key, and a mirror URL may carry credentials or name
+    internal hosts. An Actor compares the token with that of its own
+    ``--mirror`` (a trailing ``/`` aside), so the digest is all it needs.
+    """
+    return "mirror:sha256:" + hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:32]
 
 
 def glob_escape(s: str) -> str:

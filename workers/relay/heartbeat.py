@@ -8,9 +8,10 @@ one transaction (so they live and die together):
   copied). Origin retention (the Trainer's, ``aurora gc --redis``) keeps
   what they need, so a Relay that is behind still catches up delta by delta
   (:mod:`aurora_store.coordination.retention` reads them);
-- ``relay:{region}`` = mirror URL, only once the mirror has caught up with
-  origin (:meth:`Heartbeat.serve`): Actors read the region's mirror only
-  while it exists.
+- ``relay:{region}`` = the mirror's token (:func:`~aurora_store.coordination.keys.mirror_token`,
+  a digest: the URL itself, which may carry credentials, is never written), only once the
+  mirror has caught up with origin (:meth:`Heartbeat.serve`): Actors read the region's
+  mirror only while it exists and names their own ``--mirror``.
 
 Both are deleted on a graceful stop; a killed Relay's keys expire after
 ``ttl_s``, and the region's Actors fall back to origin. A Redis outage is
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from aurora_store.clock import SYSTEM_CLOCK, Clock
-from aurora_store.coordination.keys import RunKeys
+from aurora_store.coordination.keys import RunKeys, mirror_token
 from aurora_store.coordination.redisconn import translate_redis_errors
 from aurora_store.coordination.retention import relay_held_value
 from aurora_store.errors import CoordinationError, OutageTooLong
@@ -39,14 +40,14 @@ log = logging.getLogger("aurora.relay")
 
 
 def relay_key(run: str, region: str) -> str:
-    """``aurora:{run}:relay:{region}``: the region's mirror URL while its Relay heartbeats."""
+    """``aurora:{run}:relay:{region}``: the region's mirror token while its Relay heartbeats."""
     return RunKeys(run).relay(region)
 
 
 class Heartbeat:
     """Beats the Relay's keys every ``period_s`` with a TTL of ``ttl_s``, from a thread of its own."""
 
-    # KEYS[1] the mirror key, KEYS[2] the held key; ARGV[1] the mirror URL this Relay set.
+    # KEYS[1] the mirror key, KEYS[2] the held key; ARGV[1] the mirror token this Relay set.
     # Deletes the held key; deletes the mirror key only if it still holds ARGV[1] (not
     # another Relay's). Returns 1 if the mirror key was ours and is gone, else 0.
     RELEASE = """
@@ -74,7 +75,7 @@ class Heartbeat:
         self.key = keys.relay(region)
         """The mirror key (``relay:{region}``)."""
         self.held_key = keys.relay_held(region)
-        self.value = mirror_url
+        self.value = mirror_token(mirror_url)
         self.period_s = period_s
         self.ttl_s = ttl_s
         self.region = region
