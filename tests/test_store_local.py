@@ -49,6 +49,26 @@ def test_failed_local_write_leaves_no_temp_file(tmp_path, monkeypatch: pytest.Mo
     assert not store.exists("a/b")
 
 
+def test_local_overwrite_is_all_or_nothing(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An overwrite (Redis-commit repair, the commit marker) that fails half-way leaves the old
+    bytes whole, never a torn object, and no temporary file (issue 24, item 10)."""
+    store = open_store(f"file://{tmp_path}/run", config=StoreConfig(retries=0))
+    store.put("m/manifest.json", b"old bytes, whole")
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError(5, "disk on fire")
+
+    with monkeypatch.context() as m:
+        m.setattr(local_backend.os, "fsync", broken_fsync)
+        with pytest.raises(StoreError, match="manifest.json"):
+            store.put("m/manifest.json", b"new bytes that never land", mode="overwrite")
+    assert store.get("m/manifest.json") == b"old bytes, whole"
+    assert sorted(os.listdir(tmp_path / "run" / "m")) == ["manifest.json"]
+    store.put("m/manifest.json", b"new", mode="overwrite")
+    assert store.get("m/manifest.json") == b"new"
+    assert sorted(os.listdir(tmp_path / "run" / "m")) == ["manifest.json"]
+
+
 def test_local_create_syncs_the_folder(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """After the link, the folder itself is fsynced (the new name is durable), and so is the
     parent of each folder the write created (the new folders are durable too)."""

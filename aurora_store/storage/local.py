@@ -1,4 +1,4 @@
-"""Local files (``file://…`` or a plain path): create by temporary file + hard link.
+"""Local files (``file://…`` or a plain path): create by temporary file + hard link, overwrite by rename.
 
 The bytes go to a temporary file in the key's folder, flushed to disk, which
 is then hard-linked to its name. ``link`` fails if the name exists, so a
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections.abc import Callable
 
 from aurora_store.storage.base import TEMP_PREFIX, Store
 
@@ -63,31 +64,38 @@ class LocalStore(Store):
     """A run root on the local filesystem."""
 
     def put(self, key: str, data: bytes, mode: str = "create") -> None:
-        if mode == "overwrite":  # a new folder (``.aurora/`` of the commit marker): created first, as a create does
-            self._retry(f"put {self.where(key)}", lambda: _makedirs_durable(os.path.dirname(self._path(key))))
-        super().put(key, data, mode)
+        if mode not in ("create", "overwrite"):
+            raise ValueError(f"mode must be 'create' or 'overwrite', got {mode!r}")
+        path = self._path(key)
+        if mode == "overwrite":
+            # Through a temporary file and a rename, as a create goes through a link: a reader
+            # (or a crash) never meets a torn object, only the old bytes or the new.
+            self._retry(f"put {self.where(key)}", lambda: self._write_then(path, data, os.replace))
+            return
+        self._create(key, path, data)
 
     def _create(self, key: str, path: str, data: bytes) -> None:
-        self._retry(f"put {self.where(key)}", lambda: self._link_exclusive(key, path, data))
+        if not self._retry(f"put {self.where(key)}", lambda: self._write_then(path, data, os.link)):
+            self._same_or_conflict(key, data)
 
-    def _link_exclusive(self, key: str, path: str, data: bytes) -> None:
+    @staticmethod
+    def _write_then(path: str, data: bytes, place: Callable[[str, str], None]) -> bool:
+        """Write ``data`` to a temporary file beside ``path``, flushed to disk, then ``place(tmp, path)``
+        (``os.link``: only if nothing is there; ``os.replace``: whatever is). False: the name was taken."""
         folder = os.path.dirname(path)
         _makedirs_durable(folder)
         tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-        taken = False
         try:
             with open(tmp, "xb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             try:
-                os.link(tmp, path)
+                place(tmp, path)
             except FileExistsError:
-                taken = True
+                return False
         finally:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        if taken:
-            self._same_or_conflict(key, data)
-        else:
-            _fsync_dir(folder)
+                os.unlink(tmp)  # after a link; a replace already moved it
+        _fsync_dir(folder)
+        return True
