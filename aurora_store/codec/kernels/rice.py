@@ -247,7 +247,7 @@ def rice_plan(indices: np.ndarray, start: int, jit: bool | None = None) -> tuple
 
 def rice_choose_k(indices: np.ndarray, start: int, jit: bool | None = None) -> int:
     """The Rice parameter with the fewest bits, among the four around the
-    optimum for geometric gaps (``log2(mean * ln 2)``), judged on every 8th
+    optimum for geometric gaps (``log2(mean * ln 2)``) and 0, judged on every 8th
     gap of a long stream (on all of a short one). The stream is exact with
     any ``k``; this only decides its size."""
     idx = np.ascontiguousarray(indices, dtype=np.int64)
@@ -260,8 +260,13 @@ def rice_choose_k(indices: np.ndarray, start: int, jit: bool | None = None) -> i
     stride = 8 if n > _SAMPLE_ABOVE else 1
     m = len(range(0, n, stride))
     ubits, nesc = _layouts(idx, start, k0, 4, jit, stride)
-    sizes = [_size(m, k0 + j, int(ubits[j]), int(nesc[j])) for j in range(4)]
-    return k0 + int(np.argmin(sizes))
+    sizes = {k0 + j: _size(m, k0 + j, int(ubits[j]), int(nesc[j])) for j in range(4)}
+    if k0 > 0:
+        # A few huge gaps (a jump to a dense run far along) pull the mean, and so the guess, up;
+        # the dense run itself wants k = 0, its jumps escaped. One more pass over the sample.
+        u0, e0 = _layouts(idx, start, 0, 1, jit, stride)
+        sizes[0] = _size(m, 0, int(u0[0]), int(e0[0]))
+    return min(sizes, key=lambda k: (sizes[k], k))
 
 
 def rice_encode_gaps(
