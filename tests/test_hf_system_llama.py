@@ -1,0 +1,14 @@
+"""A tiny llama checkpoint on MATH-format data through the whole system (:mod:`hf_system`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hf_fixtures import Pretrained
+from hf_system import MARKS, run_family
+
+pytestmark = MARKS
+
+
+def test_llama_on_math_through_the_whole_system(pretrained: dict[str, Pretrained], tmp_path: Path) -> None:
+    run_family(pretrained, tmp_path, "llama", "math")
