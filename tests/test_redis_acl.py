@@ -231,6 +231,145 @@ def test_a_password_file_reaches_the_server(
     assert PASSWORDS["actor"] not in str(e.value)
 
 
+# Commands no role may run: each would let one credential freeze, cut, watch, reconfigure or
+# wipe everyone (issue 24, hole 9). (command, needs Redis >= 7)
+REFUSED: list[tuple[tuple[str, ...], bool]] = [
+    (("CLIENT", "PAUSE", "10"), False),
+    (("CLIENT", "PAUSE", "2147483647", "ALL"), True),
+    (("CLIENT", "UNPAUSE"), False),
+    (("CLIENT", "KILL", "ID", "999999"), False),
+    (("CLIENT", "KILL", "127.0.0.1:1"), False),
+    (("CLIENT", "LIST"), False),
+    (("CLIENT", "NO-EVICT", "on"), False),
+    (("CLIENT", "UNBLOCK", "1"), False),
+    (("DEBUG", "SLEEP", "0"), False),
+    (("CONFIG", "SET", "maxmemory-policy", "allkeys-lru"), False),
+    (("CONFIG", "RESETSTAT"), False),
+    (("FLUSHALL",), False),
+    (("FLUSHDB",), False),
+    (("SWAPDB", "0", "1"), False),
+    (("KEYS", "*"), False),
+    (("MONITOR",), False),
+    (("SLOWLOG", "GET"), False),
+    (("ACL", "LIST"), False),
+    (("ACL", "SETUSER", "aurora-actor", "+@all"), False),
+    (("SCRIPT", "FLUSH"), False),
+    (("SCRIPT", "KILL"), False),
+    (("FUNCTION", "FLUSH"), True),
+    (("FUNCTION", "DELETE", "x"), True),
+    (("FUNCTION", "LOAD", "#!lua name=x\nredis.register_function('f', function() return 1 end)"), True),
+    (("RESTORE", "aurora:{acl-run}:x", "0", "x"), False),
+    (("SAVE",), False),
+    (("BGSAVE",), False),
+    (("REPLICAOF", "127.0.0.1", "1"), False),
+    (("SHUTDOWN", "NOSAVE"), False),
+]
+
+
+@pytest.mark.parametrize("role", ["trainer", "actor", "relay", "readonly"])
+def test_no_role_can_pause_kill_or_administer_redis(prepared: tuple[RedisServer, tuple[int, ...]], role: str) -> None:
+    server, version = prepared
+    for cmd, needs7 in REFUSED:
+        if needs7 and version < (7, 0):
+            continue
+        client = _client(server, role)  # one connection each: a MONITOR let through would capture it
+        with pytest.raises(rx.ResponseError) as e:
+            client.execute_command(*cmd)
+        # DEBUG: Redis 7 refuses it before the ACL unless enable-debug-command is set.
+        assert isinstance(e.value, rx.NoPermissionError) or (cmd[0] == "DEBUG" and "DEBUG command not allowed" in str(e.value)), (
+            cmd,
+            e.value,
+        )
+        client.close()
+    # What every role keeps: connection upkeep that affects only its own connection.
+    client = _client(server, role)
+    assert client.ping()
+    assert client.execute_command("ECHO", "x") == b"x"
+    assert client.execute_command("CLIENT", "SETNAME", f"aurora-{role}-test")
+    assert client.execute_command("CLIENT", "GETNAME") == f"aurora-{role}-test".encode()
+    assert int(client.execute_command("CLIENT", "ID")) > 0
+    assert client.execute_command("CLIENT", "INFO")
+    assert client.execute_command("SELECT", "0")
+    assert client.time()
+    client.close()
+    # The server still serves everyone.
+    admin = redis.Redis(host="127.0.0.1", port=server.port, username=ADMIN[0], password=ADMIN[1], socket_timeout=5)
+    assert admin.ping() and admin.get(RunKeys(RUN).epoch) == b"1"
+    admin.close()
+
+
+class _StepClock:
+    """A local clock whose every wait runs the next step of a script."""
+
+    def __init__(self, play: Any) -> None:
+        self.now, self.waits, self.play = 0.0, 0, play
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return 1_700_000_000.0 + self.now
+
+    def wait(self, event: Any, timeout_s: float) -> bool:
+        self.now += timeout_s
+        self.waits += 1
+        assert self.waits < 20, "the batch never completed"
+        self.play(self.waits)
+        return bool(event.is_set())
+
+
+def test_the_actor_credential_cannot_settle_for_another_nor_inject_results(prepared: tuple[RedisServer, tuple[int, ...]]) -> None:
+    """What the ACL cannot refuse (an Actor's user must write step keys for its scripts),
+    the ledger does: a lease read from Redis does not settle, a result written directly is ignored."""
+    import threading
+
+    from aurora_store.coordination.ledger import Lease
+    from workers.trainer.scheduling import Collected, collect_batch
+
+    server, _ = prepared
+    keys = RunKeys(RUN)
+    tr = Ledger(_client(server, "trainer"), RUN)
+    actor = _client(server, "actor")
+    led = Ledger(actor, RUN)
+    ids = [f"q{i}" for i in range(3)]
+    tr.create_step(2, H, [(p, p.encode()) for p in ids], {}, group=1, lease_ms=60_000, version=1, epoch=1)
+    led.register("a2")
+    assert led.heartbeat("a2", active=1, staged=1, active_state=H)
+    _, leases = led.claim("a2", 2, 3)
+    assert len(leases) == 3
+    # Read a2's lease of q0 (the credential reads every lease) and settle it in a2's name.
+    who, token, expiry = actor.hget(keys.step(2, "lease"), "q0").decode().split("|")[:3]
+    assert who == "a2"
+    forged = Lease("q0", int(token), 1, H, 1, int(expiry), b"", step=2)
+    assert led.settle("a2", forged, 1, H, b"stolen").reason == "stale_token"
+    # Write a result for q1 with plain HSETs: the ACL lets it through (the settle script needs it) ...
+    actor.hset(keys.step(2, "done"), "q1", "evil|1")
+    actor.hset(keys.step(2, "results"), "q1", '["q1", "evil", 1, "1", "1", "0", 1, "' + H + '"]')
+    actor.hset(keys.step(2, "results:payload"), "q1", b"forged")
+
+    def play(n: int) -> None:
+        if n == 1:
+            # The Trainer took the forged q1 out and offered it again: a2's old lease of it is gone.
+            got = [led.settle("a2", x, 1, H, b"honest").reason for x in leases]
+            assert got == ["accepted", "not_leased", "accepted"], got
+            _, again = led.claim("a2", 2, 3)
+            assert [x.prompt for x in again] == ["q1"]
+            assert led.settle("a2", again[0], 1, H, b"honest").accepted
+
+    # ... and the Trainer, as its own user, ignores and counts it; a2's own settles go through.
+    collected: dict[str, Any] = {}
+    counts = Collected()
+    closed = collect_batch(
+        tr, 2, 1, 3, collected, [], counts, 60_000, 30.0, 1.0, threading.Event(), _StepClock(play), lambda: None,
+        epoch=1, prompts=ids, state=H,
+    )  # fmt: skip
+    assert closed.reason == "complete"
+    assert {p: (r.actor, r.payload) for p, r in collected.items()} == {p: ("a2", b"honest") for p in ids}
+    assert counts.ignored == {"unproven": 1}
+    actor.close()
+    tr.r.close()
+
+
 @pytest.mark.slow
 def test_the_workers_run_under_their_own_users(tmp_path: Path) -> None:
     """The real Trainer, Relay and Actor processes, each logged in as its role (URL in the

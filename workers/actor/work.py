@@ -38,6 +38,8 @@ class WorkLoop:
         self.heartbeat = heartbeat
         self._state_refused: tuple[int, int] | None = None
         """(step, active version) last refused for its state: logged once."""
+        self._bad_said: int | None = None
+        """Step whose malformed leases were last logged."""
 
     def work_once(self) -> bool:
         """Claim leases of one open step on the active version, generate and settle them; False when there was none."""
@@ -55,6 +57,21 @@ class WorkLoop:
                 self.generate_and_settle(leases)
                 return True
         return False
+
+    def _say_bad(self, leases: list[Lease]) -> None:
+        """Log leases refused for their prompt or group size: once per step."""
+        step = leases[0].step_id
+        if self._bad_said == step:
+            return
+        self._bad_said = step
+        log.error(
+            "%s: step %d: %d lease(s) carry a prompt or group size the Trainer does not write (prompt %r…): "
+            "not generating them; they expire and go back to the pool",
+            self.ctx.cfg.actor_id,
+            step,
+            len(leases),
+            leases[0].prompt[:64],
+        )
 
     def step_state_held(self, step: int) -> bool:
         """Whether step ``step`` asks for the state this Actor holds: never claim a lease for another one."""
@@ -77,7 +94,15 @@ class WorkLoop:
 
     def generate_and_settle(self, leases: list[Lease]) -> None:
         c, h, cfg = self.ctx, self.ctx.holding, self.ctx.cfg
-        bodies = [json.loads(le.payload) for le in leases]
+        # Prompts and group sizes are read from Redis, which every Actor's credential can write:
+        # a lease whose prompt is not what the Trainer writes is left to expire, never generated.
+        parsed = [(le, prompt_body(le.payload) if 1 <= le.group <= MAX_GROUP else None) for le in leases]
+        if any(body is None for _, body in parsed):
+            self._say_bad([le for le, body in parsed if body is None])
+        good = [(le, body) for le, body in parsed if body is not None]
+        if not good:
+            return
+        leases, bodies = [le for le, _ in good], [body for _, body in good]
         prompts = [b["ids"] for b in bodies]
         group = leases[0].group
         t0 = time.perf_counter()
@@ -106,6 +131,28 @@ class WorkLoop:
                 c.stats.rejected[st.reason] = c.stats.rejected.get(st.reason, 0) + 1
         c.stats.tokens += gen.new_tokens
         metrics.active().generated(cfg.actor_id, cfg.region, len(leases), gen.new_tokens, gen_s)
+
+
+MAX_GROUP = 1024
+"""Most completions per prompt an Actor generates, whatever a step says (Redis is not trusted)."""
+MAX_PROMPT_IDS = 1 << 20
+"""Longest prompt (token ids) an Actor takes from a lease."""
+
+
+def prompt_body(payload: bytes) -> dict[str, Any] | None:
+    """A lease's prompt as the Trainer writes it (a JSON object whose ``ids`` are token ids); None otherwise."""
+    try:
+        body = json.loads(payload)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    ids = body.get("ids")
+    if not isinstance(ids, list) or not 0 < len(ids) <= MAX_PROMPT_IDS:
+        return None
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in ids):
+        return None
+    return body
 
 
 def max_new_tokens(bodies: list[Any], default: int) -> int:

@@ -170,6 +170,8 @@ class BatchBook:
                     batch_deadline_s=self.cfg.batch_deadline_s,
                     min_batch_fraction=self.cfg.min_batch_fraction,
                     epoch=self.records.epoch,
+                    prompts=[pid for pid, _ in self.prompts[b]],
+                    state=self.states.get(self.gen_of[b]),
                 )
                 return
             except _Reissued:

@@ -65,22 +65,27 @@ def read_rollouts(
     out = Rollouts()
     scored: list[tuple[str, Problem]] = []
     for pid, r in sorted(collected.items()):
-        prob = problems[pid]
+        prob = problems.get(pid)  # the Trainer's batch checks prompt ids; a stray one is dropped, never a KeyError
         try:
+            if prob is None:
+                raise KeyError(pid)
             body = json.loads(r.payload)
             cs = [list(map(int, c)) for c in body["completions"]]
             if len(cs) != group or any(len(c) > max_new_tokens for c in cs):
                 raise ValueError("wrong group size or completion length")
             if any(not 0 <= t < tokenizer.vocab_size for c in cs for t in c):
                 raise ValueError("token id outside the vocabulary")
-        except (ValueError, KeyError, TypeError):
+            took_s = max(1e-3, float(body.get("gen_s", 0.0)))
+            if not took_s < float("inf"):
+                raise ValueError("gen_s is not a finite number")
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             out.bad += 1
             continue
         out.by_actor[r.actor] = out.by_actor.get(r.actor, 0) + 1
         n_tok = sum(len(c) for c in cs)
         out.tokens += n_tok
         out.gen_tokens[r.actor] = out.gen_tokens.get(r.actor, 0) + n_tok
-        out.gen_s[r.actor] = out.gen_s.get(r.actor, 0.0) + max(1e-3, float(body.get("gen_s", 0.0)))
+        out.gen_s[r.actor] = out.gen_s.get(r.actor, 0.0) + took_s
         ids = tokenizer.render_prompt(prob.prompt_text)
         out.groups.append(len(out.prompts))
         for c in cs:

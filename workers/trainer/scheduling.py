@@ -12,12 +12,12 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aurora_store.clock import Clock
-from aurora_store.coordination.ledger import AcceptedResult, Ledger, LedgerLost
+from aurora_store.coordination.ledger import AcceptedResult, Ledger, LedgerLost, StepPoll
 from aurora_store.coordination.records import RunRecords
 from aurora_store.coordination.scheduler import (
     ActorView,
@@ -31,6 +31,7 @@ from aurora_store.errors import ConfigError
 from workers.task import Problem, Task
 
 __all__ = [
+    "IGNORED_REASONS",
     "BatchClose",
     "Collected",
     "PromptRenderer",
@@ -125,6 +126,54 @@ class Collected:
     """Prompts the ledger had lost the settlement of (a partial Redis loss) and was told again."""
     last: BatchClose | None = None
     """How the latest batch closed."""
+    ignored: dict[str, int] = field(default_factory=dict)
+    """Results the Trainer refused, by why (:data:`IGNORED_REASONS`): each entry counted once,
+    taken out of the ledger and its prompt offered again. Redis is writable by every Actor's
+    credential, so these are forgeries or damage, never an honest Actor's settle."""
+    reoffered: int = 0
+    """Prompts whose refused result was taken out of the ledger (and offered again when of the batch)."""
+    _seen: set[tuple[str, str, str]] = field(default_factory=set, repr=False)
+    _said_at: float | None = field(default=None, repr=False)
+
+    @property
+    def ignored_total(self) -> int:
+        return sum(self.ignored.values())
+
+
+IGNORED_REASONS = ("malformed", "unproven", "no_result", "unknown_prompt", "wrong_version", "wrong_state")
+"""Why the Trainer ignores a result in the ledger: unreadable or of the wrong types; not what the
+settle script writes (no proof of its lease's secret, or its ``done`` entry names another settle);
+a ``done`` entry without a result; a prompt not of the batch; another version or state than the batch's."""
+
+_SEEN_MAX = 100_000
+
+IGNORED_LOG_EVERY_S = 60.0
+"""Ignored results are logged at their first, then at most once per this many seconds (a summary)."""
+
+
+def _ignore(counts: Collected, b: int, prompt: str, why: str, key: str, clock: Clock) -> bool:
+    """Count one refused result once (``key`` tells repeats of the same entry apart); True when new."""
+    if (prompt, why, key) in counts._seen:
+        return False
+    if len(counts._seen) >= _SEEN_MAX:
+        counts._seen.clear()  # memory bounded whatever a forger writes; a repeat may then count twice
+    counts._seen.add((prompt, why, key))
+    counts.ignored[why] = counts.ignored.get(why, 0) + 1
+    now = clock.monotonic()
+    if counts._said_at is None or now - counts._said_at >= IGNORED_LOG_EVERY_S:
+        counts._said_at = now
+        # The prompt id is untrusted text: quoted and cut, never a log line of its own.
+        log.warning(
+            "step %d: ignored a result in the ledger for prompt %r (%s); %d ignored so far %s: "
+            "a holder of the Actors' Redis credential wrote it, or Redis damaged it; taken out of the ledger (a prompt of the batch "
+            "is offered again)",
+            b,
+            prompt[:64],
+            why,
+            counts.ignored_total,
+            dict(sorted(counts.ignored.items())),
+        )
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +226,8 @@ def collect_batch(
     batch_deadline_s: float | None = None,
     min_batch_fraction: float = 1.0,
     epoch: int | None = None,
+    prompts: Collection[str] | None = None,
+    state: str | None = None,
 ) -> BatchClose:
     """Read batch ``b``'s results into ``collected`` until it may close, then close it.
 
@@ -197,6 +248,14 @@ def collect_batch(
     Raises :class:`KeyboardInterrupt` once ``stop`` is set and
     :class:`~aurora_store.errors.FencedOut` if a newer Trainer holds the run
     (``epoch``: this Trainer's, passed to every write).
+
+    Every Actor's Redis credential can write the step's keys, so a result is
+    taken only as the settle script writes it (a witness of its lease's
+    secret, a matching ``done`` entry), for a prompt of the batch
+    (``prompts``: the batch's ids; None skips that check) on ``gen_version``
+    and the batch's ``state`` (None skips it). Anything else, malformed
+    included, is counted once in ``counts.ignored``, logged (rate-limited),
+    taken out of the ledger and its prompt offered again: never fatal.
     """
     t0 = clock.monotonic()
     floor = min_results(need, batch_deadline_s, min_batch_fraction)
@@ -208,15 +267,31 @@ def collect_batch(
     told: set[str] = set()  # prompts already passed to mark_settled (once is enough)
     said_floor = said_stranded = False
 
-    def absorb(results: list[AcceptedResult]) -> None:
-        for r in results:
-            if r.prompt in collected:
+    known = None if prompts is None else frozenset(prompts)
+
+    def absorb(poll: StepPoll) -> None:
+        refused: list[tuple[str, str, bool]] = []
+        for p, bad, value in poll.rejected:
+            if _ignore(counts, b, p, bad, value, clock):
+                refused.append((p, value, known is None or p in known))
+        for r in poll.results:
+            why: str | None = None
+            if known is not None and r.prompt not in known:
+                why = "unknown_prompt"
+            elif r.prompt in collected:
                 counts.accepted_twice += 1
             elif r.version != gen_version:
-                counts.accepted_wrong_version += 1
+                why = "wrong_version"
+            elif state is not None and r.state != state:
+                why = "wrong_state"
             else:
                 collected[r.prompt] = r
                 completion_ms.append(max(1, r.settled_ms - r.leased_ms))
+            if why and _ignore(counts, b, r.prompt, why, f"{r.actor}|{r.token}", clock):
+                counts.accepted_wrong_version += why == "wrong_version"
+                refused.append((r.prompt, f"{r.actor}|{r.token}", why != "unknown_prompt"))
+        if refused:
+            counts.reoffered += ledger.reoffer(b, refused, epoch=epoch)
 
     while True:
         if stop.is_set():
@@ -228,7 +303,7 @@ def collect_batch(
             continue
         if created_ms is None:
             created_ms = poll.created_ms  # the first creation: a re-created step keeps its deadline
-        absorb(poll.results)
+        absorb(poll)
         lost = [p for p in collected if p not in poll.accepted and p not in told]
         if lost:
             told.update(lost)
@@ -300,7 +375,7 @@ def _close(
     need: int,
     collected: dict[str, AcceptedResult],
     counts: Collected,
-    absorb: Callable[[list[AcceptedResult]], None],
+    absorb: Callable[[StepPoll], None],
     reason: str,
     waited_s: float,
     epoch: int | None,
@@ -309,7 +384,7 @@ def _close(
     if ledger.seal_step(b, epoch=epoch) is not None:
         # LedgerLost: Redis lost the step after the seal; what it held is gone, and counted below.
         with contextlib.suppress(LedgerLost):
-            absorb(ledger.poll(b, collected).results)
+            absorb(ledger.poll(b, collected))
     unreturned = max(0, need - len(collected))
     ledger.drop_step(b, epoch=epoch, unreturned=unreturned)
     counts.unreturned += unreturned

@@ -8,8 +8,8 @@ a clock (milliseconds) instead, and the scripts use it.
 
 The settlement predicate (paper §5.4) is :attr:`Ledger.SETTLE`: a result is
 accepted iff it arrives no later than its lease expiry, for the version and
-state digest the job was created with, under the current fencing token; a
-prompt is accepted at most once. Expired leases go back to the pool inside
+state digest the job was created with, under the current fencing token, from
+the claimer that holds the lease's secret; a prompt is accepted at most once. Expired leases go back to the pool inside
 the next claim, with nobody's help.
 
 Partial loss (docs/PROTOCOL.md, "Partial Redis failure"): results are
@@ -21,9 +21,10 @@ bounded (:class:`LedgerConfig`): Actor records and open steps expire unless
 refreshed, closed steps leave a short tombstone.
 
 The pieces: :mod:`.records` (what the ledger hands out), :mod:`.scripts`,
-:mod:`.core` (client, keys, clock, lifetimes, epoch), :mod:`.registry` (Actors) and
-:mod:`.steps` (steps, leases, claims, settlement). :class:`Ledger` is the
-registry and the steps over one core. Its public methods translate redis-py
+:mod:`.core` (client, keys, clock, lifetimes, epoch), :mod:`.registry` (Actors),
+:mod:`.steps` (steps and what the Trainer reads of them) and :mod:`.leases`
+(claims and settlement, each lease bound to its claimer's secret). :class:`Ledger` is
+the registry, the steps and the leases over one core. Its public methods translate redis-py
 errors into :class:`~aurora_store.errors.RedisUnavailable` and
 :class:`~aurora_store.errors.CoordinationError`.
 """
@@ -31,6 +32,7 @@ errors into :class:`~aurora_store.errors.RedisUnavailable` and
 from __future__ import annotations
 
 from aurora_store.coordination.ledger.core import LedgerConfig, memory_policy_problem
+from aurora_store.coordination.ledger.leases import LeaseBook
 from aurora_store.coordination.ledger.records import (
     SETTLE_REASONS,
     AcceptedResult,
@@ -63,7 +65,7 @@ __all__ = [
 ]
 
 
-class Ledger(ActorRegistry, StepBook):
+class Ledger(ActorRegistry, StepBook, LeaseBook):
     """The ledger of one run. Thread-safe as far as the redis-py client is.
 
     ``Ledger(redis, run, clock=None, config=None)``: ``redis`` a redis-py

@@ -69,11 +69,13 @@ return redis.call('SREM', KEYS[2], ARGV[1])
 # KEYS[1] step hash, KEYS[2] assigned list (this actor, this step), KEYS[3] pool list,
 # KEYS[4] lease hash, KEYS[5] expiry zset, KEYS[6] fence counter, KEYS[7] actor hash,
 # KEYS[8] prompts hash, KEYS[9] done hash
-# ARGV[1] actor id, ARGV[2] max prompts, ARGV[3] now_ms or ""
+# ARGV[1] actor id, ARGV[2] max prompts, ARGV[3] now_ms or "", ARGV[4..] claim hashes
+# (one per lease it may hand out: the k-th lease takes ARGV[3 + k]; missing ones are "")
 # returns {status, now_ms} when nothing was leased, else {'ok', now_ms, state, group,
 # version, prompt, token, expiry, payload, ...} (the step's state digest, group size and
 # generation version ride along, so the Actor needs no second round trip); status is
-# 'ok', 'no_step', 'closed', 'not_alive' or 'not_on_version'.
+# 'ok', 'no_step', 'closed', 'not_alive' or 'not_on_version'. A lease is stored as
+# actor|token|expiry|leased_ms|claim_hash: only who knows the hash's preimage settles it.
 # A prompt popped from a list that is already settled, currently leased or not of this
 # step is a duplicate (a repeated write after a partial loss): it is dropped, not leased,
 # so it can never cycle lease -> expiry -> pool.
@@ -135,12 +137,12 @@ while got < want do
     local exp = string.format('%d', now + lease_ms)
     local since = string.format('%d', now)
     local hkv, zkv = {}, {}
-    for _, k in ipairs(keep) do
+    for j, k in ipairs(keep) do
       local p = ps[k]
       token = token + 1
       local t = string.format('%d', token)
       hkv[#hkv + 1] = p
-      hkv[#hkv + 1] = ARGV[1] .. '|' .. t .. '|' .. exp .. '|' .. since
+      hkv[#hkv + 1] = ARGV[1] .. '|' .. t .. '|' .. exp .. '|' .. since .. '|' .. (ARGV[3 + got + j] or '')
       zkv[#zkv + 1] = exp
       zkv[#zkv + 1] = p
       out[#out + 1] = p
@@ -168,15 +170,24 @@ return out
 
 # settle_batch(actor, now, items): the settlement predicate over one step's keys (the
 # KEYS of SETTLE and SETTLE_MANY), applied to each item {prompt, token, version, state,
-# payload} in order, as if each were its own script run at `now`; returns the reasons.
+# payload, secret} in order, as if each were its own script run at `now`; returns the reasons.
 # A result is accepted iff the step is open, now <= its lease expiry, version and state
-# equal the job's, and the token is the prompt's current lease; a prompt is accepted at
-# most once. An accepted result is written under its prompt id (results,
+# equal the job's, and the token is the prompt's current lease, held by this actor, whose
+# claim hash is sha1(sha1(secret)) (a lease without a hash, of an older release, is settled
+# on actor and token alone); a prompt is accepted at most once. Any other caller answers
+# 'stale_token' and changes nothing. The accepted record keeps sha1(secret), the witness
+# the Trainer checks against the claim hash, never the secret. An accepted result is written under its prompt id (results,
 # results:payload) with the settle sequence number, so no lost or reordered write can
 # hide another. A refused lease (expired, wrong version or digest) goes back to the pool.
 # The batch's reads and writes are one command per key (HMGET, HDEL, HSET with many
 # fields), not one per result; each item still sees the effects of the ones before it.
 SETTLE_PRELUDE = """
+local function parse_lease(v)
+  local a, tok, exp, t0, ch = string.match(v, '^(.*)|(%d+)|(%d+)|(%d+)|(%x*)$')
+  if a then return a, tok, exp, t0, ch end
+  a, tok, exp, t0 = string.match(v, '^(.*)|(%d+)|(%d+)|(%d+)$')
+  return a, tok, exp, t0, ''
+end
 local function hmget_all(key, fields)
   local out = {}
   for i = 1, #fields, 500 do
@@ -215,8 +226,9 @@ local function settle_batch(actor, now, items)
     elseif not lease[p] then
       reasons[i] = 'not_leased'
     else
-      local a, tok, exp, t0 = string.match(lease[p], '^(.*)|(%d+)|(%d+)|(%d+)$')
-      if a ~= actor or tok ~= token then
+      local a, tok, exp, t0, ch = parse_lease(lease[p])
+      if a ~= actor or tok ~= token or (ch ~= '' and redis.sha1hex(redis.sha1hex(it[6])) ~= ch) then
+        -- Not this caller's lease: another Actor's, a newer one, or a secret that is not the claimer's.
         reasons[i] = 'stale_token'
       else
         local why = nil
@@ -230,7 +242,7 @@ local function settle_batch(actor, now, items)
           reasons[i] = why
         else
           done[p] = actor .. '|' .. token
-          acc[#acc + 1] = {i, tok, t0}
+          acc[#acc + 1] = {i, tok, t0, ch}
           reasons[i] = 'accepted'
         end
       end
@@ -256,7 +268,8 @@ local function settle_batch(actor, now, items)
       dkv[#dkv + 1] = p
       dkv[#dkv + 1] = actor .. '|' .. it[2]
       rkv[#rkv + 1] = p
-      rkv[#rkv + 1] = cjson.encode({p, actor, x[2], it[3], string.format('%d', now), x[3], seq0 + k, it[4]})
+      rkv[#rkv + 1] = cjson.encode({p, actor, x[2], it[3], string.format('%d', now), x[3], seq0 + k, it[4],
+        redis.sha1hex(it[6]), x[4]})
       pkv[#pkv + 1] = p
       pkv[#pkv + 1] = it[5]
     end
@@ -275,7 +288,7 @@ end
 # KEYS[1] step hash, KEYS[2] lease hash, KEYS[3] expiry zset, KEYS[4] done hash,
 # KEYS[5] results hash, KEYS[6] pool list, KEYS[7] actor hash, KEYS[8] result payloads hash
 # ARGV[1] actor, ARGV[2] prompt, ARGV[3] token, ARGV[4] version, ARGV[5] state,
-# ARGV[6] result payload, ARGV[7] now_ms or ""
+# ARGV[6] result payload, ARGV[7] now_ms or "", ARGV[8] the lease's secret
 # returns {reason, now_ms}: the settlement predicate (paper §5.4, docs/PROTOCOL.md) of
 # SETTLE_PRELUDE for one result. A repeat answers 'duplicate'.
 SETTLE = (
@@ -285,14 +298,14 @@ SETTLE = (
     + SETTLE_PRELUDE
     + """
 local now = tonumber(now_ms(ARGV[7]))
-local r = settle_batch(ARGV[1], now, {{ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]}})
+local r = settle_batch(ARGV[1], now, {{ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[8] or ''}})
 return {r[1], now}
 """
 )
 
 # KEYS as SETTLE (one step, one Actor)
-# ARGV[1] actor, ARGV[2] now_ms or "", then per result 5 values: prompt, token, version,
-# state, payload
+# ARGV[1] actor, ARGV[2] now_ms or "", then per result 6 values: prompt, token, version,
+# state, payload, secret
 # returns {now_ms, reason, reason, ...}: one reason per result, in order, each what SETTLE
 # would answer for it run alone at now_ms after the ones before it (a prompt twice in a
 # batch: the second answers 'duplicate'). One script per batch instead of one per result.
@@ -304,8 +317,8 @@ SETTLE_MANY = (
     + """
 local now = tonumber(now_ms(ARGV[2]))
 local items = {}
-for i = 3, #ARGV - 4, 5 do
-  items[#items + 1] = {ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]}
+for i = 3, #ARGV - 5, 6 do
+  items[#items + 1] = {ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]}
 end
 local r = settle_batch(ARGV[1], now, items)
 table.insert(r, 1, now)
@@ -323,7 +336,7 @@ RELEASE = (
 local n = 0
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
-  local a = string.match(all[i + 1], '^(.*)|%d+|%d+|%d+$')
+  local a = string.match(all[i + 1], '^(.*)|%d+|%d+|%d+|%x*$') or string.match(all[i + 1], '^(.*)|%d+|%d+|%d+$')
   if a == ARGV[1] then
     redis.call('HDEL', KEYS[1], all[i])
     redis.call('ZREM', KEYS[2], all[i])

@@ -7,9 +7,12 @@ only say which keys they read.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aurora_store.coordination.decode import as_int, as_str
@@ -27,6 +30,9 @@ __all__ = [
     "actor_from_hash",
     "accepted_from_redis",
     "step_status_from_hash",
+    "new_claim_secret",
+    "claim_hash",
+    "proves_claim",
 ]
 
 #: Every answer ``settle`` can give (``closed``: the Trainer closed the step's batch
@@ -64,6 +70,9 @@ class Lease:
     """The prompt itself, as the Trainer stored it."""
     step: int = -1
     """Ledger step id the lease belongs to (defaults to ``version``)."""
+    secret: str = field(default="", repr=False, compare=False)
+    """What settles this lease: chosen by the claimer, only its hash went to Redis
+    (:func:`claim_hash`). Kept out of ``repr`` so that no log line carries it."""
 
     @property
     def step_id(self) -> int:
@@ -99,6 +108,10 @@ class AcceptedResult:
     """Order of acceptance within the step (1, 2, …; 0 when unknown)."""
     state: str = ""
     """The weights digest the Actor settled with (the predicate made it equal the job's)."""
+    claim: str = ""
+    """The claim hash the lease carried (:func:`claim_hash` of the claimer's secret)."""
+    witness: str = ""
+    """SHA-1 of the secret the settle presented: :func:`proves_claim` checks it against ``claim``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +130,10 @@ class StepPoll:
     """The ledger's clock at the read."""
     closed: bool
     """Sealed: settles are refused (``closed``) and nothing is leased any more."""
+    rejected: list[tuple[str, str, str]] = field(default_factory=list)
+    """(prompt, why, its ``done`` value) of entries not in ``have`` that are not what SETTLE
+    writes: ``malformed``, ``unproven`` (no proof of the lease's secret, or a ``done`` entry
+    that names another settle) or ``no_result``. Left out of ``results``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +195,40 @@ class StepStatus:
     """Duplicate prompt ids a claim dropped instead of leasing (a partial loss repeated a write)."""
 
 
+_LEASE = re.compile(r"^(.*)\|\d+\|\d+\|\d+(?:\|[0-9a-f]*)?$")
+
+
 def lease_holder(raw: Any) -> str:
-    """The Actor of a ``step:{v}:lease`` value ``actor|token|expiry_ms|leased_ms``."""
-    return as_str(raw).rsplit("|", 3)[0]
+    """The Actor of a ``step:{v}:lease`` value ``actor|token|expiry_ms|leased_ms|claim_hash``
+    (the hash is absent in leases of an older release); the raw text when it is neither."""
+    text = as_str(raw, "replace")
+    m = _LEASE.match(text)
+    return m.group(1) if m else text
+
+
+def new_claim_secret() -> str:
+    """A fresh secret for one lease (128 bits)."""
+    return secrets.token_hex(16)
+
+
+def _sha1(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()  # noqa: S324 - what Lua's redis.sha1hex computes; preimages only
+
+
+def claim_hash(secret: str) -> str:
+    """What a claim stores in the lease: SHA-1 of the SHA-1 (hex) of ``secret``.
+
+    SETTLE recomputes it from the secret and refuses a mismatch; the accepted
+    result keeps the inner hash (the witness), which proves the settle knew
+    the secret without revealing it, and which :func:`proves_claim` checks.
+    SHA-1 is what Redis' Lua offers; only its preimage resistance is relied on.
+    """
+    return _sha1(_sha1(secret))
+
+
+def proves_claim(witness: str, claim: str) -> bool:
+    """Whether ``witness`` (from an accepted result) is the preimage of the lease's ``claim`` hash."""
+    return bool(witness) and bool(claim) and len(witness) == 40 and _sha1(witness) == claim
 
 
 def _fields(h: Mapping[Any, Any]) -> dict[str, Any]:
@@ -206,13 +254,53 @@ def actor_from_hash(actor: str, h: Mapping[Any, Any], leases: int) -> ActorRecor
     )
 
 
-def accepted_from_redis(head: Any, payload: Any) -> AcceptedResult:
+_MAX_HEAD = 64 * 1024
+"""The longest result record read (the settle script writes a few hundred bytes)."""
+
+
+def _int(x: Any) -> int:
+    """An integer field of a result record: an int, or a string of digits (what Lua's cjson writes)."""
+    if isinstance(x, bool) or not isinstance(x, (int, str)):
+        raise ValueError(f"not an integer: {x!r}")
+    if isinstance(x, str) and not re.fullmatch(r"-?\d{1,20}", x):
+        raise ValueError(f"not an integer: {x!r}")
+    return int(x)
+
+
+def accepted_from_redis(head: Any, payload: Any, prompt: str | None = None) -> AcceptedResult | None:
     """One ``step:{v}:results`` entry (JSON ``[prompt, actor, token, version, settled_ms,
-    leased_ms, seq, state]``) and its ``results:payload`` entry."""
-    p, actor, token, version, settled, leased, *rest = json.loads(head)
-    seq = int(rest[0]) if rest else 0
-    state = str(rest[1]) if len(rest) > 1 else ""
-    return AcceptedResult(str(p), str(actor), int(token), int(version), int(settled), int(leased), bytes(payload), seq, state)
+    leased_ms, seq, state, witness, claim]``) and its ``results:payload`` entry.
+
+    Redis is not trusted (every Actor's credential can write these keys): anything
+    malformed, of the wrong types, or naming another prompt than ``prompt`` (the
+    field it was read under) answers None rather than raising.
+    """
+    if not isinstance(head, (bytes, bytearray, str)) or len(head) > _MAX_HEAD:
+        return None
+    try:
+        got = json.loads(head)
+        if not isinstance(got, list) or not 6 <= len(got) <= 10 or not isinstance(payload, (bytes, bytearray)):
+            return None
+        p, actor, token, version, settled, leased, *rest = got
+        if not isinstance(p, str) or not isinstance(actor, str) or (prompt is not None and p != prompt):
+            return None
+        if not all(isinstance(x, str) for x in rest[1:]):
+            return None
+        return AcceptedResult(
+            p,
+            actor,
+            _int(token),
+            _int(version),
+            _int(settled),
+            _int(leased),
+            bytes(payload),
+            _int(rest[0]) if rest else 0,
+            rest[1] if len(rest) > 1 else "",
+            claim=rest[3] if len(rest) > 3 else "",
+            witness=rest[2] if len(rest) > 2 else "",
+        )
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 def step_status_from_hash(v: int, h: Mapping[Any, Any], leased: int, pending: int) -> StepStatus:

@@ -16,7 +16,7 @@ repeats a call whose answer was lost. So each is idempotent or says what a
 repeat answers (``CREATE_STEP``: ``exists``; ``SETTLE``: ``duplicate``).
 
 The Trainer's writes (``CREATE_STEP``, ``SEAL_STEP``, ``DROP_STEP``,
-``MARK_SETTLED``, ``FENCED_HSET``, ``ENTER_EPOCH``) carry its epoch and are
+``MARK_SETTLED``, ``REOFFER``, ``FENCED_HSET``, ``ENTER_EPOCH``) carry its epoch and are
 refused, inside the script, when Redis holds a higher one: they answer
 ``{'fenced', stored_epoch}`` and change nothing (:data:`EPOCH_PRELUDE`). An
 empty epoch argument skips the check (tools and tests without a Trainer).
@@ -60,6 +60,7 @@ from aurora_store.coordination.ledger.trainer_scripts import (
     FENCED_HSET,
     MARK_SETTLED,
     RECORD_VERSIONED,
+    REOFFER,
     SEAL_STEP,
 )
 
@@ -81,6 +82,7 @@ __all__ = [
     "SEAL_STEP",
     "DROP_STEP",
     "MARK_SETTLED",
+    "REOFFER",
     "ENTER_EPOCH",
     "FENCED_HSET",
     "RECORD_VERSIONED",
@@ -116,6 +118,8 @@ class LedgerScripts:
     """:data:`DROP_STEP`."""
     mark_settled: Any
     """:data:`MARK_SETTLED`."""
+    reoffer: Any
+    """:data:`REOFFER`."""
     enter_epoch: Any
     """:data:`ENTER_EPOCH`."""
     fenced_hset: Any
@@ -137,6 +141,7 @@ class LedgerScripts:
             seal_step=redis.register_script(SEAL_STEP),
             drop_step=redis.register_script(DROP_STEP),
             mark_settled=redis.register_script(MARK_SETTLED),
+            reoffer=redis.register_script(REOFFER),
             enter_epoch=redis.register_script(ENTER_EPOCH),
             fenced_hset=redis.register_script(FENCED_HSET),
         )

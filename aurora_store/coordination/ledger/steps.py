@@ -7,6 +7,13 @@ claim leases on them and settle results
 predicate), and the Trainer collects what was accepted, by prompt id, and
 closes the step: it seals it (from then on a settle answers ``closed``),
 reads what came in meanwhile, and drops its keys, leaving a tombstone.
+Claims and settlement themselves are :mod:`.leases`.
+
+Every Actor's credential can write a step's keys, so what :meth:`StepBook.poll`
+reads is checked against what the settle script writes (a record that
+parses, names its prompt, matches its ``done`` entry and proves its lease's
+secret); the rest is handed back as ``rejected`` for the Trainer to count and
+take out (:meth:`StepBook.reoffer`).
 """
 
 from __future__ import annotations
@@ -15,21 +22,17 @@ import hashlib
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import NoScriptError
-
 from aurora_store.coordination.decode import as_int, as_str
 from aurora_store.coordination.ledger.core import LedgerCore, _ms
 from aurora_store.coordination.ledger.records import (
     AcceptedResult,
     ClosedStep,
-    Lease,
-    Settlement,
     StepPoll,
     StepStatus,
     accepted_from_redis,
+    proves_claim,
     step_status_from_hash,
 )
-from aurora_store.coordination.ledger.scripts import SETTLE_MANY
 from aurora_store.coordination.redisconn import (
     is_cluster_client,
     server_time_ms,
@@ -43,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["StepBook", "step_identity"]
 
 _STEP_PARTS = ("prompts", "pool", "lease", "exp", "done", "results", "results:payload", "assignees")
+TRAINER_MARK = "trainer|0"
+"""The ``done`` value of a prompt the Trainer marked settled itself (``MARK_SETTLED``)."""
 _MARK_CHUNK = 1000
 
 
@@ -241,7 +246,7 @@ class StepBook(LedgerCore):
         cluster = is_cluster_client(self.r)
         pipe = self.r.pipeline(transaction=True)
         pipe.hmget(self.k_step(v), "total", "settled", "created_ms", "closed", "dropped")
-        pipe.hkeys(self.k_step(v, "done"))
+        pipe.hgetall(self.k_step(v, "done"))
         if self.clock is None and not cluster:
             pipe.time()
         out = pipe.execute()
@@ -254,26 +259,69 @@ class StepBook(LedgerCore):
             now = server_time_ms(self.r, self.k_step(v))
         else:
             now = int(out[2][0]) * 1000 + int(out[2][1]) // 1000
-        accepted = frozenset(as_str(p) for p in done)
-        new = sorted(p for p in accepted if p not in have)
+        by = {as_str(p, "replace"): as_str(d, "replace") for p, d in done.items()}
+        new = sorted(p for p in by if p not in have)
         results: list[AcceptedResult] = []
+        rejected: list[tuple[str, str, str]] = []
         if new:
             pipe = self.r.pipeline(transaction=True)
             pipe.hmget(self.k_step(v, "results"), new)
             pipe.hmget(self.k_step(v, "results:payload"), new)
             heads, payloads = pipe.execute()
-            # A prompt the Trainer marked settled itself has no result: it holds that one already.
-            results = [accepted_from_redis(h, b) for h, b in zip(heads, payloads, strict=True) if h is not None and b is not None]
+            for p, h, b in zip(new, heads, payloads, strict=True):
+                why = None
+                if h is None or b is None:
+                    # A prompt the Trainer marked settled itself has no result: it holds that one already.
+                    why = None if by[p] == TRAINER_MARK else "no_result"
+                elif (r := accepted_from_redis(h, b, p)) is None:
+                    why = "malformed"
+                elif by[p] != f"{r.actor}|{r.token}" or not proves_claim(r.witness, r.claim):
+                    why = "unproven"  # not what SETTLE writes: no proof of the lease's secret
+                else:
+                    results.append(r)
+                if why:
+                    rejected.append((p, why, by[p]))
             results.sort(key=lambda r: (r.seq, r.settled_ms, r.prompt))
         return StepPoll(
             results=results,
-            accepted=accepted,
-            total=int(total),
-            settled=int(settled or 0),
-            created_ms=as_int(created, 0) or 0,
+            accepted=frozenset(by),
+            total=as_int(total, 0, lenient=True) or 0,
+            settled=as_int(settled, 0, lenient=True) or 0,
+            created_ms=as_int(created, 0, lenient=True) or 0,
             now_ms=now,
             closed=closed is not None,
+            rejected=rejected,
         )
+
+    @translate_redis_errors("Ledger.reoffer")
+    def reoffer(self, v: int, entries: Iterable[tuple[str, str, bool]], *, epoch: int | None = None) -> int:
+        """Take results the Trainer refused out of step ``v``: ``(prompt, done value, offer again)`` each.
+
+        Each prompt whose ``done`` entry still reads that value loses it (and its
+        result); with ``offer again`` (a prompt of the Trainer's batch) its lease
+        is dropped too (a forged ``done`` entry answered its holder
+        ``already_settled``) and it goes back to the pool, so an honest Actor
+        does it. A prompt settled anew meanwhile is left alone. Returns the
+        prompts cleared.
+        """
+        flat: list[str] = [self._fence_arg(epoch)]
+        for p, value, again in entries:
+            flat += [p, value, "1" if again else ""]
+        if len(flat) == 1:
+            return 0
+        keys = [
+            self.k_step(v),
+            self.k_step(v, "done"),
+            self.k_step(v, "results"),
+            self.k_step(v, "results:payload"),
+            self.k_step(v, "lease"),
+            self.k_step(v, "exp"),
+            self.k_step(v, "pool"),
+            self.k_epoch,
+            *(self.k_assigned(v, a) for a in self._assignees(v)),
+        ]
+        res = self._fenced(self._scripts.reoffer(keys=keys, args=flat), epoch, f"re-offer prompts of step {v}")
+        return int(res[1])
 
     @translate_redis_errors("Ledger.mark_settled")
     def mark_settled(self, v: int, prompts: Iterable[str], *, epoch: int | None = None) -> int:
@@ -381,120 +429,3 @@ class StepBook(LedgerCore):
             return ClosedStep([], *sealed)
         self.drop_step(v, epoch=epoch, unreturned=max(0, sealed[0] - sealed[1]))
         return ClosedStep(results, *sealed)
-
-    # -- Actor -----------------------------------------------------------------
-    @translate_redis_errors("Ledger.claim")
-    def claim(self, actor: str, v: int, n: int) -> tuple[str, list[Lease]]:
-        """Lease up to ``n`` prompts of step ``v``: own assignments first, then the pool.
-
-        Returns (status, leases); status is ``ok``, ``no_step``, ``closed``,
-        ``not_alive`` or ``not_on_version`` (the Actor must activate ``v``
-        first). A settled or already leased prompt found in a list again (a
-        partial loss repeated a write) is dropped, never leased twice.
-        """
-        if n <= 0:
-            return "ok", []
-        res = self._scripts.claim(
-            keys=[
-                self.k_step(v),
-                self.k_assigned(v, actor),
-                self.k_step(v, "pool"),
-                self.k_step(v, "lease"),
-                self.k_step(v, "exp"),
-                self.k_fence,
-                self.k_actor(actor),
-                self.k_step(v, "prompts"),
-                self.k_step(v, "done"),
-            ],
-            args=[actor, n, self._now()],
-        )
-        status = as_str(res[0])
-        if status != "ok" or len(res) <= 2:
-            return status, []
-        # The script answers the step's state, group and version with the leases (one round trip).
-        state, group, version = as_str(res[2] or b""), int(res[3] or 1), int(res[4] or v)
-        leases = [
-            Lease(as_str(res[i]), int(res[i + 1]), version, state, group, int(res[i + 2]), bytes(res[i + 3]), step=v)
-            for i in range(5, len(res), 4)
-        ]
-        return status, leases
-
-    def _settle_args(self, actor: str, lease: Lease, version: int, state: str, payload: bytes) -> tuple[list[str], list[Any]]:
-        v = lease.step_id
-        keys = [
-            self.k_step(v),
-            self.k_step(v, "lease"),
-            self.k_step(v, "exp"),
-            self.k_step(v, "done"),
-            self.k_step(v, "results"),
-            self.k_step(v, "pool"),
-            self.k_actor(actor),
-            self.k_step(v, "results:payload"),
-        ]
-        return keys, [actor, lease.prompt, str(lease.token), str(version), state, payload, self._now()]
-
-    @translate_redis_errors("Ledger.settle")
-    def settle(self, actor: str, lease: Lease, version: int, state: str, payload: bytes) -> Settlement:
-        """Report the result of a lease, generated on ``version`` with weights ``state``."""
-        keys, args = self._settle_args(actor, lease, version, state, payload)
-        reason, now = self._scripts.settle(keys=keys, args=args)
-        return Settlement(lease.prompt, as_str(reason), int(now))
-
-    @translate_redis_errors("Ledger.settle_many")
-    def settle_many(self, actor: str, items: Iterable[tuple[Lease, int, str, bytes]]) -> list[Settlement]:
-        """Several settlements in one round trip: one ``SETTLE_MANY`` script per step in the batch.
-
-        Each result is judged as :meth:`settle` would judge it, in order (a
-        lease twice in one batch: the second answers ``duplicate``); the
-        results of one step are settled by one script, so atomically together.
-        """
-        items = list(items)
-        if not items:
-            return []
-        by_step: dict[int, list[int]] = {}
-        for i, (lease, _version, _state, _payload) in enumerate(items):
-            by_step.setdefault(lease.step_id, []).append(i)
-        calls: list[tuple[list[int], list[Any]]] = []
-        for v, idx in by_step.items():
-            keys = [
-                self.k_step(v),
-                self.k_step(v, "lease"),
-                self.k_step(v, "exp"),
-                self.k_step(v, "done"),
-                self.k_step(v, "results"),
-                self.k_step(v, "pool"),
-                self.k_actor(actor),
-                self.k_step(v, "results:payload"),
-            ]
-            args: list[Any] = [actor, self._now()]
-            for i in idx:
-                lease, version, state, payload = items[i]
-                args += [lease.prompt, str(lease.token), str(version), state, payload]
-            calls.append((idx, [self._scripts.settle_many.sha, len(keys), *keys, *args]))
-        # One step (the usual case): a plain EVALSHA, without a pipeline's bookkeeping (on a
-        # cluster, a pipeline costs a second round trip). Several: EVALSHA queued directly, since
-        # a pipeline carrying Script objects makes redis-py send SCRIPT EXISTS first; through
-        # execute_command, as redis-py's cluster pipeline refuses pipe.evalsha().
-        for _attempt in range(2):
-            if len(calls) == 1:
-                try:
-                    out = [self.r.evalsha(*calls[0][1])]
-                except NoScriptError as e:
-                    out = [e]
-            else:
-                pipe = self.r.pipeline(transaction=False)
-                for _idx, cmd in calls:
-                    pipe.execute_command("EVALSHA", *cmd)
-                out = pipe.execute(raise_on_error=False)
-            if not any(isinstance(r, NoScriptError) for r in out):
-                break
-            # Redis lost its script cache (restart): nothing ran, so load and repeat.
-            self.r.script_load(SETTLE_MANY)
-        settlements: list[Settlement | None] = [None] * len(items)
-        for (idx, _cmd), r in zip(calls, out, strict=True):
-            if isinstance(r, Exception):
-                raise r
-            now = int(r[0])
-            for i, reason in zip(idx, r[1:], strict=True):
-                settlements[i] = Settlement(items[i][0].prompt, as_str(reason), now)
-        return [s for s in settlements if s is not None]

@@ -13,7 +13,7 @@ from aurora_store.coordination.ledger.preludes import (
     TTL_PRELUDE,
 )
 
-__all__ = ["CREATE_STEP", "SEAL_STEP", "DROP_STEP", "MARK_SETTLED", "ENTER_EPOCH", "FENCED_HSET", "RECORD_VERSIONED"]
+__all__ = ["CREATE_STEP", "SEAL_STEP", "DROP_STEP", "MARK_SETTLED", "REOFFER", "ENTER_EPOCH", "FENCED_HSET", "RECORD_VERSIONED"]
 
 # KEYS[1] step hash, KEYS[2] prompts hash, KEYS[3] pool list, KEYS[4] steps zset,
 # KEYS[5] epoch, KEYS[6] fence counter, KEYS[7] assignees set, KEYS[8..7+m] assigned lists
@@ -164,6 +164,49 @@ end
 if n > 0 then
   redis.call('HINCRBY', KEYS[1], 'settled', n)
   inherit_ttl(KEYS[5], KEYS[1])
+end
+return {'ok', n}
+"""
+)
+
+# KEYS[1] step hash, KEYS[2] done hash, KEYS[3] results hash, KEYS[4] result payloads hash,
+# KEYS[5] lease hash, KEYS[6] expiry zset, KEYS[7] pool list, KEYS[8] epoch, KEYS[9..]
+# assigned lists
+# ARGV[1] epoch or "", then per prompt 3 values: prompt, its done value as the Trainer read
+# it, "1" to offer it again (a prompt of the Trainer's batch) or ""
+# returns {'ok', n cleared} or {'fenced', epoch}. For results the Trainer refused (not what
+# SETTLE writes, or not of its batch): each prompt whose done entry still reads that value
+# loses it and its result; if asked, its lease (whose holder a forged done entry may have
+# answered 'already_settled') is dropped and it goes back to the pool unless queued already.
+# The step's counters are left as they are (a forged entry never moved them).
+REOFFER = (
+    EPOCH_PRELUDE
+    + TTL_PRELUDE
+    + """
+local f = fenced(KEYS[8], ARGV[1])
+if f then return {'fenced', f} end
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HGET', KEYS[1], 'closed') then return {'ok', 0} end
+local n = 0
+for i = 2, #ARGV - 2, 3 do
+  local p = ARGV[i]
+  if redis.call('HGET', KEYS[2], p) == ARGV[i + 1] then
+    redis.call('HDEL', KEYS[2], p)
+    redis.call('HDEL', KEYS[3], p)
+    redis.call('HDEL', KEYS[4], p)
+    n = n + 1
+    if ARGV[i + 2] == '1' then
+      redis.call('HDEL', KEYS[5], p)
+      redis.call('ZREM', KEYS[6], p)
+      local queued = false
+      for k = 7, #KEYS do
+        if k ~= 8 and redis.call('LPOS', KEYS[k], p) then queued = true end
+      end
+      if not queued then
+        redis.call('RPUSH', KEYS[7], p)
+        inherit_ttl(KEYS[7], KEYS[1])
+      end
+    end
+  end
 end
 return {'ok', n}
 """

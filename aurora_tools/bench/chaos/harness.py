@@ -176,7 +176,7 @@ class ChaosRun:
             n, last = 0, now
             for v in ledger.open_steps():
                 for raw in r.hvals(self.keys.step(v, "lease")):
-                    who, _, exp, _ = raw.decode().rsplit("|", 3)
+                    who, _, exp = raw.decode().split("|")[:3]  # actor|token|expiry|leased[|claim hash]
                     if who == actor:
                         n += 1
                         last = max(last, int(exp))
