@@ -25,6 +25,7 @@ __all__ = [
     "SignatureError",
     "ModelMismatchError",
     "IntegrityError",
+    "ObjectTooLarge",
     "VersionNotFound",
     "ChainError",
     "VersionConflict",
@@ -135,6 +136,19 @@ class ModelMismatchError(FormatError):
 
 class IntegrityError(AuroraError, ValueError):
     """Bytes read back do not match the digest or size recorded for them."""
+
+
+class ObjectTooLarge(IntegrityError):
+    """An object holds more bytes than its reader allows (a manifest's limit, the size its
+    manifest lists): found by a read capped one byte past the limit, never by reading it whole.
+
+    ``where`` names the object, ``limit`` is the most bytes the reader accepts.
+    """
+
+    def __init__(self, where: str, limit: int, what: str = "") -> None:
+        self.where = where
+        self.limit = limit
+        super().__init__(f"{where}: more than {limit} bytes{' (' + what + ')' if what else ''}; refused without reading it whole")
 
 
 class StoreError(AuroraError, OSError):

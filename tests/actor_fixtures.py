@@ -194,6 +194,10 @@ class Counting:
         self.gets.append(key)
         return self.inner.get(key, *a, **kw)
 
+    def get_capped(self, key: str, *a: Any, **kw: Any) -> bytes:
+        self.gets.append(key)
+        return self.inner.get_capped(key, *a, **kw)
+
     def list(self, *a: Any, **kw: Any) -> Any:
         self.lists += 1
         return self.inner.list(*a, **kw)

@@ -21,6 +21,7 @@ from typing import Any, cast
 import pytest
 
 from aurora_store.codec.extract import extract
+from aurora_store.coordination.keys import mirror_token
 from aurora_store.errors import ConfigError
 from aurora_store.format.manifest import manifest_key
 from aurora_store.lineage.fetch import read_manifest
@@ -71,11 +72,12 @@ def test_a_mirror_url_planted_in_redis_is_ignored_and_logged_once(run: dict[str,
     with caplog.at_level(logging.WARNING, logger="aurora.actor"):
         a.stager.stage_once()
         a.stager.stage_once()
-        assert a.sources.source(f"file://{tmp}/evil")[0] is a.origin
+        assert a.sources.source(mirror_token(f"file://{tmp}/evil"))[0] is a.origin
     assert rec.sources == [(v, False) for v in range(1, VERSIONS + 1)]  # origin, not the planted store
     assert not a.sources.mirror_opened  # the configured mirror is never opened while the key names another
     said = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
-    assert len(said) == 1 and "evil" in said[0] and "not this Actor's --mirror" in said[0]
+    # The key holds a token (a digest of the mirror's URL), never a URL: the line names the token.
+    assert len(said) == 1 and mirror_token(f"file://{tmp}/evil")[-32:] in said[0] and "not this Actor's --mirror" in said[0]
 
 
 def test_an_actor_without_a_mirror_reads_origin_whatever_redis_says(run: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:

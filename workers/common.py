@@ -27,6 +27,7 @@ __all__ = [
     "MODEL_CONFIG_KEY",
     "MODEL_PREFIX",
     "TOKENIZER_KEY",
+    "MAX_MODEL_FILE_BYTES",
     "write_model_description",
     "read_model_description",
     "model_files_listed",
@@ -38,6 +39,11 @@ MODEL_PREFIX = "model/"
 """Where the run root holds the model's description (config, tokenizer files, generation config)."""
 MODEL_CONFIG_KEY = MODEL_PREFIX + "config.json"
 TOKENIZER_KEY = MODEL_PREFIX + "tokenizer.json"
+MAX_MODEL_FILE_BYTES = 64 << 20
+"""Most bytes of one model description file a reader takes when no manifest lists its size
+(a run written before the files were listed, a Trainer still setting up): the same bound as
+``workers.pretrained.MAX_FILE_BYTES``, kept here so that reading it loads no torch. Read
+capped one byte past it, never whole."""
 
 log = logging.getLogger("aurora.workers")
 
@@ -122,12 +128,12 @@ def model_files_listed(store: Store) -> tuple[dict[str, ModelFile] | None, str]:
 
 def _checked_model_file(store: Store, key: str, listed: Mapping[str, ModelFile] | None, where: str) -> bytes:
     """The bytes of ``key``, checked against ``listed`` (size and sha256) when the run lists its files."""
-    data = store.get(key)
-    if listed is None:
-        return data
-    f = listed.get(key)
-    if f is None:
+    f = listed.get(key) if listed is not None else None
+    if listed is not None and f is None:
         raise IntegrityError(f"{store.where(key)}: not among the model files {where} lists")
+    if f is None:
+        return store.get_capped(key, MAX_MODEL_FILE_BYTES, "the limit on a model file")
+    data = store.get_capped(key, f.bytes, f"the size {where} lists")
     if len(data) != f.bytes or hashlib.sha256(data).hexdigest() != f.sha256:
         raise IntegrityError(
             f"{store.where(key)}: does not match {where} (size or sha256): the model description was changed after version 0"

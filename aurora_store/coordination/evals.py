@@ -19,6 +19,7 @@ from typing import Any
 
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.versioned import record_versioned
+from aurora_store.errors import ObjectNotFound, ObjectTooLarge
 from aurora_store.storage import Store
 
 __all__ = ["EVAL_PREFIX", "eval_key", "read_evals", "read_store_evals", "record_eval"]
@@ -51,7 +52,10 @@ def read_store_evals(store: Store) -> dict[int, dict[str, Any]]:
         name = key[len(EVAL_PREFIX) :]
         if not (name.startswith("v") and name.endswith(".json")) or store.size(key) > MAX_EVAL_BYTES:
             continue
-        found.append((name[1:-5], store.get(key)))
+        try:
+            found.append((name[1:-5], store.get_capped(key, MAX_EVAL_BYTES, "the limit on an evaluation record")))
+        except (ObjectTooLarge, ObjectNotFound):
+            continue  # replaced by something larger, or removed, since it was listed
     return _parsed(found)
 
 

@@ -40,11 +40,12 @@ from aurora_store.errors import (
     AuroraError,
     ConfigError,
     ObjectNotFound,
+    ObjectTooLarge,
     StoreUnavailable,
     VersionConflict,
 )
 
-__all__ = ["StoreConfig", "Store", "TEMP_PREFIX", "ENV_PREFIX"]
+__all__ = ["StoreConfig", "Store", "CallBudget", "RangeNotSatisfiable", "TEMP_PREFIX", "ENV_PREFIX"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -115,6 +116,65 @@ def transient(e: BaseException) -> bool:
     return isinstance(e, (OSError, TimeoutError, ConnectionError))
 
 
+class RangeNotSatisfiable(ValueError):
+    """A backend's answer to a range that starts at or past the end of the object (HTTP 416).
+
+    S3 answers a ranged GET of an empty object this way; :meth:`Store.get_range` turns it
+    into the empty bytes a slice past the end gives. A ``ValueError``: never retried.
+    """
+
+
+def _as_bytes(data: Any) -> bytes:
+    """``data`` as ``bytes``, copied only when it is not bytes already (a manifest is read once, not twice)."""
+    return data if type(data) is bytes else bytes(data)
+
+
+class CallBudget:
+    """A deadline shared by every call a store makes while it is armed: the bound on one
+    attempt at something spread over many requests (a version read from a mirror).
+
+    Why: a store's own bound is per request (its timeouts, times its retries); a mirror that
+    answers slowly, or with errors, would cost that for every object of a version. Armed, each
+    call checks the time left before it starts, and an asynchronous backend's request is cut
+    at it (:attr:`Store._deadline`); spent, calls raise
+    :class:`~aurora_store.errors.StoreUnavailable` at once. Thread-safe: one thread arms it,
+    the store's download threads read it.
+    """
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock: Clock = clock or SYSTEM_CLOCK
+        self._until: float | None = None
+        self._seconds = 0.0
+
+    def arm(self, seconds: float) -> None:
+        """From now, calls have ``seconds`` in all."""
+        self._seconds = seconds
+        self._until = self.clock.monotonic() + seconds
+
+    def disarm(self) -> None:
+        """Calls are bounded by the store's own timeouts only."""
+        self._until = None
+
+    @contextlib.contextmanager
+    def armed(self, seconds: float) -> Any:
+        """:meth:`arm` for the length of a ``with`` block."""
+        self.arm(seconds)
+        try:
+            yield self
+        finally:
+            self.disarm()
+
+    def left(self) -> float | None:
+        """Seconds left (0 or less: spent); None when not armed."""
+        until = self._until
+        return None if until is None else until - self.clock.monotonic()
+
+    @property
+    def seconds(self) -> float:
+        """What the last :meth:`arm` gave."""
+        return self._seconds
+
+
 def protocol_of(fs: Any) -> str:
     """The main protocol name of an fsspec filesystem (``"file"``, ``"s3"`` …)."""
     p = fs.protocol
@@ -152,6 +212,8 @@ class Store(abc.ABC):
         self.root = root.rstrip("/")
         self.protocol = protocol_of(self.fs)
         self._never = threading.Event()  # waited on for back-off delays; never set
+        self.budget: CallBudget | None = None
+        """A deadline over many calls (a mirror's time for one version), when one is set."""
 
     def _options(self, opts: dict[str, Any]) -> dict[str, Any]:
         """The fsspec options this backend opens its filesystem with."""
@@ -186,6 +248,7 @@ class Store(abc.ABC):
         """Run ``fn``, retrying transient failures with the config's back-off."""
         delays = self.config.backoff.delays()
         for attempt in range(self.config.retries + 1):
+            self._check_budget(what)
             try:
                 return self._call(what, fn)
             except Exception as e:  # noqa: BLE001 - classified right below
@@ -197,12 +260,23 @@ class Store(abc.ABC):
                 self.clock.wait(self._never, next(delays))
         raise AssertionError("unreachable")
 
+    def _check_budget(self, what: str) -> None:
+        """Raise :class:`~aurora_store.errors.StoreUnavailable` when the armed :attr:`budget` is spent."""
+        left = self.budget.left() if self.budget is not None else None
+        if left is not None and left <= 0:
+            assert self.budget is not None
+            raise StoreUnavailable(f"{what}: no answer within {self.budget.seconds:g}s")
+
     @property
     def _deadline(self) -> dict[str, float]:
         """Keyword arguments that bound one call of an asynchronous fsspec filesystem
         (fsspec's ``sync`` takes ``timeout``, cancels the request and raises a
-        ``TimeoutError``, which is retried); nothing for a synchronous one."""
-        return {"timeout": self.config.op_timeout_s} if getattr(self.fs, "async_impl", False) else {}
+        ``TimeoutError``, which is retried); nothing for a synchronous one. An armed
+        :attr:`budget` shortens it to the time left."""
+        if not getattr(self.fs, "async_impl", False):
+            return {}
+        left = self.budget.left() if self.budget is not None else None
+        return {"timeout": self.config.op_timeout_s if left is None else max(0.001, min(self.config.op_timeout_s, left))}
 
     def _path(self, key: str) -> str:
         if key.startswith("/") or ".." in key.split("/"):
@@ -210,8 +284,15 @@ class Store(abc.ABC):
         return f"{self.root}/{key}" if self.root else key
 
     def _same_or_conflict(self, key: str, data: bytes) -> None:
-        """The create of ``key`` found an object: fine if it holds ``data``."""
-        have = self.get(key)
+        """The create of ``key`` found an object: fine if it holds ``data``.
+
+        Read capped one byte past ``len(data)``: an object planted there may be of any size,
+        and one larger than ours is not ours.
+        """
+        try:
+            have = self.get_capped(key, len(data))
+        except ObjectTooLarge:
+            raise VersionConflict(self.where(key)) from None
         if hashlib.sha256(have).digest() != hashlib.sha256(data).digest():
             raise VersionConflict(self.where(key))
 
@@ -236,22 +317,56 @@ class Store(abc.ABC):
         self._create(key, path, data)
 
     def get(self, key: str) -> bytes:
-        """The whole object."""
+        """The whole object, whatever its size: only for objects this process wrote or trusts.
+
+        Anything another writer (or a mirror) could have put there is read with
+        :meth:`get_capped`.
+        """
         path = self._path(key)
         try:
-            return self._retry(f"get {self.where(key)}", lambda: bytes(self.fs.cat_file(path, **self._deadline)))
+            return self._retry(f"get {self.where(key)}", lambda: _as_bytes(self.fs.cat_file(path, **self._deadline)))
         except FileNotFoundError:
             raise self._missing(key) from None
 
     def get_range(self, key: str, start: int, stop: int) -> bytes:
-        """Bytes ``[start, stop)`` of an object."""
+        """Bytes ``[start, stop)`` of an object (fewer past its end, like a slice).
+
+        One ranged request: S3 sends only the range; a local file is read from
+        ``start`` for at most ``stop - start`` bytes.
+        """
         if not 0 <= start <= stop:
             raise ValueError(f"bad range [{start}, {stop})")
+        if start == stop:
+            return b""
         path = self._path(key)
         try:
-            return self._retry(f"get {self.where(key)}", lambda: bytes(self.fs.cat_file(path, start=start, end=stop, **self._deadline)))
+            return self._retry(f"get {self.where(key)}", lambda: self._read_range(path, start, stop))
         except FileNotFoundError:
             raise self._missing(key) from None
+        except RangeNotSatisfiable:
+            return b""  # the object ends before ``start`` (an empty object, on S3)
+
+    def _read_range(self, path: str, start: int, stop: int) -> bytes:
+        """One attempt at bytes ``[start, stop)`` of ``path``; a backend whose server could send
+        more than it was asked for (S3) reads no more than that from the wire."""
+        return _as_bytes(self.fs.cat_file(path, start=start, end=stop, **self._deadline))
+
+    def get_capped(self, key: str, limit: int, what: str = "") -> bytes:
+        """The whole object, refused if it holds more than ``limit`` bytes.
+
+        Why: every object is untrusted, and its size is known before it is read
+        (a manifest's limit, the size its manifest lists). It is read as one range
+        of ``limit + 1`` bytes, so an object of any size costs at most that much
+        memory and transfer, and the byte past the limit proves it too large.
+        Raises :class:`~aurora_store.errors.ObjectTooLarge` (naming the object,
+        the limit and ``what`` the limit is) or :class:`~aurora_store.errors.ObjectNotFound`.
+        """
+        if limit < 0:
+            raise ValueError(f"limit {limit} must be >= 0")
+        data = self.get_range(key, 0, limit + 1)
+        if len(data) > limit:
+            raise ObjectTooLarge(self.where(key), limit, what)
+        return data
 
     def exists(self, key: str) -> bool:
         path = self._path(key)
@@ -259,6 +374,7 @@ class Store(abc.ABC):
 
     def size(self, key: str) -> int:
         path = self._path(key)
+        self._check_budget(f"size {self.where(key)}")
         try:
             return int(self._call(f"size {self.where(key)}", lambda: self.fs.size(path, **self._deadline)))
         except FileNotFoundError:

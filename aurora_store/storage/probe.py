@@ -171,11 +171,11 @@ def write_commit_marker(store: Store, run: str) -> None:
 def read_commit_marker(store: Store) -> str | None:
     """The run name of the store's Redis-commit marker, or None when the run commits in the store."""
     try:
-        raw = store.get(COMMIT_MARKER_KEY)
+        raw = store.get_range(COMMIT_MARKER_KEY, 0, 4096)  # a few dozen bytes; never more than this read
     except ObjectNotFound:
         return None
     try:
-        got = json.loads(raw[:4096])
+        got = json.loads(raw)
     except ValueError:
         return "?"
     run = got.get("run") if isinstance(got, dict) and got.get("commit_via") == "redis" else None

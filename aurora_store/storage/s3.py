@@ -12,13 +12,14 @@ place where botocore's and s3fs's errors become Aurora's.
 from __future__ import annotations
 
 import functools
+import io
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aurora_store.clock import Clock
 from aurora_store.errors import StoreError
-from aurora_store.storage.base import StoreConfig
+from aurora_store.storage.base import RangeNotSatisfiable, StoreConfig
 from aurora_store.storage.remote import RemoteStore
 
 __all__ = ["S3Store"]
@@ -71,6 +72,42 @@ class S3Store(RemoteStore):
             opts.setdefault("client_kwargs", {})["endpoint_url"] = endpoint
         return opts
 
+    def _read_range(self, path: str, start: int, stop: int) -> bytes:
+        """A ranged GET whose body is read no further than the range.
+
+        Why: s3fs reads a response's whole body, and a server (a hostile mirror)
+        may ignore ``Range`` and send an object of any size. The body is read in
+        pieces up to ``stop - start`` bytes, then the connection is dropped.
+        """
+        import aiohttp
+        from fsspec.asyn import sync
+        from s3fs.core import _error_wrapper, version_id_kw
+
+        fs = self.fs
+        bucket, key, vers = fs.split_path(path)
+        want = stop - start
+
+        async def read() -> bytes:
+            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", **version_id_kw(vers))
+            body = resp["Body"]
+            try:
+                # BytesIO hands its buffer over without a copy: the peak is the range plus one piece.
+                out = io.BytesIO()
+                while out.tell() < want:
+                    try:
+                        chunk = await body.read(min(want - out.tell(), 4 << 20))
+                    except aiohttp.ClientError as e:  # the connection broke mid-body: retried like any
+                        raise ConnectionError(f"{type(e).__name__}: {e}") from e
+                    if not chunk:
+                        break
+                    out.write(chunk)
+                return out.getvalue()
+            finally:
+                body.close()
+
+        data: bytes = sync(fs.loop, _error_wrapper, read, retries=fs.retries, **self._deadline)
+        return data
+
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """Translate botocore's and s3fs's errors, once.
 
@@ -110,6 +147,11 @@ def _status_412(e: BaseException) -> bool:
     ``"412"``); otherwise it becomes a plain ``OSError`` that looks transient.
     The status code is the answer, whatever the body says.
     """
+    return _has_status(e, 412, ("PreconditionFailed", "412"))
+
+
+def _has_status(e: BaseException, status: int, codes: tuple[str, ...]) -> bool:
+    """``e``, or an error it was translated from, carries an S3 answer of HTTP ``status`` or an error code in ``codes``."""
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
@@ -118,7 +160,7 @@ def _status_412(e: BaseException) -> bool:
         if isinstance(response, dict):
             meta = response.get("ResponseMetadata") or {}
             err = response.get("Error") or {}
-            if meta.get("HTTPStatusCode") == 412 or err.get("Code") in ("PreconditionFailed", "412"):
+            if meta.get("HTTPStatusCode") == status or err.get("Code") in codes:
                 return True
         cur = cur.__cause__ or cur.__context__
     return False
@@ -126,6 +168,9 @@ def _status_412(e: BaseException) -> bool:
 
 def _classify(what: str, e: BaseException) -> BaseException:
     """The error to raise for an (s3fs-translated) error ``e``."""
+    if _has_status(e, 416, ("InvalidRange", "416")):
+        # A range past the end (any range of an empty object): an answer, not an outage.
+        return RangeNotSatisfiable(f"{what}: 416 Range Not Satisfiable")
     if not isinstance(e, FileExistsError) and _status_412(e):
         if what.startswith("put "):
             # Our only conditional request is the create-only put: 412 means "the key exists",

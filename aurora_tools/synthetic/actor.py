@@ -72,6 +72,12 @@ class _CountingStore:
             self.bytes_read += len(data)
         return data
 
+    def get_capped(self, key: str, limit: int, what: str = "") -> bytes:
+        data = self._inner.get_capped(key, limit, what)
+        with self._lock:
+            self.bytes_read += len(data)
+        return data
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help=f"fsspec option of the mirror store (repeatable; or ${MIRROR_OPTIONS_ENV}, a JSON object)",
     )
-    add_declared(region, ActorConfig, ENV_PREFIX, "mirror_grace_s", "relay_wait_s")
+    add_declared(region, ActorConfig, ENV_PREFIX, "mirror_grace_s", "mirror_timeout_s", "relay_wait_s")
     gen = p.add_argument_group("engine and generation")
     add_declared(gen, ActorConfig, ENV_PREFIX, "actor_id", "engine", "device", "claim", "slowdown", "seed")
     gen.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")

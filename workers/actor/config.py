@@ -114,6 +114,18 @@ class ActorConfig:
     once it has been missing this long: otherwise every Actor races the Relay's cut-through
     copy and the region pays for the version once per Actor. Each segment of the version the
     Relay announces restarts the wait: a Relay that is copying it is worth waiting for."""
+    mirror_timeout_s: float = option(
+        10.0,
+        metavar="S",
+        help="a version the mirror has not delivered within S seconds (or failed to) is read from origin; the mirror is tried again later",
+    )
+    """The per-mirror breaker's bound (``--mirror-timeout-s``, env ``AURORA_ACTOR_MIRROR_TIMEOUT_S``):
+    a mirror that errs, or does not deliver a delta (or the listing and manifests of a catch-up)
+    within this long, costs at most this once: that version is read from origin, and so is every
+    version after it until a cool-down has passed (this long, doubling at each failure, up to
+    5 minutes); then the mirror is tried again. The mirror's store is opened with one retry and
+    connect and read timeouts of at most this long. Mirror faults never spend the store's outage
+    budget, which is origin's. Raise it for deltas that take longer than this to read in the region."""
     relay_wait_s: float = option(
         0.0, metavar="S", help="at start, wait up to S seconds for the region's Relay before staging from origin (0: do not wait)"
     )
@@ -185,6 +197,8 @@ class ActorConfig:
             raise ConfigError(f"max_prefetch_bytes must be >= 0, got {self.max_prefetch_bytes}")
         if self.max_staged_bytes < 1:
             raise ConfigError(f"max_staged_bytes must be >= 1, got {self.max_staged_bytes}")
+        if not self.mirror_timeout_s > 0:
+            raise ConfigError(f"mirror_timeout_s must be > 0, got {self.mirror_timeout_s}")
         if self.temperature < 0 or self.slowdown <= 0 or self.mirror_grace_s < 0 or self.relay_wait_s < 0:
             raise ConfigError(
                 "temperature, mirror_grace_s and relay_wait_s must be >= 0 and slowdown > 0 "

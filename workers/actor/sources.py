@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 from urllib.parse import urlsplit
 
+from aurora_store.coordination.keys import mirror_token
 from aurora_store.storage import Store
+from workers.actor.breaker import MirrorBreaker
 from workers.actor.context import ActorContext
 
 __all__ = ["Sources"]
@@ -37,18 +39,28 @@ class Sources:
         """version -> when the region's Relay last announced a segment of it."""
         self.mirror_behind = False
         """The mirror missed the grace once: skipped without waiting until it has a version first again."""
+        self.breaker = MirrorBreaker(ctx.cfg.mirror_timeout_s, ctx.clock, f"the mirror of region {ctx.cfg.region}")
+        """Sends versions to origin while the mirror fails or stalls (:mod:`workers.actor.breaker`)."""
 
     @property
     def mirror_opened(self) -> bool:
         return self._mirror is not None
 
     def source(self, relay_url: str | None) -> tuple[Store, str | None]:
-        """(store, region): the configured mirror while the region's Relay heartbeats with its URL, else (origin, None)."""
-        if not self.trusted(relay_url):
+        """(store, region): the configured mirror while the region's Relay heartbeats with its URL
+        and the mirror's breaker is closed, else (origin, None)."""
+        if not self.trusted(relay_url) or self.breaker.open:
             return self.ctx.origin, None
         if self._mirror is None:
-            self._mirror = self.ctx.open_mirror()
+            self._mirror = self.breaker.attach(self.ctx.open_mirror())
         return self._mirror, self.ctx.cfg.region
+
+    def mirror_failed(self, e: BaseException, what: str) -> None:
+        """The mirror erred or stalled at ``what``: origin serves until the breaker's cool-down has passed.
+
+        Never charged to the store's outage budget: that is origin's.
+        """
+        self.breaker.failed(e, what)
 
     def trusted(self, relay_url: str | None) -> bool:
         """Whether the region's Relay heartbeats (``relay_url`` set) with the configured mirror."""
@@ -99,6 +111,8 @@ class Sources:
 
     def staged(self, version: int, from_mirror: bool, region: str | None) -> None:
         """``version`` was staged: forget its wait, and use the mirror again once it served one."""
+        if from_mirror:
+            self.breaker.succeeded()
         if from_mirror and self.mirror_behind:
             log.info("mirror of region %s caught up (v%d); reading from it again", region, version)
             self.mirror_behind = False
@@ -122,9 +136,9 @@ class Sources:
             log.warning("no Relay for region %s after %.0fs; staging from origin", cfg.region, cfg.relay_wait_s)
 
 
-def _same_root(a: str, b: str) -> bool:
-    """Whether two run-root URLs name the same place (a trailing ``/`` aside)."""
-    return a.rstrip("/") == b.rstrip("/")
+def _same_root(relay_value: str, mirror: str) -> bool:
+    """Whether the Relay key's value is the token of ``mirror`` (the same run root, a trailing ``/`` aside)."""
+    return relay_value == mirror_token(mirror)
 
 
 def _shown_url(url: str) -> str:

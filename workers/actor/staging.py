@@ -26,6 +26,7 @@ from aurora_store.errors import AuroraError, ChainError, VersionNotFound
 from aurora_store.lineage.fetch import ManifestReader
 from aurora_store.lineage.plan import plan_chain, scan_versions
 from aurora_store.storage import Store
+from workers.actor.breaker import is_mirror_fault
 from workers.actor.context import ActorContext
 from workers.actor.fetch import INVALID, Fetcher, Refused
 from workers.actor.holding import Staged
@@ -98,7 +99,10 @@ class DeltaStaging:
 
         The mirror serves while it has each version; one it lacks is waited
         for within the grace (:meth:`Sources.mirror_missing`), then read from
-        origin. A delta that is gone though the run's head is past it
+        origin. A mirror that errs or does not deliver within ``mirror_timeout_s``
+        opens its breaker (:mod:`workers.actor.breaker`): that version and the
+        next ones come from origin until the cool-down has passed, and the
+        fault never counts against origin's outage budget. A delta that is gone though the run's head is past it
         (``aurora gc``) breaks the chain: the Actor re-bootstraps from a
         snapshot. A delta that fails validation at origin is quarantined,
         and a snapshot past it is looked for. A store outage at origin
@@ -118,12 +122,22 @@ class DeltaStaging:
             if not c.quarantine.allowed("delta", v):
                 self.catch_up(c.origin, head, broken=True)
                 return
-            if store is mirror and self._behind(head) and self.catch_up(mirror, head):
-                v, store = h.staged_version + 1, mirror
-                continue
+            if store is mirror and self._behind(head):
+                try:
+                    caught = self.catch_up(mirror, head)
+                except Exception as e:  # noqa: BLE001 - a mirror's fault is the breaker's; anything else propagates
+                    if mirror is c.origin or not is_mirror_fault(e):
+                        raise
+                    self.sources.mirror_failed(e, f"the catch-up to v{head}")
+                    mirror = store = c.origin  # the breaker is open: origin for the rest of this round
+                    continue
+                if caught:
+                    v, store = h.staged_version + 1, mirror
+                    continue
             t0 = time.perf_counter()
             try:
-                m, staged = self.fetcher.fetch_delta(store, v, h.staged_state, self._manifests)
+                with self.sources.breaker.attempt(store):  # the mirror's time for this version, in all
+                    m, staged = self.fetcher.fetch_delta(store, v, h.staged_state, self._manifests)
                 self.fetcher.check_expected(v, m.state, store)
                 staged = self.fetcher.prepared(staged)
             except VersionNotFound:
@@ -137,9 +151,14 @@ class DeltaStaging:
                     return
                 store = c.origin
                 continue
-            except AuroraError as e:
+            except (AuroraError, OSError) as e:
                 if store is not c.origin:
-                    log.warning("stage v%d from mirror failed (%s); trying origin", v, e)
+                    if is_mirror_fault(e):
+                        # Away, stalled or broken: never origin's outage budget, and origin until the cool-down.
+                        self.sources.mirror_failed(e, f"v{v}")
+                        mirror = c.origin
+                    else:
+                        log.warning("stage v%d from mirror failed (%s); trying origin", v, e)
                     store = c.origin
                     continue
                 if isinstance(e, INVALID):
@@ -191,18 +210,21 @@ class DeltaStaging:
         now = c.clock.monotonic()
         if head is None or now < self._replan_at:
             return False
-        index = scan_versions(store).without(c.quarantine.blocked())
-        # The version the run needs next when this Actor is behind it, else the head.
-        goal = h.want if h.staged_version < h.want < head else head
-        reachable = [v for v in index.deltas | index.snapshots if h.staged_version < v <= goal]
-        if not reachable:
-            return self._no_way(broken, f"no version after v{h.staged_version} up to v{goal} at {store.url}")
-        target = max(reachable)
-        reader = self.fetcher.reader(store)
-        try:
-            plan = plan_chain(index, target, held=h.staged_version, cost=reader.cost)
-        except (ChainError, VersionNotFound) as e:
-            return self._no_way(broken, str(e))
+        # A mirror's listing and manifests within its time for one attempt; its shards, if a
+        # snapshot is chosen, within its per-request timeouts (a snapshot may take longer).
+        with self.sources.breaker.attempt(store):
+            index = scan_versions(store).without(c.quarantine.blocked())
+            # The version the run needs next when this Actor is behind it, else the head.
+            goal = h.want if h.staged_version < h.want < head else head
+            reachable = [v for v in index.deltas | index.snapshots if h.staged_version < v <= goal]
+            if not reachable:
+                return self._no_way(broken, f"no version after v{h.staged_version} up to v{goal} at {store.url}")
+            target = max(reachable)
+            reader = self.fetcher.reader(store)
+            try:
+                plan = plan_chain(index, target, held=h.staged_version, cost=reader.cost)
+            except (ChainError, VersionNotFound) as e:
+                return self._no_way(broken, str(e))
         self._replan_failures, self._stuck_at = 0, None
         if plan.snapshot is None:
             self._replay_until, self._manifests = target, reader

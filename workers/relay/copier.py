@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from aurora_store import metrics
 from aurora_store.clock import Clock
 from aurora_store.coordination.bus import Event
-from aurora_store.errors import AuroraError, ObjectNotFound, OutageTooLong
+from aurora_store.errors import AuroraError, ObjectNotFound, ObjectTooLarge, OutageTooLong
 from aurora_store.storage import Store
+from workers.common import MAX_MODEL_FILE_BYTES
 from workers.relay.config import VersionId
 from workers.relay.halt import Halt
 
@@ -148,9 +149,14 @@ class Copier:
                 return
         if not self.mirror.exists(key):
             try:
-                data = self.origin.get(key)
+                # No size to check it against (a model description file): capped at the readers' limit.
+                data = self.origin.get_capped(key, MAX_MODEL_FILE_BYTES, "the limit on a model file")
             except ObjectNotFound:
                 return  # not written yet (or a run without one)
+            except ObjectTooLarge as e:
+                # Not a model file any reader would take: not mirrored (and the Relay goes on).
+                self._rejected(key, "relay %s: %s; not mirrored", self.region, e, fetched=False)
+                return
             self.mirror.put(key, data, mode="create")
             with self._lock:
                 self._traffic.bytes_fetched += len(data)
@@ -217,23 +223,34 @@ class Copier:
         if self.mirror.exists(key):
             # Written by an earlier run of this Relay: check it here, in the region,
             # rather than bring it across again.
-            have = self.mirror.get(key)
+            try:
+                have = self.mirror.get_capped(key, size, "the size it was announced or listed with")
+                found = f"{len(have)} bytes with another sha256"
+            except ObjectTooLarge:
+                have, found = b"", "larger"  # not the object, and never read whole
             if len(have) == size and hashlib.sha256(have).hexdigest() == sha:
                 return COPIED
             # Never replaced: a mirror manifest may already name it, and a forged
             # announcement must not be able to make us delete a good object.
             return self._rejected(
                 key,
-                "relay %s: mirror object %s is %d bytes with another sha256 than expected; not replacing it",
+                "relay %s: mirror object %s is %s than expected (%d bytes); not replacing it",
                 self.region,
                 self.mirror.where(key),
-                len(have),
+                found,
+                size,
                 fetched=False,
             )
         with self._lock:
             self._traffic.started.setdefault(vid, self.clock.monotonic())
         try:
-            data = self.origin.get(key)
+            # At most one byte past the expected size: an object of any size at origin costs
+            # no more than that to refuse.
+            data = self.origin.get_capped(key, size, "the size it was announced or listed with")
+        except ObjectTooLarge as e:
+            with self._lock:
+                self._traffic.fetched(vid, size + 1)
+            return self._rejected(key, "relay %s: %s %d: %s; not mirrored", self.region, vid[0], vid[1], e)
         except ObjectNotFound:
             with self._lock:
                 first = key not in self._logged

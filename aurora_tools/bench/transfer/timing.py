@@ -54,6 +54,12 @@ class TimedStore:
         self._record("get", key, len(data), t0)
         return data
 
+    def get_capped(self, key: str, limit: int, what: str = "") -> bytes:
+        t0 = time.perf_counter()
+        data: bytes = self.inner.get_capped(key, limit, what)
+        self._record("get", key, len(data), t0)
+        return data
+
     def busy(self, kind: str, manifest: bool = False) -> float:
         """Wall seconds with at least one ``kind`` op (on segments, or on the manifest) in flight."""
         spans = sorted((o.t0, o.t1) for o in self.ops if o.kind == kind and o.key.endswith("manifest.json") == manifest)
