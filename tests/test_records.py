@@ -19,7 +19,7 @@ from aurora_store import Publisher
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger import Ledger
 from aurora_store.coordination.records import DIGEST_LOG_ENV, RunRecords, TrainerRecord
-from aurora_store.errors import FencedOut
+from aurora_store.errors import CoordinationError, FencedOut
 
 pytestmark = pytest.mark.server
 
@@ -68,7 +68,9 @@ def test_garbage_in_the_records_reads_as_missing_never_as_a_crash(redis_client: 
     assert rec.expected_state(4) == ""  # not a state: matches no manifest, so the version is refused
     assert rec.digests() == ({2: "sha256:ok"}, {("a", 2): "sha256:ok"})
     assert rec.activations() == {("a", 2): {"stage_s": 1.0}}
-    assert rec.stored_epoch() is None
+    # The fence is not garbage-tolerant: an epoch that is no integer below 2^53 is refused, naming the key.
+    with pytest.raises(CoordinationError, match="stored epoch 'lots'"):
+        rec.stored_epoch()
 
 
 def test_the_mirror_head_and_commit_come_in_one_read(redis_client: Any, run_name: str) -> None:

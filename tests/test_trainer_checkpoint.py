@@ -1,8 +1,10 @@
 """Trainer checkpoints (workers.trainer.checkpoint): safetensors + JSON, create-only, verified
-on read, tied tensors stored once, damaged ones skipped, old ones pruned. File store only."""
+on read, tied tensors stored once, damaged ones skipped, old ones pruned by their binding to a
+committed version (tests/test_checkpoint_binding.py attacks that binding). File store only."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -24,10 +26,29 @@ from workers.trainer.checkpoint import (
 )
 
 
+def _state(v: int) -> str:
+    return "sha256:" + hashlib.sha256(f"state {v}".encode()).hexdigest()
+
+
+def _digest(v: int) -> str:
+    return "sha256:" + hashlib.sha256(f"weights {v}".encode()).hexdigest()
+
+
+def _committed(v: int) -> tuple[str, str] | None:
+    """Every version up to 100 is committed, with its state and digest."""
+    return (_state(v), _digest(v)) if v <= 100 else None
+
+
 def _ck(step: int) -> Checkpoint:
     emb = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
     return Checkpoint(
-        step=step, epoch=1, tensors={"model.embed": emb, "model.head": emb, "rng": torch.get_rng_state()}, meta={"tau": {"a": 1.5}}
+        step=step,
+        epoch=1,
+        tensors={"model.embed": emb, "model.head": emb, "rng": torch.get_rng_state()},
+        meta={"tau": {"a": 1.5}},
+        state=_state(step),
+        weights_digest=_digest(step),
+        run="r",
     )
 
 
@@ -36,6 +57,7 @@ def test_round_trip_keeps_aliases_and_meta(tmp_path: Path) -> None:
     save_checkpoint(store, _ck(4), shard_bytes=64)  # several shards
     got = load_checkpoint(store, 4)
     assert got.step == 4 and got.epoch == 1 and got.meta == {"tau": {"a": 1.5}}
+    assert (got.state, got.weights_digest, got.run) == (_state(4), _digest(4), "r")
     assert torch.equal(got.tensors["model.embed"], _ck(4).tensors["model.embed"])
     assert got.tensors["model.head"] is got.tensors["model.embed"]  # stored once, shared again
     rec = json.loads(store.get(checkpoint_key(4)))
@@ -56,7 +78,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_an_older_one(tmp_path: Path) 
     shard.write_bytes(bytes(data))
     with pytest.raises(IntegrityError):
         load_checkpoint(store, 4)
-    assert load_latest_checkpoint(store).step == 2  # type: ignore[union-attr]
+    assert load_latest_checkpoint(store, _committed).step == 2  # type: ignore[union-attr]
     # A checkpoint whose record was never written (the Trainer died) does not count.
     store.put("checkpoints/step-00000006/abc/shard-00000.safetensors", b"partial")
     assert list_checkpoints(store) == [2, 4]
@@ -66,7 +88,7 @@ def test_prune_keeps_the_newest(tmp_path: Path) -> None:
     store = open_store(str(tmp_path))
     for s in (0, 2, 4, 6):
         save_checkpoint(store, _ck(s))
-    assert prune_checkpoints(store, 2) == [0, 2]
+    assert prune_checkpoints(store, 2, _committed) == [0, 2]
     assert list_checkpoints(store) == [4, 6]
     assert not store.list("checkpoints/step-00000000")
 

@@ -41,11 +41,14 @@ from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.ledger.core import LedgerCore
 from aurora_store.coordination.redisconn import translate_redis_errors
 from aurora_store.coordination.versioned import record_versioned
+from aurora_store.errors import ConfigError, CoordinationError
 
 __all__ = [
     "DIGEST_LOG_ENV",
+    "EPOCH_LIMIT",
     "RunRecords",
     "TrainerRecord",
+    "epoch_problem",
     "read_digests",
     "read_expected_state",
     "record_activation",
@@ -61,6 +64,38 @@ records, when set: the chaos benchmark compares digests kept outside Redis, whic
 DIGEST_LOG = Switch(DIGEST_LOG_ENV, str | None, None, "a file every worker appends each weights digest it records to (one JSON line)")
 
 _digest_log_failed = False
+
+EPOCH_LIMIT = 1 << 53
+"""Epochs are integers ``0 <= e < 2**53``: the fence compares them in Lua, whose numbers are
+doubles, and from 2^53 on two neighbouring epochs read as one (a fenced-out Trainer would pass)."""
+
+
+def epoch_problem(x: Any) -> str | None:
+    """Why ``x`` (a parsed value: an int from JSON or from the caller) is not an epoch, or None when it is one."""
+    if isinstance(x, bool) or not isinstance(x, int):
+        return f"epoch {str(x)[:40]!r} is not an integer"
+    if not 0 <= x < EPOCH_LIMIT:
+        return f"epoch {str(x)[:40]} is outside 0 .. 2^53 - 1"
+    return None
+
+
+def _stored_epoch(raw: Any, key: str) -> int | None:
+    """The epoch Redis holds at ``key`` (None: none), read strictly: ASCII digits, below 2^53.
+
+    Anything else is refused with a :class:`~aurora_store.errors.CoordinationError` naming the key:
+    read as "no epoch" it would let an older Trainer back in; read as a huge number, fence everyone out.
+    """
+    if raw is None:
+        return None
+    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)
+    if not (text.isascii() and text.isdigit() and len(text) <= 16):
+        raise CoordinationError(
+            f"{key}: the stored epoch {text[:40]!r} is not an integer from 0 to 2^53 - 1; an operator must fix or delete the key"
+        )
+    why = epoch_problem(int(text))
+    if why is not None:
+        raise CoordinationError(f"{key}: the stored {why}; an operator must fix or delete the key")
+    return int(text)
 
 
 def _append_digest_log(who: str, version: int, digest: str) -> None:
@@ -208,12 +243,17 @@ class TrainerRecord:
             step=num("step"),
             status=text("status"),
             published_ms=num("published_ms"),
-            epoch=num("epoch"),
+            epoch=_epoch_field(num("epoch")),
             signed=None if signed is None else signed == 1,
             key_id=text("key_id"),
             unreturned=num("unreturned"),
             last_batch=text("last_batch"),
         )
+
+
+def _epoch_field(x: int | None) -> int | None:
+    """The hash's ``epoch`` field: one that is not an epoch (below 2^53) reads as missing, like any unparsable field."""
+    return x if x is not None and epoch_problem(x) is None else None
 
 
 class RunRecords:
@@ -240,12 +280,20 @@ class RunRecords:
 
     # -- the writer's epoch ------------------------------------------------------------
     def stored_epoch(self) -> int | None:
-        """The epoch Redis holds (None: none, or not a number)."""
+        """The epoch Redis holds (None: none); one that is not an integer below 2^53 is refused
+        (:class:`~aurora_store.errors.CoordinationError`, naming the key)."""
         with translate_redis_errors("RunRecords.stored_epoch"):
-            return as_int(self.redis.get(self.keys.epoch), lenient=True)
+            raw = self.redis.get(self.keys.epoch)
+        return _stored_epoch(raw, self.keys.epoch)
 
     def enter_epoch(self, epoch: int) -> None:
-        """Take the run for ``epoch``; :class:`~aurora_store.errors.FencedOut` when Redis holds a higher one."""
+        """Take the run for ``epoch``; :class:`~aurora_store.errors.FencedOut` when Redis holds a higher one.
+
+        ``epoch`` must be an integer below 2^53 (:class:`~aurora_store.errors.ConfigError` otherwise).
+        """
+        why = epoch_problem(epoch)
+        if why is not None:
+            raise ConfigError(f"run {self.run!r}: a Trainer cannot take this epoch: {why}")
         self.ledger.enter_epoch(epoch)
         self.epoch = epoch
 

@@ -22,12 +22,15 @@ from aurora_store.apply.sink import weights_digest
 from aurora_store.clock import Clock
 from aurora_store.codec.extract import unfuse_weights
 from aurora_store.coordination.bus import COMMIT, Bus
+from aurora_store.coordination.commit import commit_records_for
 from aurora_store.coordination.ledger import Ledger
 from aurora_store.coordination.records import RunRecords
-from aurora_store.errors import ChainError, ConfigError
-from aurora_store.format.signing import Signer
-from aurora_store.lineage.fetch import materialize, read_manifest
-from aurora_store.lineage.plan import scan_versions
+from aurora_store.errors import ConfigError
+from aurora_store.format.manifest import manifest_key
+from aurora_store.format.signing import Signer, TrustKeys, trust_from_option
+from aurora_store.lineage.materialize import materialize
+from aurora_store.lineage.plan import VersionIndex, scan_versions
+from aurora_store.options import trust_key_paths
 from aurora_store.storage import Store
 from workers.common import model_files_listed
 from workers.trainer.batches import BatchBook
@@ -40,6 +43,7 @@ from workers.trainer.checkpoint import (
 from workers.trainer.config import TrainerConfig
 from workers.trainer.fsdp import DistContext
 from workers.trainer.policy import GrpoPolicy
+from workers.trainer.run_facts import RunFacts, establish
 from workers.trainer.sources import WeightsSource
 from workers.trainer.versions import VersionPublisher
 
@@ -90,6 +94,10 @@ class Bootstrap:
         self.clock = clock
         self.resumed_from: int | None = None
         """Step of the checkpoint the run resumed from (None: a fresh run)."""
+        self.trust: TrustKeys | None = _run_keys(signer)
+        """The run's keys: a signed run's checkpoints and versions count only when signed by them."""
+        self.facts = RunFacts()
+        """The committed versions known (established at resume, then this Trainer's own): what binds checkpoints."""
 
     @property
     def epoch(self) -> int:
@@ -139,7 +147,7 @@ class Bootstrap:
         self.check_redis()
         # A fresh run root; a Redis that still holds an epoch for this run name (an older run
         # of the same name) is outranked, not obeyed: this Trainer is the run now.
-        self.enter_epoch((self.ledger.stored_epoch() or 0) + 1)
+        self.enter_epoch((self.records.stored_epoch() or 0) + 1)
         t0 = time.perf_counter()
         first = self.weights_source.first_version(self.store)
         self.records.forget_states()  # expected states an older run of this name left are not ours
@@ -200,18 +208,36 @@ class Bootstrap:
             "unreturned": book.counts.unreturned,
             "full_bytes": self.versions.full_bytes,
         }
-        nbytes = save_checkpoint(self.store, Checkpoint(step=step, epoch=self.epoch, tensors=tensors, meta=meta))
-        gone = prune_checkpoints(self.store, self.cfg.keep_checkpoints)
+        state, digest = self._binding_of(step)
+        ck = Checkpoint(step=step, epoch=self.epoch, tensors=tensors, meta=meta, state=state, weights_digest=digest, run=self.run)
+        nbytes = save_checkpoint(self.store, ck, signer=self.signer)
+        # Bound to this run's committed states, a checkpoint is this run's history whatever run name it
+        # recorded (a run root copied under a new name resumes): the name is not checked.
+        gone = prune_checkpoints(self.store, self.cfg.keep_checkpoints, self.facts.binding, self.trust)
         log.info(
             "checkpoint before step %d: %d bytes in %.2fs%s", step, nbytes, time.perf_counter() - t0, f", pruned {gone}" if gone else ""
         )
 
-    def resume(self) -> int:
-        """Continue the run in the store from its newest checkpoint; returns the step to run next.
+    def _binding_of(self, step: int) -> tuple[str | None, str | None]:
+        """The state and weights digest of version ``step``, which the checkpoint before ``step`` binds to."""
+        weights, plan = self.versions.held.get(step), self.versions.plan
+        state = self.versions.states.get(step)
+        if not self.cfg.weight_transfer or weights is None or plan is None or state is None:
+            return None, None  # versions are not shipped: nothing to bind to (such a run is not resumed)
+        digest = weights_digest(weights, plan)
+        self.facts.add(step, state, digest)
+        return state, digest
 
-        The master weights and optimizer come from the checkpoint; versions
-        published after it already exist, so the next version is a delta
-        against the newest committed one, materialized from the store (the
+    def resume(self) -> int:
+        """Continue the run in the store from its newest bound checkpoint; returns the step to run next.
+
+        Nothing is taken from a bare listing (docs/WORKERS.md "Checkpoint and
+        resume"): the head is the end of the committed chain (trust keys,
+        commit records, the Trainer's record in Redis; :mod:`~workers.trainer.run_facts`),
+        and the checkpoint is the newest one bound to a committed version whose
+        tensors make that version's weights. The master weights and optimizer
+        come from it; versions published after it already exist, so the next
+        version is a delta against the head, materialized from the store (the
         chain neither forks nor gaps). Open steps are reused (their settled
         results count); missing ones are created again.
         """
@@ -221,23 +247,32 @@ class Bootstrap:
             self.start_fresh()
             return 0
         pol = self._policy("--resume")
-        ck = load_latest_checkpoint(self.store)
-        if ck is None:
-            raise ConfigError(f"{self.store.url} holds versions but no usable Trainer checkpoint: it cannot be resumed")
         if self.ctx.sharded:
             raise ConfigError("--resume with several processes (--nproc, torchrun) is not supported yet: resume with one process")
-        made = dict(ck.meta.get("config") or {})
-        made.setdefault("task", "arithmetic")  # checkpoints of releases before tasks were pluggable
-        made.setdefault("model", "built-in")
-        made.setdefault("tiny", [64, 192])
-        if made != self.identity():
-            raise ConfigError(f"--resume: the run was made with {made}, this Trainer has {self.identity()}; use the same settings")
+        commits = commit_records_for(self.records.redis, self.run)
+        self.facts = facts = establish(self.store, self.records, self.trust, commits)
+        head = facts.head
+        if head is None:
+            raise ConfigError(
+                f"{self.store.url} holds versions but none is committed"
+                f"{' and signed by the run key' if self.trust is not None else ''}: it cannot be resumed"
+            )
+        if commits is None:
+            _refuse_planted_next(self.store, index, head)
+        ck = load_latest_checkpoint(self.store, facts.binding, self.trust, accept=lambda c: self._restored(pol, c))
+        if ck is None:
+            raise ConfigError(
+                f"{self.store.url} holds versions but no usable Trainer checkpoint bound to a committed version "
+                f"(up to v{head}): it cannot be resumed"
+            )
         self.check_redis()
-        head = index.latest
-        stored = self.ledger.stored_epoch() or 0
-        self.enter_epoch(max(ck.epoch, _manifest_epoch(self.store, head), stored) + 1)
+        # The epoch from trusted places only (each an integer below 2^53, or refused): Redis's fence,
+        # the bound checkpoint, and the head's manifest when it is verified (signed, or matched by its
+        # commit record) or Redis lost its epoch; an unverified manifest never raises it otherwise.
+        stored = self.records.stored_epoch()
+        verified = self.trust is not None or commits is not None or stored is None
+        self.enter_epoch(max(ck.epoch, stored or 0, (facts.head_epoch or 0) if verified else 0) + 1)
         t0 = time.perf_counter()
-        pol.restore(ck)
         pol.rng.setstate(_tuples(ck.meta["rng"]))
         book = self.batches
         book.tau = {str(k): float(v) for k, v in dict(ck.meta.get("tau", {})).items()}
@@ -246,22 +281,20 @@ class Bootstrap:
         book.counts.accepted_wrong_version = int(ck.meta.get("accepted_wrong_version", 0))
         book.counts.unreturned = int(ck.meta.get("unreturned", 0))
         self.versions.full_bytes = int(ck.meta.get("full_bytes", 0))
-        # The versions batches still open were generated on, from the store.
+        # The versions batches still open were generated on, from the store (checked like every reader's).
         K = self.cfg.max_lag
         plan = pol.plan
         assert plan is not None
         for v in range(max(0, head - K), head + 1):
-            fused, state = materialize(self.store, v, self.cfg.streams)
+            fused, state = materialize(self.store, v, self.cfg.streams, trust=self.trust, commits=commits)
             self.versions.hold(v, state, {n: t.to(torch.bfloat16) for n, t in unfuse_weights(fused, plan).items()})
         published = self.versions.held[head]
         listed, _ = model_files_listed(self.store)
         model_files = list(listed.values()) if listed is not None else None
         digest = weights_digest(published, plan)
-        if head == ck.step and weights_digest(pol.bf16_weights(), plan) != digest:
-            raise ChainError(f"the checkpoint before step {ck.step} does not match version {head} in the store")
         self.resumed_from = ck.step
         self.versions.start(plan, model_files)
-        self.versions.continue_from(head, self.versions.states[head], published, "delta" if head in index.deltas else "snapshot", digest)
+        self.versions.continue_from(head, self.versions.states[head], published, "delta" if head in facts.deltas else "snapshot", digest)
         # Steps: reuse what the ledger still holds, create what it lost, drop what is done.
         for b in self.ledger.open_steps():
             if b < head:
@@ -281,15 +314,56 @@ class Bootstrap:
         )
         return head
 
+    def _restored(self, pol: GrpoPolicy, ck: Checkpoint) -> str | None:
+        """Restore ``pol`` from a bound checkpoint; why it must not be used, or None.
 
-def _manifest_epoch(store: Store, v: int) -> int:
-    """The epoch of the Trainer that wrote version ``v`` (0: unknown)."""
-    for kind in ("delta", "snapshot"):
+        Its record's binding is a claim: the weights its tensors make must be
+        the committed weights of its version (a copy with other tensors and
+        recomputed hashes fails here in an unsigned run).
+        """
+        made = dict(ck.meta.get("config") or {})
+        made.setdefault("task", "arithmetic")  # checkpoints of releases before tasks were pluggable
+        made.setdefault("model", "built-in")
+        made.setdefault("tiny", [64, 192])
+        if made != self.identity():
+            raise ConfigError(f"--resume: the run was made with {made}, this Trainer has {self.identity()}; use the same settings")
         try:
-            return int(read_manifest(store, kind, v).producer.get("epoch", 0) or 0)
-        except Exception:  # noqa: BLE001 - a version of the other kind, or an old manifest without an epoch
-            continue
-    return 0
+            pol.restore(ck)
+        except (RuntimeError, KeyError, ValueError, TypeError) as e:  # torch's load_state_dict and the optimizer's
+            return f"its tensors do not fit this model: {str(e)[:200]}"
+        assert pol.plan is not None
+        got = weights_digest(pol.bf16_weights(), pol.plan)
+        if got != ck.weights_digest:
+            return f"its tensors make weights {got[:19]}…, not the committed {str(ck.weights_digest)[:19]}… of version {ck.step}"
+        return None
+
+
+def _refuse_planted_next(store: Store, index: VersionIndex, head: int) -> None:
+    """Stop, naming it, when a manifest that is not committed sits where the next version goes.
+
+    The Trainer's next publish writes ``v{head + 1}`` create-only; an object already
+    there (planted, or left by a writer that is not this run's) would make that
+    write conflict, which must not read as a newer Trainer's fence. In Redis-commit
+    mode the record decides and the manifest is overwritten, so nothing is refused.
+    """
+    nxt = head + 1
+    for kind, listed in (("delta", index.deltas), ("snapshot", index.snapshots)):
+        if nxt in listed:
+            raise ConfigError(
+                f"{store.where(manifest_key(kind, nxt))}: an object that is not a committed version of this run "
+                f"sits where the Trainer publishes v{nxt} next (the committed head is v{head}): "
+                "an operator must inspect and remove it, then resume"
+            )
+
+
+def _run_keys(signer: Signer | None) -> TrustKeys | None:
+    """The keys a signed run's versions and checkpoints are checked with: the Trainer's own, and those
+    of ``AURORA_TRUST_KEYS`` (a resumed Trainer signing with a new key still reads what the old one signed).
+    None: an unsigned run, whose readers check no signature."""
+    if signer is None:
+        return None
+    more = trust_from_option(trust_key_paths(None))
+    return signer.trust() | more if more is not None else signer.trust()
 
 
 def _jsonable(x: Any) -> Any:

@@ -17,6 +17,14 @@ written last: the record lists each shard's key, size and SHA-256, so a
 checkpoint whose record exists is complete, and every byte read back is
 checked against it. ``step`` is the step the Trainer runs next, which is
 also the number of versions it had published when it saved.
+
+A checkpoint is bound like a snapshot (FORMAT.md §4.1): its record names the
+version it trained from (``version``, equal to ``step``), that version's
+``state`` and the ``weights_digest`` of the weights it would publish, and is
+signed when the run is. A name in a listing is only a candidate: resume and
+pruning use a checkpoint only when that version is committed with that
+digest (:func:`bound_checkpoints`), so a copy with other tensors planted as
+``step-99999999`` is ignored, never "the newest".
 """
 
 from __future__ import annotations
@@ -25,20 +33,27 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from aurora_store.coordination.records import epoch_problem
 from aurora_store.errors import IntegrityError, ManifestError, ObjectNotFound
+from aurora_store.format.limits import MAX_MANIFEST_BYTES
 from aurora_store.format.manifest import canonical_json, new_attempt_id
+from aurora_store.format.signing import Signer, TrustKeys
+from aurora_store.lineage.binding import manifest_weights_digest
 from aurora_store.storage import Store
 
 __all__ = [
     "CHECKPOINT_FORMAT",
     "CHECKPOINTS",
+    "Binding",
     "Checkpoint",
+    "CheckpointRecord",
+    "bound_checkpoints",
     "checkpoint_key",
     "list_checkpoints",
     "load_checkpoint",
@@ -46,7 +61,9 @@ __all__ = [
     "load_optimizer",
     "optimizer_tensors",
     "prune_checkpoints",
+    "read_checkpoint_record",
     "save_checkpoint",
+    "unbound_reason",
 ]
 
 log = logging.getLogger("aurora.trainer")
@@ -55,6 +72,7 @@ CHECKPOINTS = "checkpoints"
 """Folder of the run root that holds the Trainer's checkpoints."""
 CHECKPOINT_FORMAT = "aurora-trainer-checkpoint/1"
 _DIR = re.compile(r"^step-(\d{8})$")
+_STATE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _SHARD_BYTES = 1 << 30
 
 
@@ -77,10 +95,43 @@ class Checkpoint:
     """The Trainer epoch that saved it."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    state: str | None = None
+    """The ``state`` of version ``step``, the version it trained from (None: an unbound checkpoint)."""
+    weights_digest: str | None = None
+    """FORMAT.md §4.1 digest of the bf16 weights it would publish: those of version ``step``."""
+    run: str | None = None
+    """The run it belongs to."""
 
 
-def save_checkpoint(store: Store, ck: Checkpoint, shard_bytes: int = _SHARD_BYTES) -> int:
-    """Write ``ck`` create-only (shards first, the record last); returns the bytes written."""
+Binding = Callable[[int], "tuple[str, str] | None"]
+"""``binding(version)``: the committed ``(state, weights_digest)`` of ``version``, None when it is
+not committed (or its digest is unknown): what a checkpoint must match to count."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRecord:
+    """A checkpoint's record as read and checked (its signature with the run's keys): what binds it."""
+
+    step: int
+    epoch: int
+    state: str | None
+    weights_digest: str | None
+    run: str | None
+    key_id: str | None
+    """Who signed it (None: unsigned, or read without trust keys)."""
+
+    @property
+    def version(self) -> int:
+        """The version it trained from (= ``step``)."""
+        return self.step
+
+
+def save_checkpoint(store: Store, ck: Checkpoint, shard_bytes: int = _SHARD_BYTES, signer: Signer | None = None) -> int:
+    """Write ``ck`` create-only (shards first, the record last); returns the bytes written.
+
+    ``signer``: the run's key; the record (which holds every shard's SHA-256) is signed
+    over its canonical JSON, as manifests are (FORMAT.md §4.1).
+    """
     from safetensors.torch import save
 
     attempt = new_attempt_id()
@@ -113,7 +164,23 @@ def save_checkpoint(store: Store, ck: Checkpoint, shard_bytes: int = _SHARD_BYTE
         store.put(f"{_step_dir(ck.step)}/{key}", data, mode="create")
         objects.append({"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
         total += len(data)
-    record = {"format": CHECKPOINT_FORMAT, "step": ck.step, "epoch": ck.epoch, "objects": objects, "aliases": aliases, "meta": ck.meta}
+    record: dict[str, Any] = {
+        "format": CHECKPOINT_FORMAT,
+        "step": ck.step,
+        "epoch": ck.epoch,
+        "objects": objects,
+        "aliases": aliases,
+        "meta": ck.meta,
+    }
+    # The binding (docs/FORMAT.md "Trainer checkpoints"): the version it trained from is the step.
+    if ck.state is not None:
+        record.update(version=ck.step, state=ck.state)
+    if ck.weights_digest is not None:
+        record["weights_digest"] = ck.weights_digest
+    if ck.run is not None:
+        record["run"] = ck.run
+    if signer is not None:
+        record = signer.sign_json(record)
     body = canonical_json(record)
     store.put(checkpoint_key(ck.step), body, mode="create")
     return total + len(body)
@@ -131,26 +198,51 @@ def list_checkpoints(store: Store) -> list[int]:
     return sorted(out)
 
 
-def _record(store: Store, step: int) -> dict[str, Any]:
+def _record(store: Store, step: int, trust: TrustKeys | None = None) -> tuple[dict[str, Any], CheckpointRecord]:
+    """The record of the checkpoint before ``step``, parsed and checked; with ``trust``, its signature too."""
     where = store.where(checkpoint_key(step))
     try:
-        rec = json.loads(store.get(checkpoint_key(step)))
+        rec = json.loads(store.get_capped(checkpoint_key(step), MAX_MANIFEST_BYTES, "the limit on a checkpoint record"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ManifestError(where, f"not JSON: {e}") from None
     if not isinstance(rec, dict) or rec.get("format") != CHECKPOINT_FORMAT:
         raise ManifestError(where, f"not a {CHECKPOINT_FORMAT} record")
-    if rec.get("step") != step or not isinstance(rec.get("epoch"), int) or not isinstance(rec.get("objects"), list):
-        raise ManifestError(where, "step, epoch or objects missing or wrong")
+    if rec.get("step") != step or not isinstance(rec.get("objects"), list):
+        raise ManifestError(where, "step or objects missing or wrong")
+    why = epoch_problem(rec.get("epoch"))
+    if why is not None:
+        raise ManifestError(where, why)
     if not isinstance(rec.get("meta"), dict):
         raise ManifestError(where, "meta must be an object")
-    return rec
+    state, run = rec.get("state"), rec.get("run")
+    if "version" in rec and (rec["version"] != step or isinstance(rec["version"], bool)):
+        raise ManifestError(
+            where, f"version {str(rec['version'])[:40]} is not the step {step} (a checkpoint binds the version it trained from)"
+        )
+    if state is not None and (not isinstance(state, str) or not _STATE.fullmatch(state) or "version" not in rec):
+        raise ManifestError(where, "state is not 'sha256:' + 64 hex digits beside its version")
+    if run is not None and not isinstance(run, str):
+        raise ManifestError(where, "run is not a string")
+    digest = manifest_weights_digest(rec, where)
+    key_id = trust.check_json(rec, where, "checkpoint", step) if trust is not None else None
+    return rec, CheckpointRecord(step, rec["epoch"], state, digest, run, key_id)
 
 
-def load_checkpoint(store: Store, step: int) -> Checkpoint:
-    """Read and verify the checkpoint taken before ``step`` (sizes and SHA-256 of every shard)."""
+def read_checkpoint_record(store: Store, step: int, trust: TrustKeys | None = None) -> CheckpointRecord:
+    """What binds the checkpoint before ``step`` (its record alone: no shard is read).
+
+    ``trust``: the run's keys; a record unsigned, signed by another key or
+    altered is refused (:class:`~aurora_store.errors.SignatureError`).
+    """
+    return _record(store, step, trust)[1]
+
+
+def load_checkpoint(store: Store, step: int, trust: TrustKeys | None = None) -> Checkpoint:
+    """Read and verify the checkpoint taken before ``step`` (its record's signature with ``trust``,
+    then the size and SHA-256 of every shard)."""
     from safetensors.torch import load
 
-    rec = _record(store, step)
+    rec, head = _record(store, step, trust)
     tensors: dict[str, torch.Tensor] = {}
     for obj in rec["objects"]:
         if not (isinstance(obj, dict) and isinstance(obj.get("key"), str) and isinstance(obj.get("sha256"), str)):
@@ -158,7 +250,10 @@ def load_checkpoint(store: Store, step: int) -> Checkpoint:
         key = obj["key"]
         if key.startswith("/") or ".." in key.split("/"):
             raise ManifestError(store.where(checkpoint_key(step)), f"object key {key!r:.80} leaves the checkpoint")
-        data = store.get(f"{_step_dir(step)}/{key}")
+        size = obj.get("bytes")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ManifestError(store.where(checkpoint_key(step)), f"object {key!r:.80} has no valid size")
+        data = store.get_capped(f"{_step_dir(step)}/{key}", size, "the size the checkpoint record lists")
         if len(data) != obj.get("bytes") or hashlib.sha256(data).hexdigest() != obj["sha256"]:
             raise IntegrityError(f"{store.where(f'{_step_dir(step)}/{key}')}: size or SHA-256 differs from the checkpoint record")
         try:
@@ -172,23 +267,102 @@ def load_checkpoint(store: Store, step: int) -> Checkpoint:
         if target not in tensors:
             raise ManifestError(store.where(checkpoint_key(step)), f"alias {name!r:.80} names a tensor the checkpoint lacks")
         tensors[name] = tensors[target]
-    return Checkpoint(step=step, epoch=int(rec["epoch"]), tensors=tensors, meta=dict(rec["meta"]))
+    return Checkpoint(
+        step=step,
+        epoch=head.epoch,
+        tensors=tensors,
+        meta=dict(rec["meta"]),
+        state=head.state,
+        weights_digest=head.weights_digest,
+        run=head.run,
+    )
 
 
-def load_latest_checkpoint(store: Store) -> Checkpoint | None:
-    """The newest checkpoint that reads back whole; older ones are tried if the newest is damaged."""
-    for step in reversed(list_checkpoints(store)):
-        try:
-            return load_checkpoint(store, step)
-        except (IntegrityError, ManifestError, ObjectNotFound) as e:
-            log.warning("checkpoint before step %d is unusable (%s); trying an older one", step, e)
+def unbound_reason(rec: CheckpointRecord | Checkpoint, binding: Binding, run: str | None = None) -> str | None:
+    """Why a checkpoint must not be used (resumed from, or counted by pruning), or None when it may.
+
+    It must name the version it trained from, that version's state and the
+    digest of its weights, and match what ``binding`` says was committed
+    there; ``run``: the run it must belong to.
+    """
+    if run is not None and rec.run is not None and rec.run != run:
+        return f"it belongs to run {rec.run[:80]!r}, not {run!r}"
+    if rec.state is None or rec.weights_digest is None:
+        return "its record names no version, state and weights_digest (not written by a Trainer of this release)"
+    committed = binding(rec.step)
+    if committed is None:
+        return f"version {rec.step} is not committed (nor its weights digest known)"
+    state, digest = committed
+    if rec.state != state:
+        return f"its state {rec.state[:19]}… is not the committed state {state[:19]}… of version {rec.step}"
+    if rec.weights_digest != digest:
+        return f"its weights_digest {rec.weights_digest[:19]}… is not the committed {digest[:19]}… of version {rec.step}"
     return None
 
 
-def prune_checkpoints(store: Store, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` checkpoints (record first, so a half-deleted one is never "complete")."""
-    steps = list_checkpoints(store)
-    gone = steps[:-keep] if keep > 0 else []
+_named: set[tuple[str, int]] = set()
+"""Checkpoints already named as ignored (store URL, step): each is worth one line, not one per round."""
+
+
+def _ignore(store: Store, step: int, why: str) -> None:
+    if (store.url, step) not in _named:
+        _named.add((store.url, step))
+        log.warning("%s: checkpoint ignored: %s", store.where(checkpoint_key(step)), why)
+
+
+def bound_checkpoints(store: Store, binding: Binding, trust: TrustKeys | None = None, run: str | None = None) -> list[CheckpointRecord]:
+    """The checkpoints bound to a committed version, newest binding first (version, then step).
+
+    A listed name is only a candidate: each record is read (not its shards),
+    its signature checked with ``trust``, and matched with ``binding``; one
+    that does not qualify is left out and named once in the log.
+    """
+    out = []
+    for step in list_checkpoints(store):
+        try:
+            rec = read_checkpoint_record(store, step, trust)
+        except (IntegrityError, ManifestError, ObjectNotFound) as e:
+            _ignore(store, step, str(e))
+            continue
+        why = unbound_reason(rec, binding, run)
+        if why is not None:
+            _ignore(store, step, why)
+            continue
+        out.append(rec)
+    return sorted(out, key=lambda r: (r.version, r.step), reverse=True)
+
+
+def load_latest_checkpoint(
+    store: Store,
+    binding: Binding,
+    trust: TrustKeys | None = None,
+    run: str | None = None,
+    accept: Callable[[Checkpoint], str | None] | None = None,
+) -> Checkpoint | None:
+    """The newest bound checkpoint (:func:`bound_checkpoints`) that reads back whole and that
+    ``accept`` takes (it returns why not, e.g. its tensors are not the committed weights);
+    older ones are tried after one that fails."""
+    for rec in bound_checkpoints(store, binding, trust, run):
+        try:
+            ck = load_checkpoint(store, rec.step, trust)
+            why = unbound_reason(ck, binding, run) or (accept(ck) if accept is not None else None)
+        except (IntegrityError, ManifestError, ObjectNotFound) as e:
+            why = str(e)
+        if why is None:
+            return ck
+        log.warning("%s is unusable (%s); trying an older one", store.where(checkpoint_key(rec.step)), why)
+    return None
+
+
+def prune_checkpoints(store: Store, keep: int, binding: Binding, trust: TrustKeys | None = None, run: str | None = None) -> list[int]:
+    """Delete all but the newest ``keep`` bound checkpoints, ordered by their binding, never by a name.
+
+    A checkpoint that is not bound is neither kept as "newest" nor counted nor
+    deleted: it is named once (someone else's objects are not this Trainer's to
+    remove). The record goes first, so a half-deleted checkpoint is never "complete".
+    """
+    bound = bound_checkpoints(store, binding, trust, run)
+    gone = sorted(r.step for r in bound[keep:]) if keep > 0 else []
     for step in gone:
         prefix = _step_dir(step)
         keys = store.list(prefix)
