@@ -33,7 +33,8 @@ from aurora_store.coordination.keys import RunKeys, mirror_token
 from aurora_store.coordination.records import record_expected_state
 from aurora_store.errors import IntegrityError
 from aurora_store.format.manifest import manifest_key
-from aurora_store.lineage.fetch import ManifestReader, bound_index, materialize, read_manifest
+from aurora_store.lineage.fetch import ManifestReader, bound_index, read_manifest
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.plan import plan_chain, scan_versions
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.storage import Store, open_store

@@ -272,7 +272,8 @@ def test_snapshot_of_unreached_version_refused(run, capsys) -> None:
 
 
 def test_snapshot_of_delta_version_carries_its_state(run, capsys) -> None:
-    from aurora_store.lineage.fetch import materialize, read_manifest
+    from aurora_store.lineage.fetch import read_manifest
+    from aurora_store.lineage.materialize import materialize
     from aurora_store.storage import open_store
 
     publish_chain(run, capsys)

@@ -30,7 +30,8 @@ from aurora_store.errors import EntryError, SegmentError, StreamError
 from aurora_store.format.checkpoint import encode_segments, stage_segments
 from aurora_store.format.manifest import version_dir
 from aurora_store.format.segment import decode_segment, encode_segment, parse_safetensors
-from aurora_store.lineage.fetch import fetch_delta, materialize
+from aurora_store.lineage.fetch import fetch_delta
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.storage import open_store
 from aurora_tools.bench.codec.measure import kernel_path

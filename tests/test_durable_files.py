@@ -24,7 +24,7 @@ import pytest
 from safetensors.torch import load_file
 
 from aurora_store.codec.extract import extract, fuse_weights, plan_of
-from aurora_store.lineage.fetch import materialize
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.storage import open_store
 from aurora_store.storage.base import TEMP_PREFIX

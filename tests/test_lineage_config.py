@@ -16,9 +16,9 @@ import torch
 from aurora_store.apply.sink import weights_digest
 from aurora_store.codec.extract import extract, fuse_weights, plan_of
 from aurora_store.errors import ConfigError
-from aurora_store.lineage.fetch import materialize
 from aurora_store.lineage.gc import plan_gc, run_gc
 from aurora_store.lineage.interfaces import CommitRecords, HeldVersions, SegmentAnnouncements
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.plan import plan_chain, scan_versions
 from aurora_store.lineage.publish import (
     MIN_SEGMENT_BYTES,

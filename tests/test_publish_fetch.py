@@ -27,8 +27,9 @@ from aurora_store.codec.extract import extract, fuse_weights, spec_of
 from aurora_store.codec.fusion import FusionPlan
 from aurora_store.errors import ChainError, IntegrityError, ObjectNotFound, VersionConflict
 from aurora_store.format.manifest import manifest_key, version_dir
-from aurora_store.lineage.fetch import fetch_delta, materialize, read_manifest
+from aurora_store.lineage.fetch import fetch_delta, read_manifest
 from aurora_store.lineage.gc import run_gc
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.plan import plan_chain, scan_versions
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.lineage.report import read_lineage

@@ -156,7 +156,8 @@ def test_publish_and_fetch_commit_through_redis(rclone_server: RcloneS3Server, a
     import torch
 
     from aurora_store.apply.sink import weights_digest
-    from aurora_store.lineage.fetch import materialize, read_manifest
+    from aurora_store.lineage.fetch import read_manifest
+    from aurora_store.lineage.materialize import materialize
     from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 
     store = _store(rclone_server)

@@ -39,7 +39,7 @@ from aurora_store.coordination.keys import RunKeys, mirror_token
 from aurora_store.coordination.redisconn import connect
 from aurora_store.errors import ConfigError
 from aurora_store.format.manifest import manifest_key
-from aurora_store.lineage.fetch import materialize
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.lineage.publish import SegmentEvent
 from aurora_store.storage import open_store

@@ -37,7 +37,7 @@ from aurora_store.coordination.redisconn import connect
 from aurora_store.coordination.retention import RelayHeldVersions
 from aurora_store.errors import OutageTooLong
 from aurora_store.format.manifest import manifest_key
-from aurora_store.lineage.fetch import materialize
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.lineage.publish import SegmentEvent
 from aurora_store.storage import Store, StoreConfig, open_store

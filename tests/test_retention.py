@@ -33,8 +33,8 @@ from aurora_store.coordination.retention import (
 )
 from aurora_store.errors import ConfigError
 from aurora_store.format.manifest import version_dir
-from aurora_store.lineage.fetch import materialize
 from aurora_store.lineage.gc import plan_gc, retain, retained, retention_floor
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.lineage.publish import PublishConfig, publish_delta
 from aurora_store.lineage.report import read_lineage

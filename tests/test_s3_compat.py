@@ -41,8 +41,9 @@ from aurora_store.errors import (
     VersionNotFound,
 )
 from aurora_store.format.manifest import manifest_key
-from aurora_store.lineage.fetch import ManifestReader, materialize, read_manifest
+from aurora_store.lineage.fetch import ManifestReader, read_manifest
 from aurora_store.lineage.interfaces import CommitRecords
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.storage import Store, open_store
 from aurora_store.storage.probe import (

@@ -37,9 +37,9 @@ from aurora_store.lineage.fetch import (
     ManifestReader,
     fetch_delta,
     fetch_snapshot,
-    materialize,
     read_manifest,
 )
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.lineage.report import read_lineage
 from aurora_store.lineage.verify import verify_run

@@ -17,7 +17,7 @@ from aurora_store.apply.sink import weights_digest
 from aurora_store.codec.extract import plan_of
 from aurora_store.coordination.records import RunRecords
 from aurora_store.errors import FencedOut
-from aurora_store.lineage.fetch import materialize
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.plan import scan_versions
 from workers.common import Endpoints
 from workers.trainer import TrainerConfig

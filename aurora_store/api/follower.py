@@ -37,6 +37,7 @@ from aurora_store.codec.fusion import FusionPlan
 from aurora_store.config import DEFAULT_STREAMS
 from aurora_store.coordination.bus import Bus
 from aurora_store.coordination.commit import commit_records_for
+from aurora_store.coordination.records import RunRecords
 from aurora_store.coordination.redisconn import connect
 from aurora_store.errors import (
     BusGap,
@@ -51,8 +52,10 @@ from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import Manifest, manifest_key
 from aurora_store.format.signing import TrustKeys, trust_from_option
 from aurora_store.lineage.binding import manifest_weights_digest
-from aurora_store.lineage.fetch import ManifestReader, bound_index, fetch_delta, materialize
+from aurora_store.lineage.fetch import ManifestReader, bound_index, fetch_delta
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.plan import plan_chain, scan_versions
+from aurora_store.lineage.trusted import Fact, committed_versions
 from aurora_store.outage import Dependency, is_transient, outage_budget_s, riding
 from aurora_store.storage import Store, open_store
 from aurora_store.storage.probe import read_commit_marker
@@ -134,6 +137,8 @@ class Follower:
         if self._raw_redis is not None and self.run:
             run_ = self.run
             self._commits = self.redis_dep.call(lambda: commit_records_for(self._raw_redis, run_), "read the commit mode", self.stop)
+        self._facts: dict[tuple[str, int], Fact] = {}
+        """Manifests already read by :meth:`latest` (committed manifests never change)."""
         self.version: int | None = None
         """The version the target holds (None before the first update)."""
         self.state: str | None = None
@@ -161,15 +166,20 @@ class Follower:
         return None
 
     def latest(self) -> int | None:
-        """The newest committed version the target could be brought to (None: none yet)."""
+        """The newest committed version the target could be brought to (None: none yet).
+
+        Not the newest listed: a manifest planted at ``v9999999999`` is listed too.
+        The versions that count (:func:`~aurora_store.lineage.trusted.committed_versions`:
+        trusted, on the chain, at or below the Trainer's head where Redis has it)
+        decide; each manifest is read once over the follower's life.
+        """
+        ceiling: int | None = None
+        if self._raw_redis is not None and self.run:
+            records = RunRecords(self._raw_redis, self.run)
+            ceiling = self.redis_dep.call(records.head, "read the run's head", self.stop)
 
         def newest() -> int | None:
-            reader = self._reader()
-            index = bound_index(scan_versions(self._raw_origin), reader)
-            for v in sorted(index.deltas | index.snapshots, reverse=True):
-                if reader.get("delta", v) is not None or reader.get("snapshot", v) is not None:
-                    return v
-            return None
+            return committed_versions(self._raw_origin, self.trust, self._commits, ceiling=ceiling, cache=self._facts).head
 
         return self.store_dep.call(newest, "list versions", self.stop)
 

@@ -49,7 +49,8 @@ from aurora_store.errors import ConfigError
 from aurora_store.format.manifest import Manifest, new_attempt_id
 from aurora_store.format.signing import Signer, signer_from_option
 from aurora_store.lineage.binding import ModelFile
-from aurora_store.lineage.fetch import materialize, read_manifest
+from aurora_store.lineage.fetch import read_manifest
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.lineage.publish import (
     PublishConfig,

@@ -16,8 +16,9 @@ Keys (all under the run's ``aurora:{run}:`` prefix, one hash slot):
   followed by the manifest bytes themselves, so a manifest write lost after
   the record landed (a writer killed between the two) can be completed from
   Redis (:meth:`RedisCommitLog.complete`);
-- ``commit-mode`` (string, no TTL): JSON ``{"via": "redis", "since_ms": …}``,
-  set once by the first writer in this mode. Readers that have Redis ask it
+- ``commit-mode`` (string, no TTL): JSON ``{"via": "redis", "since_ms": …, "adopted": …}``,
+  set once by the first writer in this mode (``adopted`` turns true once the
+  versions committed before the switch are recorded; absent: true). Readers that have Redis ask it
   (:func:`commit_records_for`) whether to check records; the store marker
   ``.aurora/commit.json`` (:func:`aurora_store.storage.probe.write_commit_marker`)
   tells readers without Redis that they cannot check this run.
@@ -36,7 +37,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aurora_store.config import Switch
 from aurora_store.coordination.keys import glob_escape
@@ -46,7 +47,8 @@ from aurora_store.coordination.redisconn import (
     translate_redis_errors,
     wait_for_replica,
 )
-from aurora_store.errors import ConfigError, CoordinationError, VersionConflict
+from aurora_store.errors import ConfigError, CoordinationError, ObjectTooLarge, VersionConflict
+from aurora_store.format.limits import MAX_MANIFEST_BYTES
 from aurora_store.format.manifest import manifest_key, parse_version_dir
 from aurora_store.storage import Store
 from aurora_store.storage.probe import COMMIT_VIA, require_create_only, write_commit_marker
@@ -60,6 +62,9 @@ __all__ = [
     "require_persistence",
 ]
 
+if TYPE_CHECKING:
+    from aurora_store.format.signing import TrustKeys
+
 log = logging.getLogger("aurora.commit")
 
 #: Set to 1 when Redis persists its data in a way ``INFO`` / ``CONFIG GET`` cannot show
@@ -72,6 +77,15 @@ TRUST_PERSISTENCE = Switch(
 _KINDS = ("delta", "snapshot")
 #: Largest record accepted from Redis (a manifest of a very large model is a few MB).
 _MAX_RECORD_BYTES = 64 << 20
+
+
+def _stored_manifest(store: Store, kind: str, version: int) -> bytes:
+    """The manifest bytes at ``kind`` ``version``, capped at the manifest limit; a larger object
+    (never one a writer wrote) reads as empty, so it differs from any record."""
+    try:
+        return store.get_capped(manifest_key(kind, version), MAX_MANIFEST_BYTES, "the manifest limit")
+    except ObjectTooLarge:
+        return b""
 
 
 def _digest(data: bytes) -> str:
@@ -221,26 +235,75 @@ class RedisCommitLog:
 
         return commit
 
-    def enable(self, store: Store) -> None:
+    def enable(self, store: Store, trust: TrustKeys | None = None) -> list[tuple[str, int, str]]:
         """Put the run in Redis-commit mode (idempotent), before its first publish in this mode.
 
-        Sets the ``commit-mode`` key (first writer wins), writes the store
-        marker for readers without Redis, and records every manifest already
-        in the store that has no record yet (a run switching modes: the
-        operator vouches for what is there), so readers can check every
-        version the same way.
+        Sets the ``commit-mode`` key (first writer wins) and writes the store
+        marker for readers without Redis. Returns the manifests listed that
+        have no record and are left so (kind, version, why): readers refuse
+        them.
+
+        What is recorded (issue 24: the writer must never commit what someone
+        planted in the bucket): only when this call switches the run to
+        Redis-commit mode (the mode key says ``"adopted": false`` until it is
+        done, so a switch cut short is finished by the next start), the
+        versions the store-commit rule counts are recorded: the chain from the
+        root (:mod:`aurora_store.lineage.trusted`), at or below the head of
+        the Trainer's fenced record when there is one, signed by ``trust``
+        when given. Every other manifest listed is named in one warning and
+        left unrecorded for an operator to inspect and delete. A run already
+        in the mode records nothing here: from then on only
+        :meth:`commit`, called by a writer for the manifest it is about to
+        write, makes a record.
         """
-        mode = json.dumps({"via": "redis", "since_ms": int(time.time() * 1000)}).encode()
+        from aurora_store.coordination.records import RunRecords
+        from aurora_store.lineage.trusted import committed_versions
+
+        mode = json.dumps({"via": "redis", "since_ms": int(time.time() * 1000), "adopted": False}).encode()
         with translate_redis_errors("set the commit mode"):
             self.client.set(self.mode_key, mode, nx=True)
         if not self.enabled():
             raise ConfigError(f"run {self.run!r}: {self.mode_key} names another commit mode")
         write_commit_marker(store, self.run)
-        for kind, version in _listed_manifests(store):
-            if self.record(kind, version) is None:
-                data = store.get(manifest_key(kind, version))
-                self.commit(kind, version, data)
-                log.info("recorded the existing manifest of %s %d in Redis (switching to Redis-commit mode)", kind, version)
+        if self._adopted():
+            return []
+        head = RunRecords(self.client, self.run).head()
+        counted = committed_versions(store, trust, None, head)
+        for version in sorted(counted.index.deltas | counted.index.snapshots):
+            for kind in ("delta", "snapshot"):
+                if counted.counts(kind, version) and self.record(kind, version) is None:
+                    self.commit(kind, version, store.get_capped(manifest_key(kind, version), MAX_MANIFEST_BYTES, "the manifest limit"))
+                    log.info("recorded the existing manifest of %s %d in Redis (switching to Redis-commit mode)", kind, version)
+        left = [(k, v, why) for k, v, why in counted.ignored if self.record(k, v) is None]
+        if left:
+            log.warning(
+                "run %r: %d manifest(s) in %s are not on the run's chain and were NOT recorded (readers refuse them; "
+                "inspect and delete them if nobody published them): %s",
+                self.run,
+                len(left),
+                store.url,
+                "; ".join(f"{k} {v}: {why}" for k, v, why in left[:10]) + (" …" if len(left) > 10 else ""),
+            )
+        with translate_redis_errors("set the commit mode"):
+            self.client.set(self.mode_key, json.dumps({"via": "redis", "since_ms": self._since_ms(), "adopted": True}).encode())
+        return left
+
+    def _mode(self) -> dict[str, Any]:
+        with translate_redis_errors("read the commit mode"):
+            raw = self.client.get(self.mode_key)
+        try:
+            doc = json.loads(bytes(raw)) if raw is not None else {}
+        except ValueError:
+            doc = {}
+        return doc if isinstance(doc, dict) else {}
+
+    def _adopted(self) -> bool:
+        """Whether the run's store-committed versions were recorded (a mode key from before the flag: yes)."""
+        return self._mode().get("adopted", True) is not False
+
+    def _since_ms(self) -> int:
+        since = self._mode().get("since_ms")
+        return since if isinstance(since, int) and not isinstance(since, bool) else int(time.time() * 1000)
 
     def complete(self, store: Store, verify_existing: bool = False) -> list[tuple[str, int]]:
         """Write, from their records, manifests the store lacks; returns the versions written.
@@ -251,17 +314,26 @@ class RedisCommitLog:
         this at start, so a resumed Trainer finds that version committed
         instead of conflicting with its record. ``verify_existing`` also
         reads every manifest that exists and rewrites the ones whose bytes
-        differ from their record (a stray writer replaced them): one read
-        per version.
+        differ from their record (a stray writer replaced them, or a write
+        was torn): one capped read per version.
+
+        A record whose manifest is absent at a version older than the newest
+        manifest listed of its kind is history retention collected (its
+        objects are gone too): it is not written back.
         """
         listed = set(_listed_manifests(store))
+        newest: dict[str, int] = {}
+        for kind, version in listed:
+            newest[kind] = max(version, newest.get(kind, -1))
         done: list[tuple[str, int]] = []
         for kind, version in self._recorded():
             present = (kind, version) in listed
+            if not present and version < newest.get(kind, -1):
+                continue  # collected by retention, not a lost write
             rec = self.record(kind, version)
             if rec is None:
                 continue
-            if present and (not verify_existing or _digest(store.get(manifest_key(kind, version))) == rec.digest):
+            if present and (not verify_existing or _digest(_stored_manifest(store, kind, version)) == rec.digest):
                 continue
             store.put(manifest_key(kind, version), rec.manifest, mode="overwrite")
             log.warning(
@@ -338,6 +410,6 @@ def prepare_commit(store: Store, client: Any, run: str | None, commit_via: str) 
     how = require_persistence(client, run)
     commits = RedisCommitLog(client, run)
     commits.enable(store)
-    done = commits.complete(store)
+    done = commits.complete(store, verify_existing=True)
     log.info("run %r commits through Redis (persistence: %s)%s", run, how, f"; completed {done}" if done else "")
     return commits.publish_callback()

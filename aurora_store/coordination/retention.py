@@ -59,8 +59,13 @@ def versions_held_by(a: ActorRecord) -> frozenset[int]:
         out.add(a.active)
     if a.staged is not None:
         lo = a.staged if a.active is None else min(a.active, a.staged)
-        out.update(range(lo, a.staged + 1))
-    return frozenset(v for v in out if v >= 0)
+        if a.staged - lo <= MAX_RELAY_HELD:
+            out.update(range(lo, a.staged + 1))
+        else:
+            # Numbers written by an Actor (untrusted): never a loop over them. The ends are
+            # enough, as retention keeps every delta after a held version anyway.
+            out.update((lo, a.staged))
+    return frozenset(v for v in out if 0 <= v < _MAX_VERSION)
 
 
 class LedgerHeldVersions:

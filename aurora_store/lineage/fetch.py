@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -26,17 +25,17 @@ from aurora_store.codec.entries import ParamSpec
 from aurora_store.config import DEFAULT_STREAMS
 from aurora_store.errors import (
     ChainError,
-    FormatError,
     IntegrityError,
     ManifestError,
     ObjectNotFound,
+    ObjectTooLarge,
     SegmentError,
     VersionNotFound,
 )
-from aurora_store.format.limits import VersionGuard
+from aurora_store.format.limits import MAX_MANIFEST_BYTES, VersionGuard, load_json
 from aurora_store.format.manifest import Manifest, manifest_key, version_dir
 from aurora_store.format.segment import Segment, check_header_length, decode_segment
-from aurora_store.lineage.plan import VersionIndex, plan_chain, scan_versions
+from aurora_store.lineage.plan import VersionIndex
 from aurora_store.storage import Store
 
 if TYPE_CHECKING:
@@ -59,6 +58,7 @@ log = logging.getLogger("aurora.lineage")
 __all__ = [
     "ManifestReader",
     "read_manifest",
+    "read_manifest_bytes",
     "check_trusted",
     "check_commit_record",
     "bound_index",
@@ -66,7 +66,6 @@ __all__ = [
     "fetch_objects",
     "fetch_delta",
     "fetch_snapshot",
-    "materialize",
 ]
 
 
@@ -87,20 +86,42 @@ def read_manifest(store: Store, kind: str, version: int, trust: TrustKeys | None
     key = manifest_key(kind, version)
     # The record is read beside the object, not after it: one round trip, not two, on a far link.
     record = _side_reads().submit(commits.commit_record, kind, version) if commits is not None else None
-    try:
-        data = store.get(key)
-    except ObjectNotFound:
-        raise VersionNotFound(f"{store.where(key)}: {kind} {version} is not committed") from None
+    data = read_manifest_bytes(store, key, kind, version)
     if commits is not None:
         assert record is not None
         check_commit_record(commits, kind, version, data, store.where(key), record)
+    if trust is not None:
+        # The signature is checked over the object as read, parsed here and let go before the
+        # manifest is built from the same bytes: one parsed copy of a large manifest at a time.
+        _check_signed(trust, data, store.where(key), kind, version)
     m = Manifest.from_bytes(data, store.where(key))
     if m.kind != kind or m.version != version:
         raise ManifestError(store.where(key), f"describes {m.kind} {m.version}, expected {kind} {version}")
-    if trust is not None:
-        # from_bytes just parsed these very bytes as a JSON object.
-        trust.check_json(json.loads(data), store.where(key), kind, version)
     return m
+
+
+def _check_signed(trust: TrustKeys, data: bytes, where: str, kind: str, version: int) -> None:
+    """``trust``'s check of manifest bytes ``data`` (already within the manifest limit)."""
+    obj = load_json(data, lambda why: ManifestError(where, why))
+    if not isinstance(obj, dict):
+        raise ManifestError(where, "not a JSON object")
+    trust.check_json(obj, where, kind, version)
+
+
+def read_manifest_bytes(store: Store, key: str, kind: str, version: int) -> bytes:
+    """The bytes of the manifest at ``key``, read as a range capped one byte past the manifest limit.
+
+    Why: an object of any size can be planted at a manifest's key; reading it whole
+    first would let it take all memory before any check. Too large:
+    :class:`~aurora_store.errors.ManifestError` (a bad version, as any other);
+    absent: :class:`~aurora_store.errors.VersionNotFound`.
+    """
+    try:
+        return store.get_capped(key, MAX_MANIFEST_BYTES, "the manifest limit")
+    except ObjectNotFound:
+        raise VersionNotFound(f"{store.where(key)}: {kind} {version} is not committed") from None
+    except ObjectTooLarge:
+        raise ManifestError(store.where(key), f"more than the reader's limit of {MAX_MANIFEST_BYTES} bytes") from None
 
 
 @functools.cache
@@ -164,7 +185,9 @@ class ManifestReader:
         self._seen: dict[tuple[str, int], Manifest | None] = {}
         self._why: dict[tuple[str, int], str] = {}
         self._unbound: dict[int, str | None] = {}
-        self._has_deltas: bool | None = None
+        self.snapshot_only = False
+        """Set True only from a trusted fact (origin's listing, the Trainer's record): the run holds no
+        deltas, so its snapshots bind to nothing (:meth:`unbound`). Never from this store's own listing."""
 
     def get(self, kind: str, version: int) -> Manifest | None:
         key = (kind, version)
@@ -193,19 +216,21 @@ class ManifestReader:
         ``weights_digest`` equal to the snapshot's; that delta is read here
         (one small object). ``run_has_deltas``: whether the run holds any
         delta (a snapshot-only run, ``transfer="full"``, binds nothing);
-        None: the store is listed to find out, only when delta V is absent.
+        None: :attr:`snapshot_only` says, which only a trusted fact sets.
+        This store is never listed to find out: a mirror serving one forged
+        snapshot and no delta would pass for a snapshot-only run (issue 24).
         Logged once per snapshot and reader: a planted snapshot is worth a line.
         """
         if version in self._unbound:
             return self._unbound[version]
-        why = _unbound_reason(self, version, run_has_deltas)
+        why = _unbound_reason(self, version, (not self.snapshot_only) if run_has_deltas is None else run_has_deltas)
         self._unbound[version] = why
         if why is not None:
             log.warning("%s: snapshot %d is not used: %s", self.store.url, version, why)
         return why
 
 
-def _unbound_reason(reader: ManifestReader, version: int, run_has_deltas: bool | None) -> str | None:
+def _unbound_reason(reader: ManifestReader, version: int, run_has_deltas: bool) -> str | None:
     from aurora_store.lineage.binding import manifest_weights_digest, snapshot_unbound
 
     if version == 0:
@@ -225,11 +250,7 @@ def _unbound_reason(reader: ManifestReader, version: int, run_has_deltas: bool |
             d_digest = manifest_weights_digest(dm.extra, reader.store.where(manifest_key("delta", version)))
         except ManifestError as e:
             return str(e)
-    elif run_has_deltas is None:
-        if reader._has_deltas is None:
-            reader._has_deltas = bool(scan_versions(reader.store).deltas)
-        run_has_deltas = reader._has_deltas
-    return snapshot_unbound(version, s_digest, d_digest, dm is not None, bool(run_has_deltas))
+    return snapshot_unbound(version, s_digest, d_digest, dm is not None, run_has_deltas)
 
 
 def bound_index(index: VersionIndex, reader: ManifestReader) -> VersionIndex:
@@ -237,7 +258,10 @@ def bound_index(index: VersionIndex, reader: ManifestReader) -> VersionIndex:
 
     Reads the manifest of each snapshot at V > 0 and of the delta at V (small
     objects, each read once per ``reader``); what a planner without a
-    :data:`~aurora_store.lineage.plan.Cost` must be given.
+    :data:`~aurora_store.lineage.plan.Cost` must be given. Whether the run
+    holds deltas is taken from ``index``, so it must be origin's listing,
+    never a mirror's (issue 24); :mod:`aurora_store.lineage.trusted` also
+    drops manifests off the chain.
     """
     has = bool(index.deltas)
     drop = {("snapshot", v) for v in index.snapshots if reader.unbound(v, has) is not None}
@@ -293,7 +317,8 @@ def fetch_objects(
             return where, (then(where, early) if then is not None else early)
         try:
             with gets:
-                data = store.get(key)
+                # At most one byte past the listed size: a bigger object is refused, never read whole.
+                data = store.get_capped(key, ref.bytes, f"the size the manifest of {m.kind} {m.version} lists")
         except ObjectNotFound:
             raise ObjectNotFound(f"{where}: listed in the manifest of {m.kind} {m.version} but missing") from None
         if len(data) != ref.bytes:
@@ -422,60 +447,3 @@ def fetch_snapshot(
     check_weights_digest(store, m, tensors)
     return m, tensors
 
-
-def materialize(
-    store: Store,
-    target: int,
-    streams: int = DEFAULT_STREAMS,
-    progress: Callable[[str], None] | None = None,
-    trust: TrustKeys | None = None,
-    commits: CommitRecords | None = None,
-) -> tuple[dict[str, torch.Tensor], str]:
-    """Full fused weights of version ``target``: newest usable snapshot, then deltas.
-
-    Returns (tensors, state). Each delta is checked against the state of the
-    version it lands on before it is applied. A snapshot that fails its
-    checks (damaged bytes, a bad manifest) is set aside with a ``progress``
-    note and the chain is planned again without it: an older snapshot and
-    more deltas reach the same version. A damaged delta is not skipped (no
-    other path crosses it) and its error propagates. ``trust``: every
-    manifest used is checked (:func:`read_manifest`); an untrusted snapshot
-    is planned around like a damaged one, an untrusted delta refused.
-    """
-    from aurora_store.apply.sink import FusedWeights, apply_delta
-
-    reader = ManifestReader(store, trust, commits)
-    listed = scan_versions(store)
-    index = bound_index(listed, reader)
-    if progress:
-        for s in sorted(listed.snapshots - index.snapshots):
-            progress(f"snapshot {s} is not used: {reader.unbound(s)}")
-    refused: set[tuple[str, int]] = set()
-    while True:
-        plan = plan_chain(index.without(refused), target)
-        if plan.snapshot is None:
-            why = f" (snapshot(s) {sorted(v for _, v in refused)} failed their checks)" if refused else ""
-            raise ChainError(f"version {target} is unreachable: no usable snapshot at or below it{why}")
-        try:
-            known = reader.get("snapshot", plan.snapshot)
-            if known is None and commits is not None:  # refused by its record: say why, never re-read unchecked
-                known = read_manifest(store, "snapshot", plan.snapshot, trust, commits)
-            sm, tensors = fetch_snapshot(store, plan.snapshot, streams, known, trust=trust)
-        except (FormatError, IntegrityError, VersionNotFound) as e:
-            refused.add(("snapshot", plan.snapshot))
-            if progress:
-                progress(f"snapshot {plan.snapshot} is unusable ({e}); planning around it")
-            continue
-        break
-    if progress:
-        progress(f"snapshot {plan.snapshot}: {len(tensors)} tensors, {sm.total_bytes} bytes")
-    state = sm.state
-    sink = FusedWeights(tensors)
-    for v in plan.deltas:
-        known = read_manifest(store, "delta", v, trust, commits) if commits is not None else None
-        m, staged = fetch_delta(store, v, sink.specs(), streams, expect_base_state=state, manifest=known, trust=trust)
-        apply_delta(staged, sink)
-        state = m.state
-        if progress:
-            progress(f"delta {v}: {staged.nnz} changed elements, {m.total_bytes} bytes")
-    return tensors, state

@@ -24,6 +24,18 @@ Held versions are read *before* anything is deleted, and an error reading
 them (Redis away) propagates: retention never deletes blind. Deletion goes
 manifest first, so a version disappears before its objects; a collection
 cut short leaves orphans, which the next one removes.
+
+Only versions that count (:mod:`aurora_store.lineage.trusted`: trusted, on
+the chain, at or below the Trainer's head when the caller has it) decide the
+floor: anyone can plant ``snapshots/v9999999999`` and would otherwise move the
+floor above every real version. A listed manifest that does not count is
+never a reason to delete anything: one at or below the chain's head goes by
+the rule like any version (below the floor and unheld: deleted), one above
+it is left in place and named (``not_committed``). It may be a plant or a
+version written after the head was read; an operator who knows inspects and
+deletes it. Without version 0 in the store the root of the chain is
+inferred, so deleting "everything that does not count" could delete a real
+chain; leaving those manifests costs only their bytes.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aurora_store.errors import AuroraError, ConfigError
 from aurora_store.format.manifest import manifest_key, version_dir
@@ -40,6 +53,11 @@ from aurora_store.lineage.plan import VersionIndex, plan_chain
 from aurora_store.lineage.report import Lineage, read_lineage
 from aurora_store.storage import Store
 from aurora_store.storage.base import TEMP_PREFIX
+
+if TYPE_CHECKING:
+    from aurora_store.format.signing import TrustKeys
+    from aurora_store.lineage.interfaces import CommitRecords
+    from aurora_store.lineage.trusted import Committed
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -106,12 +124,19 @@ class GcPlan:
     """Whether nothing was deleted."""
     removed: int = 0
     """Objects deleted (0 in a dry run)."""
+    not_committed: list[VersionId] = field(default_factory=list)
+    """(kind, version) listed but not counted, above the chain's head: left in place for an operator."""
 
     def keys(self, lin: Lineage) -> list[str]:
-        """Every key to delete, manifests first (a version disappears before its objects)."""
-        out = [manifest_key(k, v) for k, v in self.versions]
+        """Every key to delete, manifests first (a version disappears before its objects).
+
+        Manifests go oldest version first, a snapshot before the delta of its
+        version: a collection cut short leaves the newest versions, a chain
+        with no gap, which still counts (:mod:`aurora_store.lineage.trusted`).
+        """
+        out = [manifest_key(k, v) for k, v in sorted(self.versions, key=lambda kv: (kv[1], kv[0] != "snapshot"))]
         for k, v in self.versions:
-            m = lin.manifests[(k, v)]
+            m = lin.manifests[(k, v)] if (k, v) in lin.manifests else lin.uncounted[(k, v)]
             out.extend(f"{version_dir(k, v)}/{s.key}" for s in m.segments)
         return out + self.orphans + self.temp_files
 
@@ -124,6 +149,8 @@ class GcPlan:
             line += f"; kept {len(self.kept_for_held)} version(s) for live holders"
         if self.forced:
             line += f"; removed {len(self.forced)} held version(s) by force"
+        if self.not_committed:
+            line += f"; left {len(self.not_committed)} manifest(s) that are not committed"
         return line
 
 
@@ -141,7 +168,7 @@ def _needed_by(lin: Lineage, held: frozenset[int]) -> set[VersionId]:
         except AuroraError:
             # Unreachable from the store (or never committed): its holder can only
             # move forward, so keep its own manifests and what follows.
-            need.update((k, v) for k, v in lin.manifests if v == h)
+            need.update((k, v) for k, v in [*lin.manifests, *lin.uncounted] if v == h)
         else:
             if chain.snapshot is not None:
                 need.add(("snapshot", chain.snapshot))
@@ -174,17 +201,30 @@ def plan_gc(
     alone would remove it, unless ``force``. ``spare_orphan(key)`` True
     keeps an orphan whatever its age (counted in ``young_orphans``): the
     caller knows it is being written.
+
+    Only the versions that count (``lin.manifests``) set the floor; the
+    manifests that do not (``lin.uncounted``) follow the module docstring.
     """
     floor = retention_floor((v for k, v in lin.manifests if k == "snapshot"), keep_snapshots)
     held_now = _held_set(held)
     plan = GcPlan(held=held_now)
     snaps = sorted((v for k, v in lin.manifests if k == "snapshot"), reverse=True)
     plan.kept_snapshots = snaps[:keep_snapshots]
+    need = _needed_by(lin, held_now) if held_now and floor is not None else set()
     if floor is not None:
-        need = _needed_by(lin, held_now) if held_now else set()
         for kind, v in sorted(lin.manifests):
             if retained(kind, v, floor):
                 continue
+            if (kind, v) in need:
+                (plan.forced if force else plan.kept_for_held).append((kind, v))
+                if not force:
+                    continue
+            plan.versions.append((kind, v))
+    head = lin.committed.head if lin.committed is not None else None
+    for kind, v in sorted(lin.uncounted, key=lambda kv: (kv[1], kv[0])):
+        if head is None or v > head:
+            plan.not_committed.append((kind, v))
+        elif floor is not None and not retained(kind, v, floor):
             if (kind, v) in need:
                 (plan.forced if force else plan.kept_for_held).append((kind, v))
                 if not force:
@@ -238,6 +278,10 @@ def retain(
     dry_run: bool = False,
     say: Callable[[str], None] | None = None,
     spare_orphan: Callable[[str], bool] | None = None,
+    trust: TrustKeys | None = None,
+    commits: CommitRecords | None = None,
+    ceiling: int | None = None,
+    committed: Committed | None = None,
 ) -> GcPlan:
     """Apply retention to ``store``: the call the Trainer makes every N steps and each Relay on its mirror.
 
@@ -249,11 +293,16 @@ def retain(
     error propagates and nothing is deleted. ``dry_run`` only plans. ``say``
     receives one line per decision (None: silent). Returns the plan, with
     ``removed`` set.
+
+    Which versions count (:func:`~aurora_store.lineage.report.read_lineage`):
+    ``trust``, ``commits`` and ``ceiling`` (the Trainer's head, from its
+    fenced record or its own memory) as there; ``committed``: those of the
+    run's origin, for a mirror (a Relay's clean-up).
     """
     if grace_s < 0:
         raise ConfigError(f"the grace must be >= 0 seconds, got {grace_s}")
     held_now = _held_set(held)  # before anything else: never delete blind
-    lin = read_lineage(store)
+    lin = read_lineage(store, trust, commits, ceiling, committed=committed)
     now = time.time()
 
     def age(key: str) -> float | None:
@@ -298,6 +347,13 @@ def _report(plan: GcPlan, grace_s: float, say: Callable[[str], None]) -> None:
         say(f"keeping {plan.young_orphans} orphan object(s) younger than {grace_s:.0f}s (maybe a publish in flight)")
     if plan.young_temp_files:
         say(f"keeping {plan.young_temp_files} temporary file(s) younger than {grace_s:.0f}s (maybe a write in flight)")
+    if plan.not_committed:
+        shown = ", ".join(f"{k} {v}" for k, v in plan.not_committed[:10])
+        more = f" and {len(plan.not_committed) - 10} more" if len(plan.not_committed) > 10 else ""
+        say(
+            f"leaving {len(plan.not_committed)} manifest(s) that are not committed ({shown}{more}): not counted for "
+            "retention; inspect them (`aurora lineage`) and delete them if nobody published them"
+        )
 
 
 def run_gc(
@@ -308,6 +364,8 @@ def run_gc(
     say: Callable[[str], None] = print,
     held: HeldVersions | None = None,
     force: bool = False,
+    trust: TrustKeys | None = None,
+    ceiling: int | None = None,
 ) -> GcPlan:
     """Plan, print, and (with ``apply``) delete: :func:`retain` with the CLI's defaults (a dry run, printing)."""
-    return retain(store, keep_snapshots, held, min_orphan_age_s, force=force, dry_run=not apply, say=say)
+    return retain(store, keep_snapshots, held, min_orphan_age_s, force=force, dry_run=not apply, say=say, trust=trust, ceiling=ceiling)

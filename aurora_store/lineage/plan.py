@@ -101,12 +101,23 @@ def plan_chain(index: VersionIndex, target: int, held: int | None = None, cost: 
     return _plan_by_bytes(index, target, held, cost)
 
 
+def _replay_floor(index: VersionIndex, target: int) -> int:
+    """The lowest ``lo`` such that every delta ``lo..target`` is in ``index`` (``target + 1`` when
+    delta ``target`` is not): a walk down over the deltas that exist, never a range of numbers."""
+    lo = target + 1
+    while lo - 1 in index.deltas:
+        lo -= 1
+    return lo
+
+
 def _plan_by_count(index: VersionIndex, target: int, held: int | None) -> ChainPlan:
-    if held is not None and all(v in index.deltas for v in range(held + 1, target + 1)):
+    lo = _replay_floor(index, target)  # a start at s replays s+1..target: it needs s + 1 >= lo
+    if held is not None and held + 1 >= lo:
         return ChainPlan(target, None, tuple(range(held + 1, target + 1)))
-    for s in sorted((s for s in index.snapshots if s <= target), reverse=True):
-        if all(v in index.deltas for v in range(s + 1, target + 1)):
-            return ChainPlan(target, s, tuple(range(s + 1, target + 1)))
+    usable = [s for s in index.snapshots if lo - 1 <= s <= target]
+    if usable:
+        s = max(usable)
+        return ChainPlan(target, s, tuple(range(s + 1, target + 1)))
     raise _unreachable(index, target, held)
 
 
@@ -155,10 +166,16 @@ def _unreachable(index: VersionIndex, target: int, held: int | None) -> ChainErr
     start = held if held is not None else (min(index.snapshots) if index.snapshots else None)
     if start is None:
         return ChainError(f"version {target} is unreachable: the store holds no snapshot at or below it")
-    missing = [v for v in range(start + 1, target + 1) if v not in index.deltas]
+    # The first few missing deltas, found by walking up from the start over those that exist.
+    missing: list[int] = []
+    v = start + 1
+    while v <= target and len(missing) < 10:
+        if v not in index.deltas:
+            missing.append(v)
+        v += 1
     if not missing:
         return ChainError(f"version {target} is unreachable from version {start}: a version on the way cannot be used")
-    return ChainError(f"version {target} is unreachable: delta(s) {missing[:10]} missing after version {start}")
+    return ChainError(f"version {target} is unreachable: delta(s) {missing} missing after version {start}")
 
 
 def scan_versions(store: Store) -> VersionIndex:

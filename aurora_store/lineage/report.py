@@ -1,4 +1,4 @@
-"""What a run holds: one row per version, plus orphans and gaps.
+"""What a run holds: one row per version that counts, plus what does not, orphans and gaps.
 
 This reads manifests and listings only (cheap); :mod:`aurora_store.lineage.verify`
 re-hashes objects. Notebooks and ``aurora lineage`` are built on it.
@@ -12,15 +12,16 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from aurora_store.errors import AuroraError
-from aurora_store.format.manifest import Manifest, parse_version_dir, version_dir
+from aurora_store.errors import AuroraError, ManifestError
+from aurora_store.format.manifest import Manifest, manifest_key, parse_version_dir, version_dir
 from aurora_store.storage import Store
 
 if TYPE_CHECKING:
     from aurora_store.format.signing import TrustKeys
     from aurora_store.lineage.interfaces import CommitRecords
+    from aurora_store.lineage.trusted import Committed
 
-__all__ = ["VersionRow", "Lineage", "read_lineage", "layer_of"]
+__all__ = ["VersionRow", "Lineage", "gap_ranges", "read_lineage", "layer_of"]
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -58,10 +59,19 @@ class Lineage:
     url: str
     rows: list[VersionRow] = field(default_factory=list)
     manifests: dict[tuple[str, int], Manifest] = field(default_factory=dict)
+    """The manifests that count (rows)."""
     orphans: list[str] = field(default_factory=list)
     """Keys no manifest references (killed or in-flight publishes)."""
-    gaps: list[int] = field(default_factory=list)
-    """Versions between the first and last with neither a delta nor a snapshot."""
+    gaps: list[list[int]] = field(default_factory=list)
+    """``[first, last]`` of each run of versions, between the first and last manifest read, with
+    neither a delta nor a snapshot (ranges: their size never depends on the version numbers)."""
+    ignored: list[tuple[str, int, str]] = field(default_factory=list)
+    """(kind, version, why) of each manifest read that does not count (:mod:`aurora_store.lineage.trusted`):
+    planted, beyond the chain or the Trainer's head, or a snapshot not bound to it. Shown as "not committed"."""
+    uncounted: dict[tuple[str, int], Manifest] = field(default_factory=dict)
+    """The manifests of :attr:`ignored` (retention needs their objects)."""
+    committed: Committed | None = None
+    """The versions that count, as computed (or given)."""
     problems: list[str] = field(default_factory=list)
     """Manifests that could not be read."""
 
@@ -76,7 +86,14 @@ class Lineage:
             d = asdict(r)
             d["density"] = r.density
             rows.append(d)
-        return {"url": self.url, "versions": rows, "orphans": self.orphans, "gaps": self.gaps, "problems": self.problems}
+        return {
+            "url": self.url,
+            "versions": rows,
+            "orphans": self.orphans,
+            "gaps": self.gaps,
+            "not_committed": [{"kind": k, "version": v, "why": why} for k, v, why in self.ignored],
+            "problems": self.problems,
+        }
 
     def param_density(self) -> dict[int, dict[str, float]]:
         """Delta version -> {fused param: changed fraction}."""
@@ -107,14 +124,34 @@ def _key_id(m: Manifest) -> str | None:
     return kid if isinstance(kid, str) else None
 
 
-def read_lineage(store: Store, trust: TrustKeys | None = None, commits: CommitRecords | None = None) -> Lineage:
+def read_lineage(
+    store: Store,
+    trust: TrustKeys | None = None,
+    commits: CommitRecords | None = None,
+    ceiling: int | None = None,
+    snapshot_only: bool | None = None,
+    committed: Committed | None = None,
+) -> Lineage:
     """Read every manifest of the run and classify every object under it.
 
     ``trust``: a manifest these keys do not accept (unsigned, untrusted or bad
     signature) is a problem, and left out like an unreadable one.
     ``commits``: the run commits through Redis (FORMAT.md §1); a manifest
     without a matching record is a problem too (not committed, or refused).
+
+    Of the manifests read, only those that count
+    (:mod:`aurora_store.lineage.trusted`: on the chain from the root, at or
+    below ``ceiling``, the Trainer's head, when given) are rows and
+    :attr:`Lineage.manifests`; the others are named in
+    :attr:`Lineage.ignored` and kept in :attr:`Lineage.uncounted`.
+    ``committed``: the versions that count, computed elsewhere (a mirror
+    counts what origin counts: a version here counts when it counts there
+    with the same state). ``snapshot_only`` as for
+    :func:`~aurora_store.lineage.trusted.chain_of` (None: this listing decides).
     """
+    from aurora_store.lineage.fetch import read_manifest_bytes  # capped: a planted giant is refused, never read whole
+    from aurora_store.lineage.trusted import chain_of, fact_of
+
     if commits is not None:
         from aurora_store.lineage.fetch import check_commit_record
     lin = Lineage(store.url)
@@ -126,6 +163,7 @@ def read_lineage(store: Store, trust: TrustKeys | None = None, commits: CommitRe
             v = parse_version_dir(parts[1])
             if v is not None:
                 by_vdir.setdefault((parts[0][:-1], v), []).append(k)
+    read: dict[tuple[str, int], Manifest] = {}
     for (kind, v), ks in sorted(by_vdir.items(), key=lambda x: (x[0][1], x[0][0])):
         vdir = version_dir(kind, v)
         mkey = f"{vdir}/manifest.json"
@@ -133,18 +171,37 @@ def read_lineage(store: Store, trust: TrustKeys | None = None, commits: CommitRe
             lin.orphans.extend(ks)  # never committed: every object is an orphan
             continue
         try:
-            data = store.get(mkey)
+            data = read_manifest_bytes(store, mkey, kind, v)
             if commits is not None:
                 check_commit_record(commits, kind, v, data, store.where(mkey))
             m = Manifest.from_bytes(data, store.where(mkey))
+            if m.kind != kind or m.version != v:
+                raise ManifestError(store.where(mkey), f"describes {m.kind} {m.version}, expected {kind} {v}")
             if trust is not None:
                 trust.check_json(json.loads(data), store.where(mkey), kind, v)
         except AuroraError as e:
             lin.problems.append(str(e))
             continue
-        lin.manifests[(kind, v)] = m
+        read[(kind, v)] = m
         referenced = {f"{vdir}/{s.key}" for s in m.segments} | {mkey}
         lin.orphans.extend(k for k in ks if k not in referenced)
+    if committed is None:
+        facts = {kv: fact_of(m, store.where(manifest_key(*kv))) for kv, m in read.items()}
+        committed = chain_of(facts, ceiling, snapshot_only)
+        lin.ignored = list(committed.ignored)
+    else:
+        for (kind, v), m in read.items():
+            if not committed.counts(kind, v):
+                lin.ignored.append((kind, v, "not a version the run's origin counts"))
+            elif committed.states.get(v) != m.state:
+                lin.ignored.append((kind, v, f"its state differs from origin's at v{v}"))
+    lin.committed = committed
+    skip = {(kind, v) for kind, v, _ in lin.ignored}
+    for (kind, v), m in read.items():
+        if (kind, v) in skip:
+            lin.uncounted[(kind, v)] = m
+            continue
+        lin.manifests[(kind, v)] = m
         lin.rows.append(
             VersionRow(
                 kind=kind,
@@ -163,7 +220,15 @@ def read_lineage(store: Store, trust: TrustKeys | None = None, commits: CommitRe
     total = lin.model_numel
     if total:
         lin.rows = [VersionRow(**{**asdict(r), "numel": total}) if r.kind == "delta" else r for r in lin.rows]
-    have = {v for _, v in lin.manifests}
-    if have:
-        lin.gaps = [v for v in range(min(have), max(have) + 1) if v not in have]
+    lin.gaps = gap_ranges({v for _, v in read})
     return lin
+
+
+def gap_ranges(versions: Iterable[int]) -> list[list[int]]:
+    """``[first, last]`` of each run of missing versions between the lowest and highest of ``versions``.
+
+    Proportional to the versions given, never to the numbers between them:
+    one planted manifest at ``v9999999999`` is one range, not ten billion entries.
+    """
+    have = sorted(set(versions))
+    return [[a + 1, b - 1] for a, b in zip(have, have[1:], strict=False) if b > a + 1]

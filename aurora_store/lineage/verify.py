@@ -60,6 +60,7 @@ def verify_run(
     progress: Callable[[str], None] | None = None,
     trust: TrustKeys | None = None,
     commits: CommitRecords | None = None,
+    ceiling: int | None = None,
 ) -> VerifyReport:
     """Verify versions in ``[first, last]`` (all by default).
 
@@ -74,21 +75,40 @@ def verify_run(
     that is not is a problem and none of its objects is read. With
     ``commits`` (a run that commits through Redis, FORMAT.md §1), so is a
     manifest without a matching commit record.
+
+    Only the versions that count (:mod:`aurora_store.lineage.trusted`) are
+    checked; every other manifest listed is named "not committed": a warning
+    when it lies beyond the chain (a plant, or history an operator should
+    look at), a problem when it breaks the chain right after its head (delta
+    H+1 on another base), when it is at or below ``ceiling`` (the Trainer's
+    head: the record says it was published, yet it does not count), or when
+    ``first``/``last`` ask for it.
     """
     rep = VerifyReport()
-    lin = read_lineage(store, trust, commits)
+    lin = read_lineage(store, trust, commits, ceiling)
     rep.problems.extend(lin.problems)
     if lin.orphans:
         rep.warnings.append(f"{len(lin.orphans)} orphan object(s) (uncommitted publish attempts); `aurora gc` removes them")
+    head = lin.committed.head if lin.committed is not None else None
+    for kind, v, why in lin.ignored:
+        line = f"{store.where(manifest_key(kind, v))}: not committed: {why}"
+        asked = (first is not None or last is not None) and (first is None or v >= first) and (last is None or v <= last)
+        broken = kind == "delta" and head is not None and v == head + 1 and "base_state" in why
+        if asked or broken or (ceiling is not None and v <= ceiling):
+            rep.problems.append(line)
+        else:
+            rep.warnings.append(line)
     if not lin.manifests:
         rep.problems.append(f"{store.url}: no committed version")
         return rep
     lo = first if first is not None else min(v for _, v in lin.manifests)
     hi = last if last is not None else max(v for _, v in lin.manifests)
     run_first = min(v for _, v in lin.manifests)
-    for gap in lin.gaps:
-        if lo <= gap <= hi:
-            rep.problems.append(f"{store.where(manifest_key('delta', gap))}: version {gap} is missing (no delta and no snapshot)")
+    for a, b in lin.gaps:
+        if a <= hi and b >= lo:
+            a, b = max(a, lo), min(b, hi)
+            span = f"version {a}" if a == b else f"versions {a}–{b}"
+            rep.problems.append(f"{store.where(manifest_key('delta', a))}: {span} missing (no delta and no snapshot)")
     model: dict[str, ParamSpec] | None = None
     for (kind, v), m in sorted(lin.manifests.items(), key=lambda x: (x[0][1], x[0][0] != "snapshot")):
         if kind == "snapshot":

@@ -263,7 +263,7 @@ def cmd_delta_apply(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    from aurora_store.lineage.fetch import materialize
+    from aurora_store.lineage.materialize import materialize
     from aurora_store.storage import open_store
 
     if os.path.isdir(args.out):

@@ -9,13 +9,23 @@ from typing import TYPE_CHECKING, Any
 
 from aurora_store.credentials import REDIS_URL_ENV
 from aurora_store.errors import ConfigError
-from aurora_store.options import add_storage_option, storage_options, trust_key_paths
+from aurora_store.options import add_storage_option, add_trust_key_arg, storage_options, trust_key_paths
 from aurora_tools.cli.console import say
 
 if TYPE_CHECKING:
     from aurora_store.format.signing import TrustKeys
 
-__all__ = ["add_commit_check_args", "add_gc_arguments", "cmd_lineage", "cmd_verify", "cmd_gc", "cmd_keygen", "commits_of", "trust_of"]
+__all__ = [
+    "add_commit_check_args",
+    "add_gc_arguments",
+    "cmd_lineage",
+    "cmd_verify",
+    "cmd_gc",
+    "cmd_keygen",
+    "commits_of",
+    "head_of",
+    "trust_of",
+]
 
 
 def trust_of(args: argparse.Namespace) -> TrustKeys | None:
@@ -77,6 +87,43 @@ def commits_of(args: argparse.Namespace, store: Any) -> Any:
     return commits
 
 
+def head_of(args: argparse.Namespace) -> int | None:
+    """The head of the Trainer's fenced record (``--redis URL --run NAME``), or None without them or a record.
+
+    Why: it is the one trusted bound on which versions exist; a manifest listed
+    above it was not published by the run's Trainer (issue 24).
+    """
+    url, run = getattr(args, "redis", None), getattr(args, "run", None)
+    if run is not None and url is None:
+        url = os.environ.get(REDIS_URL_ENV) or None
+    if url is None or run is None:
+        return None
+    from aurora_store.coordination.records import RunRecords
+    from aurora_store.coordination.redisconn import connect
+
+    client = connect(url)
+    try:
+        return RunRecords(client, run).head()
+    finally:
+        client.close()
+
+
+def _say_not_committed(ignored: list[tuple[str, int, str]], limit: int = 20) -> None:
+    """Each manifest listed that does not count, once (the first ``limit``), then how many more."""
+    if not ignored:
+        return
+    print(f"NOT COMMITTED: {len(ignored)} manifest(s) listed that do not count (planted, or beyond the run's chain); ignored:")
+    for kind, v, why in ignored[:limit]:
+        print(f"  {kind} {v}: {why}")
+    if len(ignored) > limit:
+        print(f"  … and {len(ignored) - limit} more (--json lists them all)")
+
+
+def _gaps_text(gaps: list[list[int]], limit: int = 10) -> str:
+    parts = [str(a) if a == b else f"{a}-{b}" for a, b in gaps[:limit]]
+    return ", ".join(parts) + (f" and {len(gaps) - limit} more range(s)" if len(gaps) > limit else "")
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     """``aurora keygen --out DIR``: a new Ed25519 signing key pair."""
     import os
@@ -95,7 +142,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     from aurora_store.storage import open_store
 
     store = open_store(args.url, storage_options(args.storage_option))
-    lin = read_lineage(store, trust_of(args), commits_of(args, store))
+    lin = read_lineage(store, trust_of(args), commits_of(args, store), head_of(args))
     if args.json:
         print(json.dumps(lin.to_json(), indent=1))
         return 0
@@ -114,8 +161,9 @@ def cmd_lineage(args: argparse.Namespace) -> int:
         print(f"SIGNED by key(s) {', '.join(signers)} ({checked}){f'; {unsigned} version(s) unsigned' if unsigned else ''}")
     elif lin.rows:
         print("UNSIGNED: no version carries a signature")
+    _say_not_committed(lin.ignored)
     if lin.gaps:
-        print(f"GAPS: version(s) {lin.gaps[:20]} have neither a delta nor a snapshot")
+        print(f"GAPS: version(s) {_gaps_text(lin.gaps)} have neither a delta nor a snapshot")
     if lin.orphans:
         print(f"ORPHANS: {len(lin.orphans)} object(s) of uncommitted publish attempts (aurora gc removes them)")
     for p in lin.problems:
@@ -136,6 +184,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         progress=say if args.verbose else None,
         trust=trust_of(args),
         commits=commits_of(args, store),
+        ceiling=head_of(args),
     )
     for w in rep.warnings:
         say(f"warning: {w}")
@@ -187,6 +236,7 @@ def add_gc_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="an Actor silent for longer than this holds nothing (default %(default)s)",
     )
+    add_trust_key_arg(p)
     add_storage_option(p, help=None)
 
 
@@ -201,16 +251,36 @@ def cmd_gc(args: argparse.Namespace) -> int:
     store = open_store(args.url, storage_options(args.storage_option))
     held = None
     client = None
+    commits = None
+    ceiling = None
     if args.redis is not None:
+        from aurora_store.coordination.commit import commit_records_for
+        from aurora_store.coordination.records import RunRecords
         from aurora_store.coordination.redisconn import connect
         from aurora_store.coordination.retention import run_held_versions
 
         client = connect(args.redis)
         held = run_held_versions(client, args.run, int(args.actor_timeout_s * 1000))
+        commits = commit_records_for(client, args.run)
+        ceiling = RunRecords(client, args.run).head()  # nothing above the Trainer's head counts
     else:
-        say("note: without --redis URL --run NAME, gc cannot see live Actors or Relays and may delete versions they hold")
+        say(
+            "note: without --redis URL --run NAME, gc cannot see live Actors or Relays and may delete versions they hold; "
+            "the versions that count are the chain from version 0"
+        )
     try:
-        retain(store, args.keep_snapshots, held, args.grace_s, force=args.force, dry_run=not args.apply, say=print)
+        retain(
+            store,
+            args.keep_snapshots,
+            held,
+            args.grace_s,
+            force=args.force,
+            dry_run=not args.apply,
+            say=print,
+            trust=trust_of(args),
+            commits=commits,
+            ceiling=ceiling,
+        )
     finally:
         if client is not None:
             client.close()

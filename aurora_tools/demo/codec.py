@@ -17,7 +17,8 @@ from aurora_store.apply.sink import FusedWeights, SplitWeights, apply_delta, wei
 from aurora_store.codec.extract import extract, fuse_weights, plan_of
 from aurora_store.errors import AuroraError
 from aurora_store.format.manifest import version_dir
-from aurora_store.lineage.fetch import fetch_delta, materialize
+from aurora_store.lineage.fetch import fetch_delta
+from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
 from aurora_store.storage import open_store
 from aurora_tools.synthetic.shapes import MasterWeights, Qwen3Shape, make_weights

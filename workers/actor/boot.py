@@ -4,7 +4,14 @@
 store (waiting for a run that has not appeared yet), then loads the version
 the run needs: the oldest an open step still needs, else the newest usable
 one, through a snapshot and the deltas after it. A version that fails
-validation is quarantined and the next plan routes around it. A benchmark
+validation is quarantined and the next plan routes around it.
+
+Which versions it aims at comes from trusted facts (issue 24): at or below
+the head of the Trainer's fenced record, never the newest names the store
+lists (anyone who can write the bucket can list ``v9999999999`` sixteen
+times); with no record yet, the chain that counts
+(:mod:`aurora_store.lineage.trusted`). Whether the run holds deltas (which
+decides whether an unbound snapshot may be used) is origin's listing. A benchmark
 plugs in another boot (a synthetic model and its base, for instance); the
 Actor's registration, release of a previous incarnation's work and outage
 riding stay the same whatever boot it has.
@@ -15,13 +22,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from aurora_store import metrics
 from aurora_store.errors import ChainError, StoreError, VersionNotFound
 from aurora_store.format.manifest import manifest_key
 from aurora_store.lineage.fetch import ManifestReader
 from aurora_store.lineage.plan import ChainPlan, VersionIndex, plan_chain, scan_versions
+from aurora_store.lineage.trusted import committed_versions
 from aurora_store.storage import Store
 from workers.actor.context import ActorContext
 from workers.actor.fetch import INVALID, Fetcher, Refused
@@ -143,8 +151,10 @@ class StoreBoot:
             usable = index.without(c.quarantine.blocked())
             self.fetcher.resolve_commits()
             reader = self.fetcher.reader(c.origin)
+            reader.snapshot_only = not index.deltas  # origin's listing: a mirror never decides it
             needed = c.redis_call(self._oldest_needed, "read open steps")
-            plan = c.store_call(partial(_bootstrap_plan, usable, reader, needed), "plan the bootstrap")
+            head = c.redis_call(c.records.head, "read the run's head")
+            plan = c.store_call(partial(_bootstrap_plan, usable, reader, needed, head), "plan the bootstrap")
             if plan is None:
                 if not said:
                     log.warning("%s: no usable version at %s yet; waiting", c.cfg.actor_id, c.origin.url)
@@ -184,24 +194,48 @@ def _nonempty(index: VersionIndex) -> VersionIndex | None:
     return index if index.latest is not None else None
 
 
-def _bootstrap_plan(index: VersionIndex, reader: ManifestReader, needed: int | None) -> ChainPlan | None:
-    """The plan to version ``needed`` (an open step's, when the store can reach it), else to the newest."""
-    if needed is not None and needed in index.deltas | index.snapshots:
+def _bootstrap_plan(index: VersionIndex, reader: ManifestReader, needed: int | None, head: int | None = None) -> ChainPlan | None:
+    """The plan to version ``needed`` (an open step's, when the store can reach it), else to the newest.
+
+    ``head``: the Trainer's record's; no version above it is aimed at.
+    """
+    if needed is not None and (head is None or needed <= head) and needed in index.deltas | index.snapshots:
         try:
             return plan_chain(index, needed, cost=reader.cost)
         except ChainError:
             pass  # gone or broken: the newest version it is (the step waits for another Actor)
-    return _newest_plan(index, reader)
+    return _newest_plan(index, reader, head)
 
 
-def _newest_plan(index: VersionIndex, reader: ManifestReader, tries: int = 16) -> ChainPlan | None:
-    """The plan to the newest version ``index`` can reach (trying the ``tries`` newest), or None."""
-    for target in sorted(index.deltas | index.snapshots, reverse=True)[:tries]:
+def _newest_plan(index: VersionIndex, reader: ManifestReader, head: int | None = None, tries: int = 16) -> ChainPlan | None:
+    """The plan to the newest version that counts and ``index`` can reach (trying the ``tries`` newest), or None.
+
+    With the Trainer's ``head``: versions at or below it, newest first. Without
+    one (no record yet, or a Redis that lost it): the versions that count
+    (:func:`~aurora_store.lineage.trusted.committed_versions`: the chain from
+    the root), each manifest read once through ``reader``, which the plan reuses.
+    """
+    for target in _targets(index, reader, head)[:tries]:
         try:
             return plan_chain(index, target, cost=reader.cost)
-        except ChainError:
+        except (ChainError, VersionNotFound):
             continue
     return None
+
+
+def _targets(index: VersionIndex, reader: ManifestReader, head: int | None) -> list[int]:
+    """Versions to aim at, newest first (see :func:`_newest_plan`)."""
+    if head is not None:
+        return sorted((v for v in index.deltas | index.snapshots if v <= head), reverse=True)
+
+    def read(kind: str, version: int) -> Any:
+        m = reader.get(kind, version)
+        if m is None:
+            raise VersionNotFound(reader.why(kind, version) or f"{kind} {version} is not readable")
+        return m
+
+    counted = committed_versions(reader.store, listed=index, read=read, snapshot_only=reader.snapshot_only or None).index
+    return sorted(counted.deltas | counted.snapshots, reverse=True)
 
 
 def _missing_bucket(store: Store) -> str | None:

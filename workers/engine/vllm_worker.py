@@ -309,7 +309,7 @@ class AuroraWorkerExtension:
             h = self._aurora_held()
             if h.version != version:
                 raise ChainError(f"reload of version {version}: the worker holds {h.version}")
-            from aurora_store.lineage.fetch import materialize
+            from aurora_store.lineage.materialize import materialize
 
             tensors, _ = materialize(h.store(url, options), version, streams)
             model = self.get_model()  # type: ignore[attr-defined]

@@ -43,7 +43,7 @@ from aurora_store.outage import (
     outage_budget_s,
 )
 from aurora_store.storage import Store, open_store
-from workers.common import MODEL_PREFIX, read_model_description
+from workers.common import MAX_MODEL_FILE_BYTES, MODEL_PREFIX, read_model_description
 from workers.follow.switch import Marker, OutDir, utc_now
 from workers.pretrained import DESCRIPTION_FILES
 
@@ -198,7 +198,7 @@ def _skeleton(store: Store) -> tuple[Any, dict[str, bytes]]:
         name = key[len(MODEL_PREFIX) :]
         if name not in DESCRIPTION_FILES:
             continue  # only the files a model directory holds, never a path of the store's choosing
-        data = store.get(key)
+        data = store.get_capped(key, MAX_MODEL_FILE_BYTES, "the limit on a model file")
         if hashlib.sha256(data).hexdigest() != sha:
             raise IntegrityError(f"{store.where(key)}: changed while it was read")
         files[name] = data

@@ -29,15 +29,18 @@ from aurora_store.errors import (
     AuroraError,
     ManifestError,
     ObjectNotFound,
+    ObjectTooLarge,
     SignatureError,
     VersionNotFound,
 )
+from aurora_store.format.limits import MAX_MANIFEST_BYTES
 from aurora_store.format.manifest import Manifest, manifest_key, parse_version_dir, version_dir
 from aurora_store.format.signing import TrustKeys
 from aurora_store.lineage.fetch import check_commit_record
 from aurora_store.lineage.gc import GcPlan, retain, retained, retention_floor
 from aurora_store.lineage.interfaces import CommitRecords
-from aurora_store.lineage.plan import scan_versions
+from aurora_store.lineage.plan import VersionIndex, scan_versions
+from aurora_store.lineage.trusted import Committed, Fact, committed_versions
 from aurora_store.storage import Store
 from workers.relay.config import VersionId
 from workers.relay.copier import Copier, Traffic
@@ -104,6 +107,10 @@ class VersionMirror:
         self._waiting = False
         self.removed = 0
         """Objects the mirror's retention deleted."""
+        self._origin_counted: Committed | None = None
+        """The versions origin counted at the last listing: the mirror keeps and counts only those."""
+        self._origin_facts: dict[tuple[str, int], Fact] = {}
+        """What each of origin's manifests said (read once: a committed manifest never changes)."""
 
     def mirrored(self) -> tuple[VersionId, ...]:
         """Versions known to be complete in the mirror, in order; the caller holds the Relay's lock."""
@@ -134,7 +141,7 @@ class VersionMirror:
                 fresh = ev is not None and vid not in self._announced
             if fresh:
                 # Mirrored by an earlier run of this Relay; tell the region anyway.
-                m = Manifest.from_bytes(self.mirror.get(mk), self.mirror.where(mk))
+                m = Manifest.from_bytes(self.mirror.get_capped(mk, MAX_MANIFEST_BYTES, "the manifest limit"), self.mirror.where(mk))
                 self.announce_version(m)
             return True
         if not self.quarantine.allowed(vid):
@@ -174,11 +181,14 @@ class VersionMirror:
         with self._lock:
             t0 = self._traffic.started.setdefault(vid, self.clock.monotonic())
         try:
-            data = self.origin.get(mk)
+            # Capped one byte past the manifest limit: a planted giant is refused, never read whole.
+            data = self.origin.get_capped(mk, MAX_MANIFEST_BYTES, "the manifest limit")
         except ObjectNotFound:
             log.warning("relay %s: %s %d was announced but %s does not exist", self.region, kind, version, self.origin.where(mk))
             self._want_resync()
             return _NOT_YET
+        except ObjectTooLarge as e:
+            return f"its manifest is not valid: {e}"
         with self._lock:
             self._traffic.fetched(vid, len(data))
         commits = self.commit_records()
@@ -304,13 +314,18 @@ class VersionMirror:
         if self._waiting:
             self._waiting = False
             log.info("relay %s: the run appeared at %s", self.region, self.origin.url)
-        floor = retention_floor(index.snapshots, self.keep_snapshots) if self.keep_snapshots else None
+        # What origin counts (issue 24): planted names there neither move the floor nor get mirrored.
+        # A manifest refused there (a signature, a commit record) is still tried, and quarantined, as before.
+        counted = self._counted_at_origin(index)
+        floor = retention_floor(counted.index.snapshots, self.keep_snapshots) if self.keep_snapshots else None
+        index = counted.index
         at_origin = [
             (kind, v)
             for v in sorted(index.deltas | index.snapshots)
             for kind, have in (("delta", index.deltas), ("snapshot", index.snapshots))
             if v in have
         ]
+        at_origin = sorted({*at_origin, *((k, v) for k, v, _ in counted.refused)}, key=lambda kv: (kv[1], kv[0]))
         self.quarantine.keep_only(at_origin)
         ok = True
         for kind, v in at_origin:
@@ -330,6 +345,11 @@ class VersionMirror:
             if not done and (kind, v) not in self.quarantine.failures() and (kind, v) not in self._unrecorded:
                 ok = False
         return ok
+
+    def _counted_at_origin(self, listed: VersionIndex) -> Committed:
+        """Origin's versions that count (:mod:`aurora_store.lineage.trusted`): trusted, on its chain."""
+        self._origin_counted = committed_versions(self.origin, self.trust, self.commit_records(), listed=listed, cache=self._origin_facts)
+        return self._origin_counted
 
     # -- retention ---------------------------------------------------------------
     def clean(self, held: frozenset[int], grace_s: float) -> GcPlan | None:
@@ -351,7 +371,8 @@ class VersionMirror:
             v = parse_version_dir(parts[1]) if len(parts) > 2 else None
             return v is None or v > head
 
-        plan = retain(self.mirror, self.keep_snapshots, held, grace_s, spare_orphan=copying)
+        origin = self._origin_counted or self._counted_at_origin(scan_versions(self.origin))
+        plan = retain(self.mirror, self.keep_snapshots, held, grace_s, spare_orphan=copying, committed=origin)
         gone = set(plan.versions)
         with self._lock:
             self._complete -= gone

@@ -135,7 +135,7 @@ class Relay:
             self.schedule.want_resync,
             self.quarantine,
             config.keep_snapshots,
-            trust=config.trust,
+            trust=config.trust.for_run(config.run) if config.trust is not None else None,
         )
         self.versions.resolve_commits = self._commit_records
         self.heartbeat = Heartbeat(

@@ -29,6 +29,7 @@ from aurora_store.codec.fusion import FusionPlan
 from aurora_store.coordination.bus import VERSION, Bus
 from aurora_store.coordination.records import RunRecords
 from aurora_store.errors import FencedOut, VersionConflict
+from aurora_store.format.manifest import manifest_key
 from aurora_store.format.signing import Signer
 from aurora_store.lineage.binding import ModelFile
 from aurora_store.lineage.gc import retain
@@ -212,7 +213,7 @@ class VersionPublisher:
                     commit=self.commit,
                 )
         except VersionConflict as e:
-            raise FencedOut(f"version {v} was published by another Trainer; this one (epoch {self.records.epoch}) stops: {e}") from e
+            raise self._conflict(v, e) from e
         crash_point("manifest", v)
         self._hold(v, out.state, new)
         self.held.pop(v - 2, None)
@@ -222,6 +223,26 @@ class VersionPublisher:
             metrics.active().published(v, "snapshot", snap_bytes)
             self.retain()
         return out.nbytes, out.changed
+
+    def _conflict(self, v: int, e: VersionConflict) -> Exception:
+        """What a conflict at version ``v`` means: a newer Trainer (the epoch in Redis moved on:
+        :class:`~aurora_store.errors.FencedOut`), or an object nobody in this run published.
+
+        Why: anyone who can write the bucket can put bytes at ``deltas/v{H+1}/manifest.json``;
+        calling that "fenced out" would send an operator looking for a second Trainer
+        that does not exist. The epoch is asked again (a fence check restores a lost one).
+        """
+        try:
+            self.records.check_epoch()
+        except FencedOut as fenced:
+            return FencedOut(f"version {v} was published by another Trainer; this one (epoch {self.records.epoch}) stops: {fenced}")
+        where = self.store.where(manifest_key("delta", v))
+        return VersionConflict(
+            f"{where} (or the snapshot beside it) already holds an object this Trainer did not write, and no newer "
+            f"Trainer holds the run (epoch {self.records.epoch} is current): it was planted or left by another writer; "
+            f"inspect it (aurora lineage {self.store.url}), delete it if nobody should have published version {v}, "
+            f"then restart the Trainer ({str(e).splitlines()[0][:300]})"
+        )
 
     def record(self, v: int, kind: str, nbytes: int, digest: str | None, started_ms: float) -> None:
         """Record version ``v`` (digest, expected state, head) and announce it.
@@ -248,7 +269,9 @@ class VersionPublisher:
             return
         held = self.held_versions()
         try:
-            plan = retain(self.raw_store, self.cfg.keep_snapshots, held)
+            # Nothing above this Trainer's own head counts: a planted snapshot at v9999999999 must
+            # not move the floor above every real version (issue 24).
+            plan = retain(self.raw_store, self.cfg.keep_snapshots, held, ceiling=self.newest)
         except Exception as e:  # noqa: BLE001 - sorted right below
             if not is_transient(e):
                 raise
