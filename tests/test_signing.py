@@ -375,6 +375,31 @@ def test_cli_signs_and_apply_refuses_forgery(tmp_path: Path, capsys: pytest.Capt
     assert capsys.readouterr().err.count("\n") == 1
 
 
+def test_cli_readers_bind_the_keys_to_the_run_of_version_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``aurora delta apply --trust-key``: run B's signed v2 under run A's names is refused (the run of
+    A's signed version 0 decides, or ``--run``); A's own versions apply."""
+    files = _weights_files(tmp_path, 2)
+    assert main(["keygen", "--out", str(tmp_path / "k")]) == 0
+    priv, pub = str(tmp_path / "k" / PRIVATE_KEY_FILE), str(tmp_path / "k" / PUBLIC_KEY_FILE)
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, run in ((a, "run-a"), (b, "run-b")):
+        url = f"file://{root}"
+        assert main(["snapshot", "create", files[0], "--version", "0", "--store", url, "--sign-key", priv, "--run", run]) == 0
+        assert main(["delta", "create", files[0], files[1], "--version", "1", "--store", url, "--sign-key", priv, "--run", run]) == 0
+    assert (
+        main(["delta", "create", files[1], files[2], "--version", "2", "--store", f"file://{b}", "--sign-key", priv, "--run", "run-b"]) == 0
+    )
+    shutil.copytree(b / "deltas" / "v0000000002", a / "deltas" / "v0000000002")
+    capsys.readouterr()
+    out = str(tmp_path / "out.safetensors")
+    assert main(["delta", "apply", "--version", "1", "--store", f"file://{a}", "--out", out, "--trust-key", pub]) == 0
+    assert main(["delta", "apply", "--version", "2", "--store", f"file://{a}", "--out", out, "--trust-key", pub]) == 1
+    err = capsys.readouterr().err
+    assert "signed for run 'run-b'" in err and "Traceback" not in err
+    # --run names the run outright: bound to run-b, A's own v1 is refused, so nothing reaches v2 either.
+    assert main(["delta", "apply", "--version", "2", "--store", f"file://{a}", "--out", out, "--trust-key", pub, "--run", "run-b"]) == 1
+
+
 def test_counting_store_counts_segments(tmp_path: Path) -> None:
     """The counter the refusals rely on does count: a trusted fetch reads every segment."""
     signer = Signer.generate()

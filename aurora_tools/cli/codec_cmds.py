@@ -128,10 +128,10 @@ def _signer(args: argparse.Namespace) -> Any:
     return signer_from_option(sign_key_path(getattr(args, "sign_key", None)), getattr(args, "key_id", None))
 
 
-def _trust(args: argparse.Namespace) -> Any:
+def _trust(args: argparse.Namespace, store: Any = None) -> Any:
     from aurora_tools.cli.store_cmds import trust_of
 
-    return trust_of(args)
+    return trust_of(args, store)
 
 
 def _load_weights(path: str) -> dict[str, Any]:
@@ -269,7 +269,7 @@ def cmd_delta_apply(args: argparse.Namespace) -> int:
     if os.path.isdir(args.out):
         raise ConfigError(f"--out {args.out}: is a folder; give a file name")
     store = open_store(args.store, storage_options(args.storage_option))
-    trust = _trust(args)
+    trust = _trust(args, store)
     from aurora_tools.cli.store_cmds import commits_of
 
     tensors, state = materialize(store, args.version, progress=say, trust=trust, commits=commits_of(args, store))

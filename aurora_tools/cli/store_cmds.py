@@ -28,11 +28,36 @@ __all__ = [
 ]
 
 
-def trust_of(args: argparse.Namespace) -> TrustKeys | None:
-    """The :class:`~aurora_store.format.signing.TrustKeys` of ``--trust-key`` / ``AURORA_TRUST_KEYS``; None: no check."""
+def trust_of(args: argparse.Namespace, store: Any = None) -> TrustKeys | None:
+    """The :class:`~aurora_store.format.signing.TrustKeys` of ``--trust-key`` / ``AURORA_TRUST_KEYS``; None: no check.
+
+    Bound to one run (:meth:`~aurora_store.format.signing.TrustKeys.for_run`):
+    ``--run NAME`` when given, else the run version 0 of ``store`` was signed
+    for. Why: a key may sign several runs, and another run's signed versions
+    copied under this run's names verify like its own; only the signed
+    ``run`` field tells them apart. Version 0 cannot be replaced (create-only)
+    and is checked against the same keys, so its run is this store's.
+    """
     from aurora_store.format.signing import trust_from_option
 
-    return trust_from_option(trust_key_paths(getattr(args, "trust_key", None)))
+    trust = trust_from_option(trust_key_paths(getattr(args, "trust_key", None)))
+    if trust is None:
+        return None
+    run = getattr(args, "run", None) or (_root_run(store, trust) if store is not None else None)
+    return trust.for_run(run)
+
+
+def _root_run(store: Any, trust: TrustKeys) -> str | None:
+    """The signed ``run`` of ``store``'s version 0 (None: no trusted version 0, as after retention)."""
+    from aurora_store.errors import StoreUnavailable
+    from aurora_store.lineage.fetch import read_manifest
+
+    try:
+        return read_manifest(store, "snapshot", 0, trust).run or None
+    except StoreUnavailable:
+        raise
+    except Exception:  # noqa: BLE001 - absent, refused or malformed: the reader's own checks say so
+        return None
 
 
 def add_commit_check_args(p: argparse.ArgumentParser) -> None:
@@ -44,7 +69,13 @@ def add_commit_check_args(p: argparse.ArgumentParser) -> None:
         help="the run's Redis, for a run that commits through Redis (--commit-via redis): every manifest "
         "is checked against its commit record (with --run)",
     )
-    p.add_argument("--run", default=None, metavar="NAME", help="run name (with --redis)")
+    p.add_argument(
+        "--run",
+        default=None,
+        metavar="NAME",
+        help="run name: with --redis, whose records to check; with --trust-key, accept only versions signed for "
+        "this run (default: the run version 0 was signed for)",
+    )
 
 
 def commits_of(args: argparse.Namespace, store: Any) -> Any:
@@ -142,7 +173,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     from aurora_store.storage import open_store
 
     store = open_store(args.url, storage_options(args.storage_option))
-    lin = read_lineage(store, trust_of(args), commits_of(args, store), head_of(args))
+    lin = read_lineage(store, trust_of(args, store), commits_of(args, store), head_of(args))
     if args.json:
         print(json.dumps(lin.to_json(), indent=1))
         return 0
@@ -182,7 +213,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         args.to_version,
         deep=args.deep,
         progress=say if args.verbose else None,
-        trust=trust_of(args),
+        trust=trust_of(args, store),
         commits=commits_of(args, store),
         ceiling=head_of(args),
     )
@@ -223,7 +254,13 @@ def add_gc_arguments(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="the run's Redis: never delete what live Actors hold or stage, or live Relays mirror",
     )
-    p.add_argument("--run", default=None, metavar="NAME", help="run name (with --redis)")
+    p.add_argument(
+        "--run",
+        default=None,
+        metavar="NAME",
+        help="run name: with --redis, whose records to check; with --trust-key, accept only versions signed for "
+        "this run (default: the run version 0 was signed for)",
+    )
     p.add_argument(
         "--force",
         action="store_true",
@@ -277,7 +314,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             force=args.force,
             dry_run=not args.apply,
             say=print,
-            trust=trust_of(args),
+            trust=trust_of(args, store),
             commits=commits,
             ceiling=ceiling,
         )
