@@ -11,7 +11,18 @@ import pytest
 from aurora_tools.bench.hostile import all_cases
 from aurora_tools.bench.hostile.forge import SEGMENT_MUTATIONS, hostile_segment
 
-KEYS = {"cases", "refused", "applied", "tracebacks", "valid_accepted", "valid_cases", "names", "segment_reads_before_refusal", "results"}
+KEYS = {
+    "cases",
+    "refused",
+    "applied",
+    "tracebacks",
+    "valid_accepted",
+    "valid_cases",
+    "names",
+    "segment_reads_before_refusal",
+    "results",
+    "peak_rss_mb",
+}
 
 
 def test_the_registry_has_every_kind_of_case() -> None:
@@ -19,8 +30,8 @@ def test_the_registry_has_every_kind_of_case() -> None:
     names = [c.name for c in cases]
     assert len(names) == len(set(names))
     attacks = [c for c in cases if c.expected == "refuse"]
-    assert len(attacks) >= 20
-    for group in ("segment", "limits", "signature", "snapshot", "actor"):
+    assert len(attacks) >= 45
+    for group in ("segment", "limits", "signature", "snapshot", "actor", "planted", "oversized", "mirror", "trainer", "ledger"):
         assert any(c.group == group for c in attacks), group
     assert any(c.expected == "accept" for c in cases)
     for name in SEGMENT_MUTATIONS:
@@ -49,3 +60,6 @@ def test_quick_run_refuses_every_attack_and_accepts_the_controls() -> None:
     sig = [r for r in s["results"] if "segment_reads" in r]
     assert sig and all(r["segment_reads"] == 0 for r in sig) and s["segment_reads_before_refusal"] == 0
     assert any(n.startswith("actor:") for n in s["names"]) and any(n.startswith("segment:") for n in s["names"])
+    # Issue 24: a planted object of hundreds of MB costs no reader its size in memory.
+    assert any(n.startswith("oversized:") for n in s["names"]) and any(n.startswith("ledger:") for n in s["names"])
+    assert 0 < s["peak_rss_mb"] < 2048

@@ -1,12 +1,16 @@
-"""``aurora bench hostile``: every attack of issue 13 against the real CLI, plus valid controls.
+"""``aurora bench hostile``: every attack of issues 13 and 24 against the real code, plus valid controls.
 
 Each case forges what someone with write access to the store (but no signing
-key) could write, then runs ``aurora delta apply`` / ``aurora verify`` on it in
-a fresh process and checks the refusal: exit status != 0, one error line, no
-traceback, no output file. Signature cases also count, through a store that
-counts its reads, how many segments of the refused version were read (0).
-Valid controls must be accepted, bit-exact. The builders live in
-:mod:`aurora_tools.bench.hostile.forge` so that tests can share them.
+key), a hostile or failing mirror, or a role's Redis credential could do, then
+runs the real reader, worker or Trainer on it and checks the refusal: for the
+command line, exit status != 0, one error line, no traceback, no output file;
+for a worker, that it survives and applies nothing forged. Signature cases
+also count, through a store that counts its reads, how many segments of the
+refused version were read (0). Valid controls must be accepted, bit-exact.
+``peak_rss_mb`` is the largest resident size of any process of the bench
+(:mod:`aurora_tools.bench.hostile.rss`). The builders live in
+:mod:`aurora_tools.bench.hostile.forge`, the shared runs in
+:mod:`aurora_tools.bench.hostile.runs`, so that tests can share them.
 """
 
 from __future__ import annotations
@@ -33,10 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def all_cases() -> list[Any]:
     """Every case, in the order they run: store and CLI attacks, Actor attacks, then the controls."""
     from aurora_tools.bench.hostile.cases import CASES
+    from aurora_tools.bench.hostile.ledger import LEDGER_CASES
+    from aurora_tools.bench.hostile.mirrors import MIRROR_CASES
+    from aurora_tools.bench.hostile.planted import PLANTED_CASES
     from aurora_tools.bench.hostile.race import RACE_CASES
+    from aurora_tools.bench.hostile.trainer import TRAINER_CASES
     from aurora_tools.bench.hostile.workers import WORKER_CASES
 
-    every = [*CASES, *WORKER_CASES, *RACE_CASES]
+    every = [*CASES, *PLANTED_CASES, *WORKER_CASES, *MIRROR_CASES, *TRAINER_CASES, *LEDGER_CASES, *RACE_CASES]
     attacks = [c for c in every if c.expected == "refuse"]
     return attacks + [c for c in every if c.expected == "accept"]
 
@@ -44,6 +52,7 @@ def all_cases() -> list[Any]:
 def run(quick: bool = False, only: list[str] | None = None, root: Path | None = None) -> dict[str, Any]:
     """Run the selected cases; the summary object ``--json`` prints."""
     from aurora_tools.bench.hostile.cases import Context, run_case
+    from aurora_tools.bench.hostile.rss import peak_rss_mb
 
     chosen = [c for c in all_cases() if (not quick or c.quick) and (not only or any(s in c.name for s in only))]
     with tempfile.TemporaryDirectory(prefix="aurora-hostile-", dir=root) as tmp:
@@ -64,6 +73,7 @@ def run(quick: bool = False, only: list[str] | None = None, root: Path | None = 
         "valid_cases": len(valid),
         "signature_cases": len(sig),
         "segment_reads_before_refusal": sum(r.segment_reads or 0 for r in sig),
+        "peak_rss_mb": peak_rss_mb(),
         "failed": [r.name for r in results if not r.ok],
         "names": [r.name for r in results],
         "results": [r.to_json() for r in results],
@@ -83,7 +93,8 @@ def _table(summary: dict[str, Any]) -> str:
     lines.append(
         f"{s['refused']}/{s['cases']} attacks refused, {s['applied']} applied, {s['tracebacks']} tracebacks; "
         f"{s['valid_accepted']}/{s['valid_cases']} valid controls accepted; "
-        f"{s['segment_reads_before_refusal']} segment reads before {s['signature_cases']} signature refusals"
+        f"{s['segment_reads_before_refusal']} segment reads before {s['signature_cases']} signature refusals; "
+        f"peak RSS {s['peak_rss_mb']:.0f} MB"
     )
     return "\n".join(lines)
 

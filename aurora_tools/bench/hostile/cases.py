@@ -350,7 +350,7 @@ def _signature_case(kind: str, match: str) -> Callable[[Context, Result], None]:
     def run(ctx: Context, res: Result) -> None:
         from aurora_store.errors import AuroraError
         from aurora_store.format.manifest import version_dir
-        from aurora_store.lineage.fetch import materialize
+        from aurora_store.lineage.materialize import materialize
 
         sr = _signed_run(ctx)
         url = sr["urls"][kind]

@@ -223,6 +223,12 @@ class CountingStore(LocalStore):
             type(self).read.append(key)
         return super().get(key)
 
+    def get_capped(self, key: str, limit: int, what: str = "") -> bytes:
+        if not key.endswith("manifest.json") and key.startswith(("deltas/", "snapshots/")):
+            type(self).segment_reads += 1
+            type(self).read.append(key)
+        return super().get_capped(key, limit, what)
+
     @classmethod
     def reset(cls) -> None:
         cls.segment_reads = 0
@@ -248,6 +254,13 @@ class TwoFacedStore:
             if self.reads > 1:
                 return self.later
         return self.inner.get(key, *a, **kw)
+
+    def get_capped(self, key: str, *a: Any, **kw: Any) -> bytes:
+        if key == self.key:
+            self.reads += 1
+            if self.reads > 1:
+                return self.later
+        return self.inner.get_capped(key, *a, **kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from aurora_store.coordination.keys import mirror_token
 from aurora_store.errors import IntegrityError
 from aurora_store.format.manifest import manifest_key, version_dir
 from aurora_store.lineage.fetch import fetch_delta
@@ -185,7 +186,7 @@ def mirror_actor(
             records.record_expected_state(v, st)
     records.record_head(VERSIONS)
     if relay_url is not None:
-        run["client"].set(keys.relay(REGION), relay_url)
+        run["client"].set(keys.relay(REGION), mirror_token(relay_url))  # what a Relay writes for that mirror
     return a, rec
 
 
