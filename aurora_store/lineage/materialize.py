@@ -79,19 +79,25 @@ def materialize(
                 read_manifest(store, kind, v, trust, commits)  # raises what refused it (a signature, a record)
         if whys:
             raise VersionNotFound(f"{store.url}: version {target} is not committed ({'; '.join(whys)})")
-    refused: set[tuple[str, int]] = set()
+    refused: dict[tuple[str, int], str] = {}
     while True:
-        plan = plan_chain(index.without(refused), target)
+        try:
+            plan = plan_chain(index.without(set(refused)), target)
+        except (ChainError, VersionNotFound) as e:
+            if not refused:
+                raise
+            # Say what set the snapshots aside, not that the target vanished from the plan.
+            failed = "; ".join(f"snapshot {v}: {why}" for (_, v), why in sorted(refused.items()))
+            raise ChainError(f"version {target} is unreachable: {failed}") from e
         if plan.snapshot is None:
-            why = f" (snapshot(s) {sorted(v for _, v in refused)} failed their checks)" if refused else ""
-            raise ChainError(f"version {target} is unreachable: no usable snapshot at or below it{why}")
+            raise ChainError(f"version {target} is unreachable: no usable snapshot at or below it")
         try:
             known = reader.get("snapshot", plan.snapshot)
             if known is None and commits is not None:  # refused by its record: say why, never re-read unchecked
                 known = read_manifest(store, "snapshot", plan.snapshot, trust, commits)
             sm, tensors = fetch_snapshot(store, plan.snapshot, streams, known, trust=trust)
         except (FormatError, IntegrityError, VersionNotFound) as e:
-            refused.add(("snapshot", plan.snapshot))
+            refused[("snapshot", plan.snapshot)] = str(e)
             if progress:
                 progress(f"snapshot {plan.snapshot} is unusable ({e}); planning around it")
             continue

@@ -60,6 +60,16 @@ def _root_run(store: Any, trust: TrustKeys) -> str | None:
         return None
 
 
+def _add_run_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--run",
+        default=None,
+        metavar="NAME",
+        help="run name: with --redis, whose records to check; with --trust-key, accept only versions signed for "
+        "this run (default: the run version 0 was signed for)",
+    )
+
+
 def add_commit_check_args(p: argparse.ArgumentParser) -> None:
     """``--redis URL --run NAME``: check a Redis-commit run's manifests against their records (FORMAT.md §1)."""
     p.add_argument(
@@ -69,13 +79,7 @@ def add_commit_check_args(p: argparse.ArgumentParser) -> None:
         help="the run's Redis, for a run that commits through Redis (--commit-via redis): every manifest "
         "is checked against its commit record (with --run)",
     )
-    p.add_argument(
-        "--run",
-        default=None,
-        metavar="NAME",
-        help="run name: with --redis, whose records to check; with --trust-key, accept only versions signed for "
-        "this run (default: the run version 0 was signed for)",
-    )
+    _add_run_arg(p)
 
 
 def commits_of(args: argparse.Namespace, store: Any) -> Any:
@@ -254,13 +258,7 @@ def add_gc_arguments(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="the run's Redis: never delete what live Actors hold or stage, or live Relays mirror",
     )
-    p.add_argument(
-        "--run",
-        default=None,
-        metavar="NAME",
-        help="run name: with --redis, whose records to check; with --trust-key, accept only versions signed for "
-        "this run (default: the run version 0 was signed for)",
-    )
+    _add_run_arg(p)
     p.add_argument(
         "--force",
         action="store_true",
