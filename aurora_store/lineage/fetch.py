@@ -446,4 +446,3 @@ def fetch_snapshot(
             )
     check_weights_digest(store, m, tensors)
     return m, tensors
-
