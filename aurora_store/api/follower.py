@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aurora_store.api.weights import Tensors, copy_into, named_tensors, tied_head
-from aurora_store.apply.sink import FusedWeights, SplitWeights, apply_delta, weights_digest
+from aurora_store.apply.sink import FusedWeights, SplitWeights, apply_delta, digest_as
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.extract import plan_of, unfuse_weights
 from aurora_store.codec.fusion import FusionPlan
@@ -326,7 +326,7 @@ class Follower:
             digest = getattr(target, "digest", None)
             got = digest() if callable(digest) else None
         else:
-            got = weights_digest(dict(named_tensors(target)), plan)
+            got = digest_as(want, dict(named_tensors(target)), plan)
         if got is not None and got != want:
             self.version = self.state = None  # the target no longer holds a known version
             raise IntegrityError(

@@ -42,7 +42,7 @@ WEIGHTS_DIGEST_FIELD = "weights_digest"
 MODEL_FIELD = "model"
 """Version 0's snapshot manifest member listing the files under ``model/`` (FORMAT.md §1)."""
 
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_DIGEST = re.compile(r"^(?:tree-)?sha256:[0-9a-f]{64}$")  # either form of FORMAT.md §4.1
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _MODEL_KEY = re.compile(r"^model/[A-Za-z0-9._-][A-Za-z0-9._/-]{0,254}$")
 
@@ -50,7 +50,7 @@ _MODEL_KEY = re.compile(r"^model/[A-Za-z0-9._-][A-Za-z0-9._/-]{0,254}$")
 def manifest_weights_digest(extra: Mapping[str, Any], where: str) -> str | None:
     """The manifest's ``weights_digest`` (from ``Manifest.extra``), None when absent.
 
-    A present value that is not ``sha256:`` + 64 lowercase hex digits is a bad
+    A present value that is not ``sha256:`` or ``tree-sha256:`` + 64 lowercase hex digits is a bad
     manifest (:class:`~aurora_store.errors.ManifestError`), not "absent": a
     reader must never treat a malformed binding as no binding.
     """
@@ -58,7 +58,7 @@ def manifest_weights_digest(extra: Mapping[str, Any], where: str) -> str | None:
         return None
     d = extra[WEIGHTS_DIGEST_FIELD]
     if not isinstance(d, str) or not _DIGEST.fullmatch(d):
-        raise ManifestError(where, f"weights_digest {str(d)[:80]!r} is not 'sha256:' + 64 hex digits")
+        raise ManifestError(where, f"weights_digest {str(d)[:80]!r} is not 'sha256:' or 'tree-sha256:' + 64 hex digits")
     return d
 
 

@@ -274,14 +274,14 @@ def check_weights_digest(store: Store, m: Manifest, tensors: Mapping[str, torch.
     A snapshot without the field (an older writer) passes: at V > 0 the
     planner never picks one (it is not bound), and version 0 is the root.
     """
-    from aurora_store.apply.sink import weights_digest
+    from aurora_store.apply.sink import digest_as
     from aurora_store.lineage.binding import manifest_weights_digest
 
     where = store.where(manifest_key(m.kind, m.version))
     want = manifest_weights_digest(m.extra, where)
     if want is None:
         return
-    got = weights_digest(tensors)
+    got = digest_as(want, tensors)  # the form the manifest names (FORMAT.md §4.1)
     if got != want:
         raise IntegrityError(f"{where}: the shards hold weights with digest {got[:19]}…, the manifest says {want[:19]}…")
 

@@ -81,7 +81,7 @@ def _utc_now() -> str:
 
 
 _MIB = 1 << 20
-_WEIGHTS_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_WEIGHTS_DIGEST = re.compile(r"^(?:tree-)?sha256:[0-9a-f]{64}$")
 
 #: Target size of one snapshot shard.
 DEFAULT_SHARD_BYTES = 1 << 30
@@ -385,7 +385,7 @@ def _checked_digest(digest: str | None) -> dict[str, Any]:
     if digest is None:
         return {}
     if not _WEIGHTS_DIGEST.fullmatch(digest):
-        raise ConfigError(f"weights_digest {digest[:80]!r} is not 'sha256:' + 64 hex digits")
+        raise ConfigError(f"weights_digest {digest[:80]!r} is not 'sha256:' or 'tree-sha256:' + 64 hex digits")
     return {WEIGHTS_DIGEST_FIELD: digest}
 
 
@@ -402,8 +402,12 @@ def publish_snapshot(
     signer: Signer | None = None,
     model: Sequence[ModelFile] | None = None,
     commit: Callable[[str, int, bytes], None] | None = None,
+    tree_digest: bool = False,
 ) -> Manifest:
     """Write full weights (fused names) as shards, then the manifest.
+
+    ``tree_digest``: the manifest's ``weights_digest`` in the tree form (FORMAT.md §4.1),
+    hashed a tensor per thread; a writer uses one form throughout a run.
 
     ``attempt``, ``created_at``, ``signer`` and ``commit``: as for :func:`publish_delta` (a retry writes equal bytes).
 
@@ -417,7 +421,7 @@ def publish_snapshot(
     """
     from safetensors.torch import save
 
-    from aurora_store.apply.sink import weights_digest
+    from aurora_store.apply.sink import tree_weights_digest, weights_digest
 
     cfg = config or PublishConfig()
     attempt = attempt or new_attempt_id()
@@ -463,7 +467,9 @@ def publish_snapshot(
         producer={"name": PRODUCER_NAME, "version": __version__, **(producer or {})},
         created_at=created_at or _utc_now(),
         extra={
-            WEIGHTS_DIGEST_FIELD: weights_digest({n: t.detach().cpu().contiguous() for n, t in tensors.items()}),
+            WEIGHTS_DIGEST_FIELD: (tree_weights_digest if tree_digest else weights_digest)(
+                {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
+            ),
             **({MODEL_FIELD: model_listing(model)} if model is not None else {}),
         },
     )
