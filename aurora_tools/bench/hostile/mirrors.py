@@ -25,7 +25,7 @@ from typing import Any
 from aurora_tools.bench.hostile.cases import Case, Context, Result
 from aurora_tools.bench.hostile.planted import RSS_SLACK_MB, sparse
 from aurora_tools.bench.hostile.rss import run_measured
-from aurora_tools.bench.hostile.workers import VERSIONS, _mirror_run, mirror_actor
+from aurora_tools.bench.hostile.workers import VERSIONS, _mirror_run, mirror_actor, true_mirror_url
 
 __all__ = ["MIRROR_CASES", "bound_mirror_run"]
 
@@ -111,10 +111,7 @@ def _mirror_only_snapshot(ctx: Context, res: Result) -> None:
 
 def _mirror_outage(ctx: Context, res: Result) -> None:
     run = _mirror_run(ctx)
-    tmp: Path = run["tmp"]
-    if not (tmp / "true-mirror").exists():
-        shutil.copytree(tmp / "origin", tmp / "true-mirror")
-    url = f"file://{tmp}/true-mirror"
+    url = true_mirror_url(run)
 
     def refused(what: str, fn: Any) -> Any:
         raise ConnectionRefusedError(111, "Connection refused (the mirror's server is stopped)")
@@ -138,10 +135,7 @@ def _mirror_outage(ctx: Context, res: Result) -> None:
 
 def _slow_mirror(ctx: Context, res: Result) -> None:
     run = _mirror_run(ctx)
-    tmp: Path = run["tmp"]
-    if not (tmp / "true-mirror").exists():
-        shutil.copytree(tmp / "origin", tmp / "true-mirror")
-    url = f"file://{tmp}/true-mirror"
+    url = true_mirror_url(run)
 
     def slow(what: str, fn: Any) -> Any:
         time.sleep(SLOW_S)

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from aurora_tools.bench.hostile.cases import CliRun
+
 __all__ = ["AS_LIMIT", "Measured", "run_measured", "peak_rss_mb", "limit_address_space"]
 
 AS_LIMIT = 8 << 30
@@ -40,21 +42,10 @@ def limit_address_space(limit: int = AS_LIMIT) -> Callable[[], None]:
 
 
 @dataclass(frozen=True)
-class Measured:
-    """A finished child: exit status, its output, and its own peak resident size."""
+class Measured(CliRun):
+    """A finished child: exit status, its output (:class:`CliRun`), and its own peak resident size."""
 
-    rc: int
-    out: str
-    err: str
     peak_mb: float
-
-    @property
-    def traceback(self) -> bool:
-        return "Traceback" in self.out or "Traceback" in self.err
-
-    @property
-    def error_lines(self) -> list[str]:
-        return [ln for ln in self.err.splitlines() if ln.startswith("aurora: error")]
 
 
 def run_measured(argv: Sequence[str], env: dict[str, str] | None = None, timeout: float = 300.0, limit: int | None = AS_LIMIT) -> Measured:

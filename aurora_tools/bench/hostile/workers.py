@@ -231,6 +231,14 @@ def _two_faced(ctx: Context, res: Result) -> None:
         res.applied, res.outcome = True, "applied"
 
 
+def true_mirror_url(run: dict[str, Any]) -> str:
+    """URL of a plain, true copy of the run's origin (made at its first use): the honest mirror."""
+    tmp: Path = run["tmp"]
+    if not (tmp / "true-mirror").exists():
+        shutil.copytree(tmp / "origin", tmp / "true-mirror")
+    return f"file://{tmp}/true-mirror"
+
+
 def _forged_chain(ctx: Context, res: Result) -> None:
     run = _mirror_run(ctx)
     url = f"file://{run['tmp']}/forged-mirror"
@@ -243,10 +251,7 @@ def _forged_chain(ctx: Context, res: Result) -> None:
 
 def _valid_mirror(ctx: Context, res: Result) -> None:
     run = _mirror_run(ctx)
-    tmp: Path = run["tmp"]
-    if not (tmp / "true-mirror").exists():
-        shutil.copytree(tmp / "origin", tmp / "true-mirror")
-    url = f"file://{tmp}/true-mirror"
+    url = true_mirror_url(run)
     a, rec = mirror_actor(run, url, mirror=url)
     a.stager.stage_once()
     _judge(res, run, a, rec, [(v, True) for v in range(1, VERSIONS + 1)], "every version read from the mirror")
