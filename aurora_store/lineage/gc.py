@@ -25,6 +25,12 @@ them (Redis away) propagates: retention never deletes blind. Deletion goes
 manifest first, so a version disappears before its objects; a collection
 cut short leaves orphans, which the next one removes.
 
+Results that Actors wrote to the store (``results/<actor id>/``,
+:mod:`aurora_store.lineage.results`) are no version's: the Trainer
+deletes each once it has read it, and what is left (a settle the ledger
+refused, a Trainer that died before reading) goes once older than the grace,
+like an orphan. Weight readers never look there (like ``eval/``).
+
 Only versions that count (:mod:`aurora_store.lineage.trusted`: trusted, on
 the chain, at or below the Trainer's head when the caller has it) decide the
 floor: anyone can plant ``snapshots/v9999999999`` and would otherwise move the
@@ -51,6 +57,7 @@ from aurora_store.format.manifest import manifest_key, version_dir
 from aurora_store.lineage.interfaces import HeldVersions
 from aurora_store.lineage.plan import VersionIndex, plan_chain
 from aurora_store.lineage.report import Lineage, read_lineage
+from aurora_store.lineage.results import RESULTS_PREFIX
 from aurora_store.storage import Store
 from aurora_store.storage.base import TEMP_PREFIX
 
@@ -118,6 +125,10 @@ class GcPlan:
     """The versions live holders reported; None when nobody was asked (no Redis)."""
     temp_files: list[str] = field(default_factory=list)
     """Temporary files (``.tmp-*``) older than the grace: writers that died."""
+    results: list[str] = field(default_factory=list)
+    """Result objects (``results/``) older than the grace: nobody will read them any more."""
+    young_results: int = 0
+    """Result objects spared: a batch still open may refer to them."""
     young_temp_files: int = 0
     """Temporary files spared: they may be being written."""
     dry_run: bool = True
@@ -138,11 +149,13 @@ class GcPlan:
         for k, v in self.versions:
             m = lin.manifests[(k, v)] if (k, v) in lin.manifests else lin.uncounted[(k, v)]
             out.extend(f"{version_dir(k, v)}/{s.key}" for s in m.segments)
-        return out + self.orphans + self.temp_files
+        return out + self.orphans + self.temp_files + self.results
 
     def summary(self) -> str:
         """One line: what went (or would go) and what was kept."""
         what = f"{len(self.versions)} version(s), {len(self.orphans)} orphan(s), {len(self.temp_files)} temporary file(s)"
+        if self.results:
+            what += f", {len(self.results)} result object(s)"
         line = f"would remove {what}" if self.dry_run else f"removed {self.removed} object(s): {what}"
         line += f"; kept snapshots {self.kept_snapshots}"
         if self.kept_for_held:
@@ -316,6 +329,12 @@ def retain(
             plan.temp_files.append(key)
         else:
             plan.young_temp_files += 1
+    for key in store.list(RESULTS_PREFIX):
+        a = age(key)
+        if a is not None and a >= grace_s:
+            plan.results.append(key)
+        else:
+            plan.young_results += 1
     plan.dry_run = dry_run
     keys = plan.keys(lin)
     if say is not None:
@@ -338,6 +357,8 @@ def _report(plan: GcPlan, grace_s: float, say: Callable[[str], None]) -> None:
         say(f"{verb} {len(plan.orphans)} orphan object(s)")
     if plan.temp_files:
         say(f"{verb} {len(plan.temp_files)} temporary file(s) older than {grace_s:.0f}s")
+    if plan.results:
+        say(f"{verb} {len(plan.results)} result object(s) older than {grace_s:.0f}s (results/: read, or never settled)")
     if plan.kept_for_held:
         say(
             f"keeping {len(plan.kept_for_held)} version(s) that live Actors still need (or live Relays mirror): "

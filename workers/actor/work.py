@@ -15,7 +15,9 @@ from typing import Any
 
 from aurora_store import metrics
 from aurora_store.coordination.ledger import Lease
-from aurora_store.outage import riding
+from aurora_store.errors import AuroraError, OutageTooLong, StoreError
+from aurora_store.lineage.results import ResultRefused, parse_reference, results_prefix, write_result
+from aurora_store.outage import is_transient, riding
 from workers.actor.context import ActorContext
 
 __all__ = ["MAX_NEW_TOKENS_LIMIT", "WorkLoop"]
@@ -120,17 +122,56 @@ class WorkLoop:
                 "new_tokens": sum(len(x.token_ids) for x in comps),
                 "gen_s": gen_s / len(leases),
             }
-            items.append((le, h.active, h.active_state, json.dumps(body).encode()))
+            items.append((le, h.active, h.active_state, self.settled_payload(le, json.dumps(body).encode())))
         # Settling is idempotent per (Actor, lease token): a retry after a lost answer
         # reads ``duplicate`` for what the first attempt already settled.
-        for st in c.redis_call(lambda: c.ledger.settle_many(cfg.actor_id, items), "settle"):
+        answers = c.redis_call(lambda: c.ledger.settle_many(cfg.actor_id, items), "settle")
+        for st, (_, _, _, payload) in zip(answers, items, strict=False):
             metrics.active().settled(cfg.actor_id, cfg.region, st.reason)
             if st.accepted or st.reason == "duplicate":
                 c.stats.settled += 1
             else:
                 c.stats.rejected[st.reason] = c.stats.rejected.get(st.reason, 0) + 1
+                self.forget_result(payload)
         c.stats.tokens += gen.new_tokens
         metrics.active().generated(cfg.actor_id, cfg.region, len(leases), gen.new_tokens, gen_s)
+
+    def settled_payload(self, lease: Lease, data: bytes) -> bytes:
+        """What the ledger settles for result ``data``: itself, or when larger than the threshold a reference to it in the store.
+
+        Why: at real sizes a step's results are hundreds of MB, too much for
+        one Redis node; the store takes them, under this Actor's own
+        ``results/<actor id>/`` folder (:mod:`aurora_store.lineage.results`).
+        The write rides out a store outage like every other store call.
+        """
+        c = self.ctx
+        if len(data) <= max(0, c.cfg.result_inline_max_bytes):
+            return data
+        try:
+            ref = c.store_call(lambda: write_result(c.origin, c.cfg.actor_id, lease.step_id, lease.token, data), "write a result")
+        except (OSError, AuroraError) as e:
+            if is_transient(e) or isinstance(e, OutageTooLong):
+                raise
+            raise StoreError(
+                f"{c.cfg.actor_id}: cannot write a {len(data)}-byte result under {results_prefix(c.cfg.actor_id)} in the run root "
+                f"({type(e).__name__}: {str(e)[:200]}): give this Actor's store credential that folder (docs/SECURITY.md) "
+                f"or raise --result-inline-max-bytes above its results"
+            ) from None
+        c.stats.results_through_store += 1
+        return ref
+
+    def forget_result(self, payload: bytes) -> None:
+        """Delete the object a refused settle referred to (best effort: retention removes what is left)."""
+        try:
+            ref = parse_reference(payload)
+        except ResultRefused:
+            return
+        if ref is None:
+            return
+        try:
+            self.ctx.origin.delete(ref.key)
+        except Exception as e:  # noqa: BLE001 - a leftover costs only its bytes until retention
+            log.debug("%s: could not delete %s: %s", self.ctx.cfg.actor_id, ref.key, e)
 
 
 MAX_GROUP = 1024

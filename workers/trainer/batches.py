@@ -16,7 +16,9 @@ from collections.abc import Callable, Mapping
 from aurora_store.clock import Clock
 from aurora_store.coordination.ledger import AcceptedResult, Ledger
 from aurora_store.coordination.records import RunRecords
+from aurora_store.storage import Store
 from workers.trainer.config import TrainerConfig
+from workers.trainer.results import ResultReader, max_result_bytes
 from workers.trainer.scheduling import (
     Collected,
     Prompts,
@@ -56,6 +58,7 @@ class BatchBook:
         restore_fence: Callable[[], None],
         stop: threading.Event,
         clock: Clock,
+        store: Store | None = None,
     ) -> None:
         self.ledger = ledger
         self.records = records
@@ -77,6 +80,10 @@ class BatchBook:
         self.completion_ms: list[float] = []
         """How long prompts took from lease to settle (the lease length follows them)."""
         self.counts = Collected()
+        self.results = (
+            ResultReader(store, max_result_bytes(cfg.group, cfg.max_new_tokens), clock, streams=cfg.streams) if store is not None else None
+        )
+        """Reads the results Actors wrote to the store (their counts: ``through_store``, ``refused``)."""
 
     def create(self, b: int, gen_version: int) -> tuple[list[str], list[str]]:
         """Issue batch ``b`` on ``gen_version`` split over the eligible Actors; returns (eligible, excluded)."""
@@ -173,9 +180,12 @@ class BatchBook:
                     prompts=[pid for pid, _ in self.prompts[b]],
                     state=self.states.get(self.gen_of[b]),
                 )
-                return
             except _Reissued:
                 continue
+            if self.results is not None:
+                # The batch is closed and dropped from the ledger: its references are read now, in parallel.
+                self.results.resolve(b, self.collected[b])
+            return
 
     def update_tau(self, gen_tok: Mapping[str, int], gen_s: Mapping[str, float]) -> None:
         """Throughput estimates: tokens/s each Actor reported for its own generation."""

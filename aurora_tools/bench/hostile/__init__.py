@@ -41,10 +41,11 @@ def all_cases() -> list[Any]:
     from aurora_tools.bench.hostile.mirrors import MIRROR_CASES
     from aurora_tools.bench.hostile.planted import PLANTED_CASES
     from aurora_tools.bench.hostile.race import RACE_CASES
+    from aurora_tools.bench.hostile.results import RESULTS_CASES
     from aurora_tools.bench.hostile.trainer import TRAINER_CASES
     from aurora_tools.bench.hostile.workers import WORKER_CASES
 
-    every = [*CASES, *PLANTED_CASES, *WORKER_CASES, *MIRROR_CASES, *TRAINER_CASES, *LEDGER_CASES, *RACE_CASES]
+    every = [*CASES, *PLANTED_CASES, *WORKER_CASES, *MIRROR_CASES, *TRAINER_CASES, *LEDGER_CASES, *RESULTS_CASES, *RACE_CASES]
     attacks = [c for c in every if c.expected == "refuse"]
     return attacks + [c for c in every if c.expected == "accept"]
 

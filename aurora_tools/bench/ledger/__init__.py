@@ -39,20 +39,25 @@ CPU-bound numbers (client-side Python is usually the limit, not Redis).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import math
 import os
+import tempfile
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import redis
 
+from aurora_store.lineage.results import DEFAULT_INLINE_MAX_BYTES
 from aurora_tools.bench.ledger.counting import (
     CallCounter,
     CountingConnection,
     counting_client,
     counting_cluster_client,
 )
+from aurora_tools.bench.ledger.results import through_store
 from aurora_tools.bench.ledger.sim import SimConfig, run_config
 
 __all__ = [
@@ -72,6 +77,8 @@ TARGET_SETTLED_PER_S = 5_000.0
 TARGET_ROUND_TRIPS_PER_PROMPT = 10.0
 TARGET_P99_SETTLE_MS = 20.0
 DEFAULT_ACTORS = (8, 32, 128, 256, 1000)
+_PENDING_STORE = "pending:"
+"""A results store still to be made (a temporary directory): no ``--results-store`` was given."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +121,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="many",
         help="one settle_many per claimed batch (many: what Actors do, the default) or one settle call per lease (single)",
     )
-    parser.add_argument("--payload-bytes", type=int, default=256, help="size of each result payload")
+    parser.add_argument(
+        "--payload-bytes",
+        type=int,
+        default=256,
+        help="size of each result payload; above --inline-max-bytes it goes through the store and the ledger carries a reference",
+    )
+    parser.add_argument(
+        "--inline-max-bytes",
+        type=int,
+        default=DEFAULT_INLINE_MAX_BYTES,
+        help=f"largest payload settled through Redis as it is, as the Actor's --result-inline-max-bytes (default {DEFAULT_INLINE_MAX_BYTES})",
+    )
+    parser.add_argument(
+        "--results-store",
+        default="",
+        metavar="URL",
+        help="run root large results are written to and read from (default: a fresh local directory, removed at the end)",
+    )
     parser.add_argument(
         "--lease-ms",
         type=int,
@@ -148,6 +172,10 @@ def _configs(args: argparse.Namespace) -> list[SimConfig]:
         actors = [actors]
     prompts = int(getattr(args, "prompts", 40_000) or 40_000)
     claim = int(getattr(args, "claim", 8) or 8)
+    payload = int(getattr(args, "payload_bytes", 256) or 0)
+    inline = getattr(args, "inline_max_bytes", None)
+    inline = DEFAULT_INLINE_MAX_BYTES if inline is None else int(inline)
+    given_store = str(getattr(args, "results_store", "") or "")
     out = []
     for n in (int(a) for a in actors):
         base = SimConfig(
@@ -157,11 +185,13 @@ def _configs(args: argparse.Namespace) -> list[SimConfig]:
             claim=claim,
             workers=int(getattr(args, "workers", 0) or max(1, os.cpu_count() or 1)),
             settle_mode=str(getattr(args, "settle", "many") or "many"),
-            payload_bytes=int(getattr(args, "payload_bytes", 256) or 0),
+            payload_bytes=payload,
             lease_ms=int(getattr(args, "lease_ms", 200) or 200),
             expire=float(getattr(args, "expire", 0.002) if getattr(args, "expire", None) is not None else 0.002),
             churn=float(getattr(args, "churn", 0.01) if getattr(args, "churn", None) is not None else 0.01),
             seed=int(getattr(args, "seed", 0) or 0),
+            inline_max_bytes=inline,
+            results_store=given_store or (_PENDING_STORE if through_store(payload, inline) else ""),
         )
         steps = int(getattr(args, "steps", 0) or 0) or max(3, math.ceil(prompts / base.prompts_per_step()))
         cfg = SimConfig(**{**base.__dict__, "steps": steps})
@@ -221,7 +251,20 @@ def _opening(target: _Target, opened: list[Any], key: str) -> Any:
 def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     configs = _configs(args)
     cluster = bool(getattr(args, "cluster", False))
-    sweep = []
+    sweep: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        if any(c.results_store == _PENDING_STORE for c in configs):
+            # No store given: a fresh local directory, gone at the end (the results are read and deleted anyway).
+            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="aurora-bench-results-"))
+            configs = [
+                dataclasses.replace(c, results_store=f"file://{root}/run") if c.results_store == _PENDING_STORE else c for c in configs
+            ]
+        redis_version = _sweep(configs, cluster, sweep, log)
+    return _result(configs, cluster, sweep, redis_version)
+
+
+def _sweep(configs: list[SimConfig], cluster: bool, sweep: list[dict[str, Any]], log: Callable[[str], None]) -> str:
+    """Run every configuration into ``sweep``; returns the server's version."""
     with _Target(cluster) as target:
         probe = target.stats_for("aurora:{probe}:x")
         redis_version = str(probe.info("server").get("redis_version", "?"))
@@ -229,7 +272,8 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = lambda 
         for cfg in configs:
             log(
                 f"ledger bench: {cfg.actors} actors in {cfg.regions} regions, {cfg.steps} steps of {cfg.prompts_per_step()} prompts, "
-                f"settle={cfg.settle_mode}{' on a Redis Cluster' if cluster else ''} ..."
+                f"settle={cfg.settle_mode}{' on a Redis Cluster' if cluster else ''}, {cfg.payload_bytes}-byte payloads"
+                f"{' through the store' if cfg.through_store() else ''} ..."
             )
             trainer = target.trainer_client()
             opened: list[Any] = []
@@ -239,6 +283,10 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = lambda 
                 trainer.close()
                 for c in opened:
                     c.close()
+    return redis_version
+
+
+def _result(configs: list[SimConfig], cluster: bool, sweep: list[dict[str, Any]], redis_version: str) -> dict[str, Any]:
     head = max(sweep, key=lambda r: (r["actors"], -r["settled_per_s"]))
     first = configs[0]
     return {
@@ -279,6 +327,16 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = lambda 
         "ok": all(r["ok"] for r in sweep),
         "redis_version": redis_version,
         "cpus": os.cpu_count(),
+        "payload_bytes": first.payload_bytes,
+        "inline_max_bytes": first.inline_max_bytes,
+        "through_store": head["through_store"],
+        "redis_payload_bytes_per_prompt": head["redis_payload_bytes_per_prompt"],
+        "store_payload_bytes_per_prompt": head["store_payload_bytes_per_prompt"],
+        "store_mb_per_s": head["store_mb_per_s"],
+        "p50_result_write_ms": head["p50_result_write_ms"],
+        "p99_result_write_ms": head["p99_result_write_ms"],
+        "trainer_read_s": head.get("trainer_read_s", 0.0),
+        "trainer_read_mb_per_s": head.get("trainer_read_mb_per_s", 0.0),
         "sweep": sweep,
     }
 
@@ -302,6 +360,16 @@ def _fmt_table(result: dict[str, Any]) -> str:
             f"{r['server_commands_per_prompt']:>14.2f} {r['redis_cpu_us_per_settle']:>15.1f} {100 * r['redis_cpu_share']:>8.0f}% "
             f"{r['expired']:>4} {str(r['leaves']) + '/' + str(r['joins']):>7} {'yes' if r['ok'] else 'NO':>3}"
         )
+    if result.get("through_store"):
+        lines.append(
+            f"results of {result['payload_bytes']} bytes through the store (inline up to {result['inline_max_bytes']}): "
+            f"{result['redis_payload_bytes_per_prompt']:.0f} bytes/prompt through Redis, "
+            f"{result['store_payload_bytes_per_prompt']:.0f} through the store ({result['store_mb_per_s']:.0f} MB/s written); "
+            f"write p50 {result['p50_result_write_ms']:.1f} ms, p99 {result['p99_result_write_ms']:.1f} ms; "
+            f"the Trainer read them at {result['trainer_read_mb_per_s']:.0f} MB/s"
+        )
+    else:
+        lines.append(f"results of {result['payload_bytes']} bytes through Redis (inline up to {result['inline_max_bytes']})")
     t, met = result["targets"], result["targets_met"]
     lines.append(
         f"targets: >= {t['settled_per_s']:.0f} settled/s: {'met' if met['settled_per_s'] else 'NOT met'} "

@@ -45,7 +45,9 @@ from aurora_store.coordination.ledger import Lease, Ledger
 from aurora_store.coordination.ledger import scripts as lua
 from aurora_store.coordination.redisconn import is_cluster_url
 from aurora_store.coordination.scheduler import split
+from aurora_store.lineage.results import DEFAULT_INLINE_MAX_BYTES
 from aurora_tools.bench.ledger.counting import CallCounter, counting_client, counting_cluster_client
+from aurora_tools.bench.ledger.results import ActorWrites, TrainerReads, through_store, write_summary
 
 __all__ = ["SimConfig", "run_config", "STATE"]
 
@@ -53,6 +55,7 @@ STATE = "sha256:" + "ab" * 32
 HEARTBEAT_TIMEOUT_MS = 60_000
 _IDLE_CLAIM_S = 0.02
 _STEP_TIMEOUT_S = 300.0
+_HEARTBEAT_AGAIN_S = HEARTBEAT_TIMEOUT_MS / 1000 / 4
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,13 @@ class SimConfig:
     churn: float = 0.01
     """Fraction of Actors that leave (and are replaced by a new one) per step."""
     seed: int = 0
+    inline_max_bytes: int = DEFAULT_INLINE_MAX_BYTES
+    """Payloads larger than this go through the store (``results_store``), as the Actor's ``--result-inline-max-bytes``."""
+    results_store: str = ""
+    """Run root the Actors write large results to and the Trainer reads them from."""
+
+    def through_store(self) -> bool:
+        return through_store(self.payload_bytes, self.inline_max_bytes)
 
     def prompts_per_step(self) -> int:
         return self.step_prompts if self.step_prompts > 0 else max(self.actors * self.claim, 2000)
@@ -83,6 +93,8 @@ class SimConfig:
             raise ValueError("--expire must be in [0, 0.3) and --churn in [0, 0.5]")
         if self.settle_mode not in ("many", "single"):
             raise ValueError(f"settle mode {self.settle_mode!r}")
+        if self.through_store() and not self.results_store:
+            raise ValueError("payloads above the inline threshold need a results store")
 
 
 def _client(url: str, counter: CallCounter) -> Any:
@@ -115,6 +127,12 @@ class _Actors:
         self.ledger = Ledger(self.client, run)
         self.rng = random.Random(cfg.seed * 1000 + index)
         self.payload = b"r" * cfg.payload_bytes
+        self.writes = ActorWrites(cfg.results_store, cfg.payload_bytes) if cfg.through_store() else None
+        self.redis_payload_bytes = 0
+        self.beat_at: dict[str, float] = dict.fromkeys(names, time.monotonic())  # the Trainer's setup heartbeat them
+        self.looked_at = 0.0
+        """When each Actor last heartbeat: a step longer than the reaper's timeout (results written
+        to a slow store) has them heartbeat again, as a real Actor's heartbeat thread does."""
         self.mine = list(names)
         self.regions = dict(regions)
         self.lat: list[float] = []
@@ -154,16 +172,20 @@ class _Actors:
     def settle(self, a: str, leases: Sequence[Lease]) -> None:
         if not leases:
             return
+        # Written before the settle, as the Actor does; the settle latency is the ledger's alone.
+        w = self.writes
+        payloads = [w.payload(a, le.step_id, le.token) for le in leases] if w is not None else [self.payload] * len(leases)
+        self.redis_payload_bytes += sum(map(len, payloads))
         if self.cfg.settle_mode == "many":
             t0 = time.perf_counter()
-            res = self.ledger.settle_many(a, [(le, le.version, STATE, self.payload) for le in leases])
+            res = self.ledger.settle_many(a, [(le, le.version, STATE, p) for le, p in zip(leases, payloads, strict=True)])
             dt = (time.perf_counter() - t0) * 1e3
             self.lat.extend([dt] * len(res))
         else:
             res = []
-            for le in leases:
+            for le, p in zip(leases, payloads, strict=True):
                 t0 = time.perf_counter()
-                res.append(self.ledger.settle(a, le, le.version, STATE, self.payload))
+                res.append(self.ledger.settle(a, le, le.version, STATE, p))
                 self.lat.append((time.perf_counter() - t0) * 1e3)
         for le, s in zip(leases, res, strict=True):
             if s.accepted:
@@ -180,6 +202,18 @@ class _Actors:
         if not self.ledger.heartbeat(a, active=v, staged=v, active_state=STATE):
             raise RuntimeError(f"{a}: heartbeat refused")
         self.stats["heartbeats"] += 1
+        self.beat_at[a] = time.monotonic()
+
+    def still_alive(self, v: int) -> None:
+        """Every Actor of this process whose last heartbeat is older than :data:`_HEARTBEAT_AGAIN_S` heartbeats
+        (looked at once a second): what each real Actor's heartbeat thread does while it generates."""
+        now = time.monotonic()
+        if now - self.looked_at < 1.0:
+            return
+        self.looked_at = now
+        for a in self.mine:
+            if now - self.beat_at.get(a, now) > _HEARTBEAT_AGAIN_S:
+                self.heartbeat(a, v)
 
     def replace(self, a: str, v: int) -> str:
         """``a`` leaves gracefully; a new Actor joins in its region and reports the step's version."""
@@ -208,6 +242,7 @@ class _Actors:
             if a in beat:
                 self.heartbeat(a, v)
                 beat.discard(a)
+            self.still_alive(v)
             leases = self.claim(a, v)
             if leases is None:
                 return
@@ -230,6 +265,7 @@ class _Actors:
     def sweep(self, v: int, turn: int) -> int:
         """One claim for leftovers (expired leases, released work) by the next Actor in turn."""
         a = self.mine[turn % len(self.mine)]
+        self.still_alive(v)
         leases = self.claim(a, v)
         if leases is None:
             return -1
@@ -281,7 +317,8 @@ def _drive(
     rt, cmds = me.counter.snapshot()
     cpu = time.process_time() - cpu0
     me.client.close()
-    tx.send(("report", me.lat, me.claim_lat, me.stats, me.refused, rt, cmds, me.last_settle, cpu))
+    store = (me.writes.write_ms, me.writes.bytes) if me.writes is not None else ([], 0)
+    tx.send(("report", me.lat, me.claim_lat, me.stats, me.refused, rt, cmds, me.last_settle, cpu, me.redis_payload_bytes, *store))
 
 
 def _percentile(xs: Sequence[float], q: float) -> float:
@@ -403,6 +440,7 @@ def run_config(url: str, cfg: SimConfig, stats_for: Callable[[str], Any], traine
         ledger.create_step(v, STATE, jobs, quotas, group=8, lease_ms=cfg.lease_ms, version=v)
 
     create(1)
+    reads = TrainerReads(cfg.results_store, cfg.payload_bytes) if cfg.through_store() else None
     workers = _Workers(url, run, cfg, names, regions)
     ok = True
     try:
@@ -439,11 +477,14 @@ def run_config(url: str, cfg: SimConfig, stats_for: Callable[[str], Any], traine
             closed = ledger.close_step(v)
             got = [r.prompt for r in closed.results]
             ok = ok and closed.total == closed.settled == len(got) == len(set(got)) and set(got) == expected[v]
+            if reads is not None:  # the Trainer reads the step's results from the store, as it does at a batch's close
+                ok = reads.resolve(v, closed.results) and ok
             ledger.reap(HEARTBEAT_TIMEOUT_MS)
         trainer_cpu = time.process_time() - trainer_cpu0
         reports = workers.expect("report")
     finally:
         workers.close()
+        read_report = reads.close() if reads is not None else {}
 
     lat = [x for r in reports for x in r[1]]
     claim_lat = [x for r in reports for x in r[2]]
@@ -464,6 +505,20 @@ def run_config(url: str, cfg: SimConfig, stats_for: Callable[[str], Any], traine
     ok = ok and n_refused == 0 and stats["accepted"] == settled
     redis_cpu = cpu_after - cpu_before
     cpus = mp.cpu_count()
+    redis_payload = sum(r[9] for r in reports)
+    store_bytes = sum(r[11] for r in reports)
+    moved = {
+        "payload_bytes": cfg.payload_bytes,
+        "inline_max_bytes": cfg.inline_max_bytes,
+        "through_store": cfg.through_store(),
+        "redis_payload_bytes": redis_payload,
+        "store_payload_bytes": store_bytes,
+        "redis_payload_bytes_per_prompt": redis_payload / max(1, settled),
+        "store_payload_bytes_per_prompt": store_bytes / max(1, settled),
+        "store_mb_per_s": store_bytes / 1e6 / wall if wall > 0 else 0.0,
+        **write_summary([x for r in reports for x in r[10]]),
+        **read_report,
+    }
     return {
         "actors": cfg.actors,
         "prompts": settled,
@@ -510,5 +565,6 @@ def run_config(url: str, cfg: SimConfig, stats_for: Callable[[str], Any], traine
         "refused": n_refused,
         "late_settles": stats["late"],
         "refused_by_reason": refused,
+        **moved,
         "ok": ok,
     }
