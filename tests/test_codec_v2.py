@@ -1,4 +1,4 @@
-"""Format 2 (docs/FORMAT.md, "Proposed: format 2"): ``rice`` indices and ``planes`` values.
+"""Format 2 (docs/FORMAT.md §3.1): ``rice`` indices and ``planes`` values.
 
 Round trips on both kernel paths (compiled and the plain-Python twins, which
 must accept and refuse exactly the same streams), edge cases (empty, every
@@ -271,13 +271,17 @@ def _segments(opts: EncodeOptions) -> tuple[list[tuple[str, bytes]], FusionPlan,
     return segs, plan, base, new
 
 
-def test_writer_default_stays_format_1_and_v2_options_write_format_2() -> None:
-    for opts, fmt in ((EncodeOptions(), "1"), (AUTO_V2, "2"), (ONLY_V2, "2")):
+def test_writer_default_is_format_2_and_format_1_when_asked() -> None:
+    for opts, fmt in ((EncodeOptions(), "2"), (EncodeOptions(format=1), "1"), (AUTO_V2, "2"), (ONLY_V2, "2")):
         assert opts.format == int(fmt)
         segs, plan, base, new = _segments(opts)
         for where, data in segs:
             meta, _ = parse_safetensors(data, where)
             assert meta["aurora.format"] == fmt
+            if fmt == "1":
+                # Nothing a format-1 reader lacks: it reads the segment.
+                assert all(m["encoding"] != "rice" and m.get("val_codec") != "planes" for m in json.loads(meta["aurora.entries"]))
+                decode_segment(data, where, plan.specs(), formats=("1",))
             if fmt == "2":
                 assert {m["encoding"] for m in json.loads(meta["aurora.entries"])} <= {
                     "rice",
@@ -410,7 +414,7 @@ def test_format_2_versions_through_publish_fetch_apply(tmp_path) -> None:
 def test_real_deltas_of_the_demo_model_round_trip() -> None:
     from aurora_tools.bench.codec.real import real_deltas
 
-    r = real_deltas({"auto": EncodeOptions(), "auto_v2": AUTO_V2}, steps=1)
+    r = real_deltas({"auto": EncodeOptions(format=1), "auto_v2": AUTO_V2}, steps=1)
     assert r["lossless"] is True and r["changed"] > 0
     assert r["bytes_per_changed"]["auto_v2"] < r["bytes_per_changed"]["auto"]
 

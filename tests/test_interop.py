@@ -156,12 +156,14 @@ def steps() -> tuple[FusionPlan, dict[str, torch.Tensor], dict[str, torch.Tensor
     return plan, w, new
 
 
+# Format 1 throughout (``format=1``, what ``--format 1`` writes): the reader above knows only
+# format 1. Format 2's reader from the text is tests/test_format2_conformance.py.
 OPTS = {
     "paper": PAPER,
-    "auto": EncodeOptions(),
+    "auto": EncodeOptions(format=1),
     "naive": NAIVE,
-    "bitmask-xor-zstd": EncodeOptions(index_encodings=("bitmask",), value_modes=("xor",), codecs=("zstd",)),
-    "dense": EncodeOptions(index_encodings=("dense",)),
+    "bitmask-xor-zstd": EncodeOptions(index_encodings=("bitmask",), value_modes=("xor",), codecs=("zstd",), format=1),
+    "dense": EncodeOptions(index_encodings=("dense",), format=1),
 }
 
 
@@ -225,7 +227,7 @@ def test_readable_by_safetensors_torch(steps, tmp_path) -> None:
                     t = f.get_tensor(name)
                     assert torch.equal(t, loaded[name])
                     assert t.dim() == 1
-        assert meta["aurora.format"] == "1" and meta["aurora.kind"] == "delta"
+        assert meta["aurora.format"] == "2" and meta["aurora.kind"] == "delta"  # the writers' default
         _, mine = read_container(data)
         for name, (_code, shape, raw) in mine.items():
             assert list(loaded[name].shape) == shape
@@ -239,7 +241,7 @@ def test_readable_by_safetensors_numpy() -> None:
     new = {"f": base["f"].clone()}
     new["f"][::7] += 1
     plan = FusionPlan.from_specs({"f": spec_of(base["f"])})
-    for opts in (NAIVE, EncodeOptions(value_modes=("xor",), codecs=("none",)), EncodeOptions()):
+    for opts in (NAIVE, EncodeOptions(value_modes=("xor",), codecs=("none",), format=1), EncodeOptions(format=1)):
         segs, _ = encode_delta(plan, base, new, 1, opts)
         (seg,) = [d for _, d in segs]
         arrays = load(seg)

@@ -77,13 +77,13 @@ def encode_entry(
     ``read_new_range`` returns the new bits of a whole range; without it a
     dense entry is only possible in ``xor`` mode or when every element changed.
     """
-    if options.format >= 2:
+    if options.format >= 2 and ("rice" in options.index_choices or "planes" in options.codec_choices):
         return _encode_entry_v2(param, spec, start, stop, indices, new_bits, old_bits, options, read_new_range)
     info = DTYPES[spec.dtype]
     nnz = int(indices.size)
     span = stop - start
-    allow_zstd = "zstd" in options.codecs
-    allow_raw = "none" in options.codecs
+    allow_zstd = "zstd" in options.codec_choices
+    allow_raw = "none" in options.codec_choices
     level = options.zstd_level
     can_xor = "xor" in options.value_modes and old_bits is not None
     can_new = "new" in options.value_modes
@@ -129,7 +129,7 @@ def encode_entry(
     xor_sparse = (new_bits ^ old_bits) if old_bits is not None else None
 
     # Sparse: the smallest raw index stream, then (optionally) its zstd frame.
-    sparse = [e for e in options.index_encodings if e != "dense" and not (e == "u32" and stop > 1 << 32)]
+    sparse = [e for e in options.index_choices if e != "dense" and not (e == "u32" and stop > 1 << 32)]
     if sparse:
         # The leb128 stream costs as much to size as to write: write it once.
         raws: dict[str, bytes] = {}
@@ -160,7 +160,7 @@ def encode_entry(
             consider_values(vals, ienc, icodec, ibytes)
 
     # Dense: only worth a look when it could plausibly win (or is the only choice).
-    if "dense" in options.index_encodings:
+    if "dense" in options.index_choices:
         dense_raw = span * info.width
         if best is None or dense_raw <= 2 * best.nbytes:
             new_range, xor_range = _dense_ranges(start, stop, indices, new_bits, xor_sparse, read_new_range, info.bits)
@@ -175,7 +175,7 @@ def encode_entry(
     if best is None:
         raise ConfigError(
             f"{param} [{start}, {stop}): no allowed encoding can carry this entry "
-            f"(options {options.index_encodings}/{options.value_modes}/{options.codecs})"
+            f"(options {options.index_choices}/{options.value_modes}/{options.codec_choices})"
         )
     return best
 
@@ -203,7 +203,7 @@ def _encode_entry_v2(
     width = info.width
     nnz = int(indices.size)
     span = stop - start
-    codecs = options.codecs
+    codecs = options.codec_choices
     level = options.zstd_level
     allow_raw = "none" in codecs
     allow_zstd = "zstd" in codecs
@@ -226,6 +226,9 @@ def _encode_entry_v2(
 
         return make
 
+    def raw_maker(mode: str, a: np.ndarray, code: str) -> Callable[[], Choice]:
+        return lambda: (mode, "none", a.tobytes(), code)
+
     def value_choice(streams: list[tuple[str, np.ndarray, str]]) -> tuple[int, Callable[[], Choice]] | None:
         """(size, maker) of the smallest allowed value stream."""
         best: tuple[int, Callable[[], Choice]] | None = None
@@ -237,8 +240,8 @@ def _encode_entry_v2(
 
         for mode, arr, code in streams:
             a = np.ascontiguousarray(arr.astype(le, copy=False))
-            if allow_raw:
-                offer(a.nbytes, _ready((mode, "none", a.tobytes(), code)))
+            if allow_raw:  # copied only if it wins (rarely: planes are no larger than raw plus 5 bytes a plane)
+                offer(a.nbytes, raw_maker(mode, a, code))
             if allow_planes:
                 # The entropy bound prunes a stream (``new``, usually) that
                 # cannot win; for the second stream it is judged on a sample.
@@ -268,7 +271,7 @@ def _encode_entry_v2(
     best: EncodedEntry | None = None
 
     # Sparse: the smallest index stream, and the smallest value stream.
-    sparse = [e for e in options.index_encodings if e != "dense" and not (e == "u32" and stop > 1 << 32)]
+    sparse = [e for e in options.index_choices if e != "dense" and not (e == "u32" and stop > 1 << 32)]
     idx_best: tuple[int, Callable[[], tuple[str, str, bytes]]] | None = None
 
     def index_maker(e: str) -> Callable[[], tuple[str, str, bytes]]:
@@ -314,7 +317,7 @@ def _encode_entry_v2(
             best = EncodedEntry(param, spec, start, stop, nnz, ienc, vmode, icodec, vcodec, ibytes, vbytes, vdtype)
 
     # Dense: only worth a look when it could plausibly win (or is the only choice).
-    if "dense" in options.index_encodings and (best is None or span * width <= 2 * best.nbytes):
+    if "dense" in options.index_choices and (best is None or span * width <= 2 * best.nbytes):
         new_range, xor_range = _dense_ranges(start, stop, indices, new_bits, xor_sparse, read_new_range, info.bits)
         vals = value_choice(streams_of(new_range, xor_range))
         if vals is not None and (best is None or vals[0] < best.nbytes):
@@ -326,6 +329,6 @@ def _encode_entry_v2(
     if best is None:
         raise ConfigError(
             f"{param} [{start}, {stop}): no allowed encoding can carry this entry "
-            f"(options {options.index_encodings}/{options.value_modes}/{options.codecs})"
+            f"(options {options.index_choices}/{options.value_modes}/{options.codec_choices})"
         )
     return best

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from aurora_store.codec.decode import MAX_NUMEL, Claim, decode_entry, decoded_cost
 from aurora_store.codec.encode import encode_entry
-from aurora_store.codec.encode_options import AUTO_V2, NAIVE, PAPER, EncodeOptions
+from aurora_store.codec.encode_options import AUTO_V1, AUTO_V2, NAIVE, PAPER, EncodeOptions
 from aurora_store.codec.entry_types import DecodedEntry, EncodedEntry, ParamSpec
 
 __all__ = [
     "EncodeOptions",
     "PAPER",
     "NAIVE",
+    "AUTO_V1",
     "AUTO_V2",
     "ParamSpec",
     "EncodedEntry",

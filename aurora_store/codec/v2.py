@@ -1,4 +1,4 @@
-"""Format 2's streams (docs/FORMAT.md, "Proposed: format 2").
+"""Format 2's streams (docs/FORMAT.md §3.1).
 
 Format 2 adds one index encoding and one value codec to format 1's, and
 nothing else: decoded entries are the same plain arrays (absolute indices,

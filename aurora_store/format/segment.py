@@ -37,8 +37,8 @@ __all__ = [
 ]
 
 FORMAT_VERSION = "1"
-#: ``aurora.format`` values this reader accepts. Writers write ``"1"`` unless
-#: their options allow a format-2 encoding (docs/FORMAT.md, "Proposed: format 2").
+#: ``aurora.format`` values this reader accepts. Writers write ``"2"`` unless their
+#: options ask for format 1 (``EncodeOptions.format``; docs/FORMAT.md §3.1).
 READ_FORMATS = ("1", "2")
 # MAX_HEADER_BYTES (format/limits.py): a header larger than this is refused
 # from its 8-byte length, before a byte of it is parsed.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import time
 import uuid
@@ -29,10 +30,17 @@ def add_encode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--encodings",
         metavar="LIST",
-        help="index encodings allowed (default: leb128,bitmask,dense,u32,u64)",
+        help="index encodings allowed (default: leb128,bitmask,dense,u32,u64,rice; rice is format 2)",
     )
     p.add_argument("--values", metavar="LIST", help="value modes allowed (default: new,xor)")
-    p.add_argument("--no-zstd", action="store_true", help="never compress streams (fast links, spare CPU)")
+    p.add_argument("--no-zstd", action="store_true", help="never compress streams, nor code planes (fast links, spare CPU)")
+    p.add_argument(
+        "--format",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="segment format: 2 (rice gaps, planes values), or 1 for readers that know only format 1 (default 2, env AURORA_FORMAT)",
+    )
     p.add_argument(
         "--paper",
         action="store_true",
@@ -48,27 +56,24 @@ def add_encode_args(p: argparse.ArgumentParser) -> None:
 
 
 def _publish_config(args: argparse.Namespace) -> Any:
-    from aurora_store.codec.entries import PAPER, EncodeOptions
+    from aurora_store.codec.entries import PAPER
     from aurora_store.lineage.publish import PublishConfig, encode_options_from_env
 
-    opts = encode_options_from_env()
+    opts = encode_options_from_env()  # AURORA_FORMAT and the other encoder variables
+    kw: dict[str, Any] = {}
     if args.paper:
-        opts = PAPER
+        kw = {f: getattr(PAPER, f) for f in ("index_encodings", "value_modes", "codecs", "format")}
     else:
-        kw: dict[str, Any] = {}
         if args.encodings:
             kw["index_encodings"] = tuple(x.strip() for x in args.encodings.split(","))
         if args.values:
             kw["value_modes"] = tuple(x.strip() for x in args.values.split(","))
         if args.no_zstd:
             kw["codecs"] = ("none",)
-        if kw:
-            opts = EncodeOptions(
-                **{
-                    **{f: getattr(opts, f) for f in ("index_encodings", "value_modes", "codecs", "zstd_level")},
-                    **kw,
-                }
-            )
+    if getattr(args, "format", None) is not None:
+        kw["format"] = args.format
+    if kw:
+        opts = dataclasses.replace(opts, **kw)
     # Flags win over AURORA_STREAMS / AURORA_SEGMENT_MIB; no size anywhere: adaptive.
     seg = None if args.segment_mib is None else int(args.segment_mib * (1 << 20))
     return PublishConfig.from_env(streams=args.streams, segment_bytes=seg, options=opts)

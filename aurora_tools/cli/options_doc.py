@@ -108,7 +108,7 @@ def settings() -> tuple[Settings, ...]:
             "Encodings",
             EncodeOptions,
             ENCODE_ENV_PREFIX,
-            "the Trainer (`aurora trainer`), resolved by the worker and passed to the encoder",
+            "the Trainer (`aurora trainer`), `aurora delta create` and `aurora_store.Publisher`, resolved by each and passed to the encoder",
         ),
         Settings(
             "Publishing",

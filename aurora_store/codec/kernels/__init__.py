@@ -18,7 +18,7 @@ One module per concern:
   XOR values at indices of a flat array;
 - :mod:`~aurora_store.codec.kernels.rice` and
   :mod:`~aurora_store.codec.kernels.huffman`: format 2's Rice-coded gaps and
-  Huffman-coded byte planes (docs/FORMAT.md, "Proposed: format 2"); their
+  Huffman-coded byte planes (docs/FORMAT.md §3.1); their
   numpy-path twins are the kernel bodies run as plain Python (slow, exact);
 - :mod:`~aurora_store.codec.kernels.warmup`: :func:`warm_up`.
 

@@ -1,13 +1,16 @@
-"""Rice-coded index gaps (format 2, docs/FORMAT.md "Proposed: format 2").
+"""Rice-coded index gaps (format 2, docs/FORMAT.md §3.1).
 
-A gap stream of format 2's ``rice`` index encoding is one parameter byte
-``k`` (0..56) followed by a bit stream, least significant bit of each byte
-first. Gap ``g`` (the first index minus ``start``, then each index minus
-the previous one minus 1, so every gap is ``>= 0``) is written as its
-quotient ``q = g >> k`` in unary (``q`` zero bits, then a one bit) and its
-``k`` low bits; a quotient of :data:`RICE_ESCAPE` or more is written as
-:data:`RICE_ESCAPE` zero bits and then ``g`` in 64 plain bits. The stream
-ends on the byte holding the last bit; the pad bits after it are zero.
+A stream of format 2's ``rice`` index encoding (FORMAT.md §3.1) is the
+parameter byte ``k`` (0..56), the number ``E`` of escaped quotients
+(uint32), those quotients (uint64 each), the remainder plane (``k`` bits a
+gap) and the unary plane, bits least significant first. Gap ``g`` (the
+first index minus ``start``, then each index minus the previous one minus
+1, so every gap is ``>= 0``) is its quotient ``q = g >> k`` in unary (``q``
+zero bits, then a one bit) and its ``k`` low bits in the remainder plane; a
+quotient of :data:`RICE_ESCAPE` or more is written as :data:`RICE_ESCAPE`
+zero bits and a one bit, the quotient itself going to the escape list. The
+unary plane ends on the byte holding its last one bit; the pad bits after
+it are zero.
 
 - :func:`rice_encode_gaps`: the encoder (trusts its input: sorted, unique
   indices inside the range);
@@ -80,6 +83,54 @@ def _rice_bits(indices: Any, start: Any, k0: Any, stride: Any, ubits: Any, nesc:
             else:
                 ubits[j] += RICE_ESCAPE + 1
                 nesc[j] += 1
+    return True
+
+
+def _rice_bits5(indices: Any, start: Any, k0: Any, stride: Any, out: Any) -> Any:
+    """:func:`_rice_bits` for ``k = k0 .. k0 + 3`` and ``k = 0`` at once, in
+    registers: ``out[j]`` the unary bits and ``out[5 + j]`` the escapes of
+    candidate ``j`` (``k = 0`` last)."""
+    esc = np.uint64(RICE_ESCAPE)
+    big = np.int64(RICE_ESCAPE + 1)
+    ka, kb, kc, kd = np.uint64(k0), np.uint64(k0 + 1), np.uint64(k0 + 2), np.uint64(k0 + 3)
+    ua = ub = uc = ud = uz = np.int64(0)
+    ea = eb = ec = ed = ez = np.int64(0)
+    for i in range(0, indices.size, stride):
+        if i == 0:
+            g = np.uint64(indices[0] - start)
+        else:
+            g = np.uint64(indices[i] - indices[i - 1] - np.int64(1))
+        q = g >> ka
+        if q < esc:
+            ua += np.int64(q) + 1
+        else:
+            ua += big
+            ea += 1
+        q = g >> kb
+        if q < esc:
+            ub += np.int64(q) + 1
+        else:
+            ub += big
+            eb += 1
+        q = g >> kc
+        if q < esc:
+            uc += np.int64(q) + 1
+        else:
+            uc += big
+            ec += 1
+        q = g >> kd
+        if q < esc:
+            ud += np.int64(q) + 1
+        else:
+            ud += big
+            ed += 1
+        if g < esc:
+            uz += np.int64(g) + 1
+        else:
+            uz += big
+            ez += 1
+    out[0], out[1], out[2], out[3], out[4] = ua, ub, uc, ud, uz
+    out[5], out[6], out[7], out[8], out[9] = ea, eb, ec, ed, ez
     return True
 
 
@@ -259,13 +310,13 @@ def rice_choose_k(indices: np.ndarray, start: int, jit: bool | None = None) -> i
     k0 = min(max(0, guess - 1), RICE_MAX_K - 3)
     stride = 8 if n > _SAMPLE_ABOVE else 1
     m = len(range(0, n, stride))
-    ubits, nesc = _layouts(idx, start, k0, 4, jit, stride)
-    sizes = {k0 + j: _size(m, k0 + j, int(ubits[j]), int(nesc[j])) for j in range(4)}
-    if k0 > 0:
-        # A few huge gaps (a jump to a dense run far along) pull the mean, and so the guess, up;
-        # the dense run itself wants k = 0, its jumps escaped. One more pass over the sample.
-        u0, e0 = _layouts(idx, start, 0, 1, jit, stride)
-        sizes[0] = _size(m, 0, int(u0[0]), int(e0[0]))
+    # The four around the guess, and k = 0: a few huge gaps (a jump to a dense run far along)
+    # pull the mean, and so the guess, up; the dense run itself wants k = 0, its jumps escaped.
+    c = np.zeros(10, np.int64)
+    fn = compiled(_rice_bits5) if use_jit(jit) else _rice_bits5
+    fn(readonly(idx), np.int64(start), np.int64(k0), np.int64(stride), c)
+    sizes = {k0 + j: _size(m, k0 + j, int(c[j]), int(c[5 + j])) for j in range(4)}
+    sizes[0] = _size(m, 0, int(c[4]), int(c[9]))
     return min(sizes, key=lambda k: (sizes[k], k))
 
 
@@ -277,8 +328,8 @@ def rice_encode_gaps(
     layout: tuple[int, int] | None = None,
 ) -> bytes:
     """The whole ``rice`` index stream of sorted unique ``indices`` at or
-    after ``start``: the ``k`` byte, the remainder plane, the unary plane,
-    the escaped quotients; ``k`` by default the best."""
+    after ``start``: the ``k`` byte, the escape count, the escaped quotients,
+    the remainder plane, the unary plane; ``k`` by default the best."""
     idx = np.ascontiguousarray(indices, dtype=np.int64)
     if k is None:
         k = rice_choose_k(idx, start, jit)
@@ -301,13 +352,14 @@ def rice_encode_gaps(
     nesc, ubits = packed >> 40, packed & ((1 << 40) - 1)
     una = una[: (ubits + 7) // 8]
     escs = escs[:nesc]
+    # join reads the arrays' buffers in place: one copy, into the result.
     return b"".join(
         [
             bytes([k]),
             int(nesc).to_bytes(4, "little"),
-            escs.astype("<u8").tobytes(),
-            rem[: (n * k + 7) // 8].tobytes(),
-            una.tobytes(),
+            escs.astype("<u8", copy=False).data,
+            rem[: (n * k + 7) // 8].data,
+            una.data,
         ]
     )
 

@@ -9,17 +9,20 @@ delta:
 - bytes per changed element, values included, for the paper's encoding
   (``leb128``: LEB128 gaps + raw new values), the naive baselines (``u32``,
   ``u64``: absolute indices + raw values), ``xor_zstd`` (LEB128 gaps, XOR
-  values, zstd), ``auto`` (the default :class:`EncodeOptions`, smallest per
-  entry), ``auto_v2`` (format 2, docs/FORMAT.md "Proposed: format 2":
-  also Rice-coded gaps and Huffman/zstd byte planes of the values, written
-  into segments marked format 2) and ``zstd_u32`` (zstd level 1 over the
+  values, zstd), ``auto`` (format 1's choice, ``EncodeOptions(format=1)``,
+  smallest per entry: what ``--format 1`` writes), ``auto_v2`` (the
+  writers' default, format 2, docs/FORMAT.md §3.1: also Rice-coded gaps and
+  Huffman/zstd byte planes of the values) and ``zstd_u32`` (zstd level 1 over the
   naive u32 payload of each parameter: what a general-purpose compressor
   makes of the naive format);
 - extraction time and scan rate (bytes of base + new weights read per
   second), next to this machine's copy bandwidth over the same bytes, and the
   same for extraction and ``auto`` encoding together;
 - encode and decode+apply rates (changed elements per second;
-  ``stage_segments`` + ``apply_delta`` into :class:`FusedWeights`);
+  ``stage_segments`` + ``apply_delta`` into :class:`FusedWeights`), for
+  format 1 and format 2 in the same run, on wall time and on this process's
+  CPU time (the nearer per-core figure on a busy machine, see
+  :class:`~.measure.Clock`);
 - losslessness: every encoded delta is applied to a copy of the base and the
   result compared bit for bit with the new weights;
 - the same sizes on real deltas of the demo's model (:mod:`.real`: a few

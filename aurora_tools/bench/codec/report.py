@@ -18,8 +18,8 @@ _LABELS = {
     "u32": "u32 (naive)",
     "leb128": "leb128 (paper)",
     "xor_zstd": "xor_zstd",
-    "auto": "auto (default)",
-    "auto_v2": "auto_v2 (fmt 2)",
+    "auto": "auto (fmt 1)",
+    "auto_v2": "auto_v2 (dflt)",
     "zstd_u32": "zstd_u32 (ref.)",
 }
 
@@ -34,6 +34,10 @@ def _path_text(d: Mapping[str, Any]) -> str:
     if d["numba_version"] is None:
         return "numpy (numba is not installed)"
     return f"numpy ({kernels.JIT_ENV}=1; numba {d['numba_version']} available)"
+
+
+def _m(rate: float | None) -> float | None:
+    return None if rate is None else rate / 1e6
 
 
 def format_table(report: CodecReport) -> str:
@@ -72,10 +76,15 @@ def format_table(report: CodecReport) -> str:
         f"  memcpy (torch copy_, same {gb:.2f} GB)   {d['memcpy_s']:7.3f} s {d['memcpy_gbps']:7.2f} GB/s",
         f"  extraction (scan base + new)          {d['extract_s']:7.3f} s {d['scan_gbps']:7.2f} GB/s"
         f"  = {d['scan_fraction_of_memcpy']:.2f} x memcpy",
-        f"  extraction + auto encoding            {d['extract_encode_s']:7.3f} s "
+        f"  extraction + auto encoding (fmt 1)    {d['extract_encode_s']:7.3f} s "
         f"{d['extract_encode_gbps']:7.2f} GB/s  = {d['extract_encode_fraction_of_memcpy']:.2f} x memcpy",
-        f"  extraction + auto_v2 encoding         {d['extract_encode_s_v2']:7.3f} s "
+        f"  extraction + auto_v2 encoding (fmt 2) {d['extract_encode_s_v2']:7.3f} s "
         f"{d['extract_encode_gbps_v2']:7.2f} GB/s  = {d['extract_encode_fraction_of_memcpy_v2']:.2f} x memcpy",
+        "  on CPU time (this process's, what the core did while others also ran):",
+        f"    extraction + encoding = {d['extract_encode_fraction_of_memcpy_cpu']:.2f} (fmt 1), "
+        f"{d['extract_encode_fraction_of_memcpy_cpu_v2']:.2f} (fmt 2) x memcpy; decode + apply "
+        f"{_fmt(_m(d['decode_apply_elems_per_cpu_s']), '.1f')} (fmt 1), "
+        f"{_fmt(_m(d['decode_apply_elems_per_cpu_s_v2']), '.1f')} (fmt 2) M elem/s",
         "",
         f"  {'by kernel path':<22}{'jit':>26}{'numpy':>26}",
     ]
