@@ -219,6 +219,11 @@ def format_table(r: dict[str, Any]) -> str:
     lines.append("")
     lines.append("  headline (modes, 1 Gbit/s, 20 ms RTT, 2 Actors): throughput relative to ideal")
     lines.append("    " + "  ".join(f"{m} {_f(r.get(m.replace('-', '_') + '_vs_ideal'), 2)}" for m in MODES if m != "ideal"))
+    if r.get("delta_measured_batches_unassigned"):
+        lines.append(
+            f"    note: {r['delta_measured_batches_unassigned']} measured batch(es) of the delta run were assigned to no Actor when made "
+            "(one Actor ran the whole batch): delta_vs_ideal is then about half; measure more steps (--measure)"
+        )
     table = r.get("delta_over_wire_floor") or {}
     if table:
         lines.append("")

@@ -28,6 +28,7 @@ __all__ = [
     "gen_version",
     "uniform_split_gain",
     "summarize",
+    "unassigned_batches",
     "attach_ideal",
     "targets",
     "headline",
@@ -308,6 +309,25 @@ def _mean(xs: Sequence[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
+def unassigned_batches(measured: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]], max_lag: int) -> int:
+    """How many measured steps ran a batch that was assigned to no Actor when the Trainer made it.
+
+    Why: the batch of step ``s`` is made at the end of step ``s - K - 1`` (K the lag bound),
+    split over the Actors that hold its version or the one before. Early in a run, while the
+    first delta is still being staged, none may: the whole batch then goes to the pool, one
+    Actor claims all of it (a claim is twice an Actor's share) and the step takes about twice
+    as long. With two measured steps (``--quick``), one such batch moves ``delta_vs_ideal``
+    between about 0.5 and 0.9 whatever the code: this count tells the two cases apart.
+    """
+    by_step = {int(s["step"]): s for s in steps}
+    n = 0
+    for s in measured:
+        made_at = by_step.get(int(s["step"]) - max_lag - 1)
+        if made_at is not None and "eligible" in made_at and not made_at["eligible"]:
+            n += 1
+    return n
+
+
 def summarize(
     cfg: RunConfig,
     steps: Sequence[Mapping[str, Any]],
@@ -430,9 +450,11 @@ def summarize(
                 "tokens": int(s["tokens"]),
                 "tokens_per_s": float(s["tokens_per_s"]),
                 "by_actor": s.get("by_actor", {}),
+                "eligible": list(s.get("eligible") or []),
             }
             for s in steps
         ],
+        "measured_batches_unassigned": unassigned_batches(measured, steps, cfg.spec.max_lag),
         "staged_from_mirror": mirror_share,
         "kill_at": cfg.kill_at,
         "join_at": cfg.join_at,
@@ -465,6 +487,9 @@ def headline(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for mode in MODES:
         r = _find(results, "modes", mode=mode)
         out[f"{mode.replace('-', '_')}_vs_ideal"] = r.get("throughput_vs_ideal") if r else None
+    d = _find(results, "modes", mode="delta")
+    # Non-zero: a measured batch went whole to one Actor (see unassigned_batches); read delta_vs_ideal with it.
+    out["delta_measured_batches_unassigned"] = d.get("measured_batches_unassigned") if d else None
     return out
 
 
