@@ -45,13 +45,13 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) ->
 
 
 def digest_of(weights: torch.nn.Module | dict[str, torch.Tensor]) -> str:
-    """The FORMAT.md §4.1 digest of a model's (or state dict's) bf16 weights."""
+    """The FORMAT.md §4.1 digest of a model's (or state dict's) bf16 weights, in the tree form the Publisher writes."""
     from aurora_store.api.weights import named_tensors, tied_head
-    from aurora_store.apply.sink import weights_digest
+    from aurora_store.apply.sink import tree_weights_digest
     from aurora_store.codec.extract import plan_of
 
     named = {n: t.detach().to(torch.bfloat16) for n, t in named_tensors(weights)}
-    return weights_digest(named, plan_of(named, tied=tied_head(weights, named)))
+    return tree_weights_digest(named, plan_of(named, tied=tied_head(weights, named)))
 
 
 def _follow(store: str, redis: str | None, run: str, until: int) -> None:

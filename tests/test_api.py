@@ -51,7 +51,7 @@ def test_a_plain_loop_publishes_ten_versions_and_two_followers_stay_bit_identica
     model = tiny_lm()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     published = {}
-    with Publisher(store, redis=redis_server.url, run=run_name, snapshot_every=4) as pub:
+    with Publisher(store, redis=redis_server.url, run=run_name, snapshot_every=4, digest_every=1) as pub:
         for v in range(VERSIONS + 1):
             if v:
                 train_step(model, opt, v)
@@ -82,7 +82,7 @@ def test_a_second_publisher_continues_the_chain_and_a_follower_jumps_to_the_newe
         pub.publish(model)
     # A new process (a restarted trainer): the chain continues from v1, checked against its state.
     train_step(model, opt, 2)
-    with Publisher(store) as again:
+    with Publisher(store, digest_every=1) as again:
         p = again.publish({n: t.clone() for n, t in model.state_dict().items()})
     assert p is not None and p.version == 2 and p.kind == "delta"
     target = tiny_lm(seed=5).to(torch.bfloat16)
@@ -106,7 +106,7 @@ def test_a_failed_publish_is_retried_with_the_same_bytes(tmp_path: Path) -> None
     store = open_store(f"file://{tmp_path}/run")
     model = tiny_lm()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    pub = Publisher(store, outage_budget=0.2)
+    pub = Publisher(store, outage_budget=0.2, digest_every=1)
     pub.publish(model)
     real_put = store.put
     lost = {"on": True, "manifests": 0}
@@ -165,7 +165,7 @@ def test_after_the_first_delta_the_adaptive_size_comes_from_the_last_one(tmp_pat
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     cfg = PublishConfig(streams=2)
     assert cfg.segment_bytes is None
-    with Publisher(store, config=cfg) as pub:
+    with Publisher(store, config=cfg, digest_every=1) as pub:
         pub.publish(model)
         published = []
         for step in range(1, 4):

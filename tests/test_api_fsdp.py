@@ -36,7 +36,7 @@ def _rank(rank: int, world: int, port: int, store: str, out: str) -> None:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    pub = Publisher(store)
+    pub = Publisher(store, digest_every=1)
     got = []
     for v in range(4):
         if v:

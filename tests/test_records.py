@@ -99,17 +99,21 @@ def test_the_publisher_records_every_version_in_redis_and_the_digest_log(
     monkeypatch.setenv(DIGEST_LOG_ENV, str(log_file))
     w = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8)}
     published = []
-    with Publisher(f"file://{tmp_path}/run", redis=redis_server.url, run=run_name) as pub:
-        for v in range(3):
+    with Publisher(f"file://{tmp_path}/run", redis=redis_server.url, run=run_name, digest_every=2) as pub:
+        for v in range(4):
             w["w"][v, v] += 1.0
             p = pub.publish(w)
             assert p is not None
             published.append(p)
+    # Hashed where asked (version 0, every 2nd); every version's state and the head are recorded all the same.
+    assert [p.weights_digest is not None for p in published] == [True, False, True, False]
+    hashed = [p for p in published if p.weights_digest is not None]
     lines = [json.loads(line) for line in log_file.read_text().splitlines()]
-    assert lines == [{"who": "trainer", "version": p.version, "digest": p.weights_digest} for p in published]
+    assert lines == [{"who": "trainer", "version": p.version, "digest": p.weights_digest} for p in hashed]
     rec = RunRecords(redis_client, run_name)
-    assert rec.digests()[0] == {p.version: p.weights_digest for p in published}
-    assert rec.head_and_commit() == (2, 2) and rec.expected_state(2) == published[2].state
+    assert rec.digests()[0] == {p.version: p.weights_digest for p in hashed}
+    assert [rec.expected_state(p.version) for p in published] == [p.state for p in published]
+    assert rec.head_and_commit() == (3, 3)
     assert rec.trainer().epoch is None and rec.stored_epoch() == 1  # the fence it took
 
 

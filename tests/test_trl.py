@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from aurora_store import Follower, Publisher
-from aurora_store.apply.sink import weights_digest
+from aurora_store.apply.sink import tree_weights_digest, weights_digest
 from aurora_store.errors import AuroraError, ConfigError
 from aurora_store.integrations.trl import AuroraCallback
 from aurora_tools.tinymodel import make_model_dir
@@ -179,14 +179,14 @@ def test_a_failed_publish_stops_training_with_a_checkpoint_and_the_resumed_run_c
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "publishing step 2" in errors[0] and type(e.value).__name__ in errors[0]
     # Resumed from that checkpoint, the chain continues after the rival's v2: step 2's weights become v3, steps 3-5 v4-v6.
-    resumed = AuroraCallback(store)
+    resumed = AuroraCallback(store, digest_every=1)
     again = grpo(model_dir, tmp_path / "out", [resumed], steps=STEPS + 2)
     again.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     assert resumed.last is not None and resumed.last.version == 6 and resumed.last.kind == "delta"
     held = {n: torch.zeros_like(t) for n, t in load_file(os.path.join(model_dir, "model.safetensors")).items()}
     with Follower(store) as f:
         assert f.update(held).version == 6
-    assert weights_digest(held) == resumed.last.weights_digest
+    assert tree_weights_digest(held) == resumed.last.weights_digest
 
 
 # Two ranks (torchrun, gloo, DDP: accelerate shards with FSDP only on accelerators): rank 0 meets a
@@ -202,7 +202,7 @@ from aurora_store.integrations.trl import AuroraCallback
 
 model_dir, store, out = sys.argv[1:4]
 rank = int(os.environ["RANK"])
-aurora = AuroraCallback(store)
+aurora = AuroraCallback(store, digest_every=1)
 trainer = grpo(model_dir, out, ([Rival(store, at=2)] if rank == 0 else []) + [aurora], steps=5)
 try:
     trainer.train()
@@ -254,7 +254,7 @@ def test_every_rank_publishes_and_all_stop_at_the_step_rank_0_could_not_publish(
     held = {n: torch.zeros_like(t) for n, t in load_file(os.path.join(model_dir, "model.safetensors")).items()}
     with Follower(store) as f:
         f.update(held, version=1)
-    assert weights_digest(held) == seen[0]["digest"]
+    assert tree_weights_digest(held) == seen[0]["digest"]
 
 
 def test_a_run_root_of_another_model_stops_training_before_the_first_step(tmp_path: Path, model_dir: str) -> None:

@@ -4,6 +4,12 @@ Each :meth:`Publisher.publish` makes the next version of a run: the first
 on a fresh run root is version 0 (a snapshot); every later one is a sparse
 delta against the version published before it (the changed bf16 elements
 only), and a snapshot too every ``snapshot_every`` versions or on request.
+Weights are hashed (the tree digest of FORMAT.md §4.1, a tensor per thread)
+only where something binds to them: version 0, each snapshot and the delta of
+its version, and the versions asked for (``digest=True``, ``digest_every``);
+with ``background_snapshots`` a snapshot is uploaded on a thread of its own
+after the delta of its version is committed, and :meth:`Publisher.publish`
+returns without waiting for it.
 With Redis, every segment and version is announced and the chain's state
 recorded as the Trainer does (docs/WORKERS.md), so Relays and Actors follow
 a Publisher's run like any other. Opened on a run root that already holds
@@ -25,11 +31,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from aurora_store.api.published import Published, WaitedFor, announce_segments, run_name_of, same_weights
+from aurora_store.api.snapshots import SnapshotResult, SnapshotWriter
 from aurora_store.api.weights import (
     Tensors,
     gather_bf16,
@@ -37,11 +46,11 @@ from aurora_store.api.weights import (
     named_tensors,
     tied_head,
 )
-from aurora_store.apply.sink import weights_digest
+from aurora_store.apply.sink import tree_weights_digest
 from aurora_store.codec.entries import EncodeOptions
 from aurora_store.codec.extract import extract, fuse_weights, plan_of, unfuse_weights
 from aurora_store.codec.fusion import TIED_HEAD, FusionPlan
-from aurora_store.coordination.bus import COMMIT, SEGMENT, VERSION, Bus
+from aurora_store.coordination.bus import COMMIT, VERSION, Bus
 from aurora_store.coordination.commit import prepare_commit
 from aurora_store.coordination.records import RunRecords
 from aurora_store.coordination.redisconn import connect
@@ -56,53 +65,16 @@ from aurora_store.lineage.publish import (
     PublishConfig,
     SegmentEvent,
     _utc_now,
+    encode_options_from_env,
     publish_delta,
     publish_snapshot,
 )
 from aurora_store.outage import Dependency, outage_budget_s, riding
 from aurora_store.storage import Store, open_store
 
-__all__ = ["Published", "Publisher", "announce_segments", "run_name_of"]
+__all__ = ["Published", "Publisher", "SnapshotResult", "announce_segments", "run_name_of"]
 
 log = logging.getLogger("aurora.publisher")
-
-
-@dataclass(frozen=True, slots=True)
-class Published:
-    """What one :meth:`Publisher.publish` wrote."""
-
-    version: int
-    state: str
-    """The version's ``state`` digest (FORMAT.md §4): names its exact weights."""
-    kind: str
-    """``snapshot`` (version 0, or a full version on request) or ``delta``."""
-    bytes: int
-    """Bytes written to the store (a delta and its snapshot, when both)."""
-    changed: int
-    """Elements that changed (deltas; every element for version 0)."""
-    density: float
-    """``changed`` over all elements."""
-    seconds: float
-    weights_digest: str
-    snapshot: bool = False
-    """A snapshot was written at this version (besides the delta)."""
-    snapshot_bytes: int = 0
-    """Of ``bytes``, those of that snapshot."""
-
-
-def announce_segments(bus: Bus) -> Callable[[SegmentEvent], None]:
-    """An ``on_segment`` callback announcing each durable segment on the run's stream (a Relay copies it at once)."""
-
-    def announce(ev: SegmentEvent) -> None:
-        bus.announce(SEGMENT, ev.version, index=ev.index, key=ev.key, bytes=ev.bytes, sha256=ev.sha256)
-
-    return announce
-
-
-def run_name_of(store_url: str) -> str:
-    """A run name from a run root URL: its last path component (``s3://b/runs/r1`` -> ``r1``)."""
-    name = store_url.rstrip("/").rsplit("/", 1)[-1]
-    return name.split("://", 1)[-1] or "run"
 
 
 class Publisher:
@@ -115,7 +87,15 @@ class Publisher:
     (a snapshot too every N versions; 0: only version 0), ``sign_key``
     (FORMAT.md §4.1), ``model_files`` (the description version 0 lists,
     from ``workers.common.write_model_description``; None: none),
-    ``commit_via`` (``store`` or ``redis``), ``outage_budget_s``.
+    ``commit_via`` (``store`` or ``redis``), ``outage_budget_s``,
+    ``options`` (encodings; default: the ``AURORA_*`` encoder variables), ``format``
+    (segment format: 2, or 1 for readers that know only format 1; default
+    ``AURORA_FORMAT``, else 2),
+    ``digest_every`` (also hash every N-th version; 0: only where something
+    binds to the digest), ``background_snapshots`` (a snapshot after version 0
+    is uploaded on a thread while later versions go on; ``on_snapshot`` is told,
+    on that thread, how each ended; :meth:`wait_snapshots` and :meth:`close`
+    wait for it).
 
     Under torch.distributed every rank calls :meth:`publish` with its shard
     of the model; the gather is collective, only rank 0 opens the store and
@@ -137,15 +117,25 @@ class Publisher:
         outage_budget: float | None = None,
         streams: int | None = None,
         options: EncodeOptions | None = None,
+        format: int | None = None,
         bus: Bus | None = None,
         commit: Callable[[str, int, bytes], None] | None = None,
         prepared: bool = False,
         plan: FusionPlan | None = None,
         on_segment: Callable[[SegmentEvent], None] | None = None,
         config: PublishConfig | None = None,
+        digest_every: int = 0,
+        background_snapshots: bool = False,
+        on_snapshot: Callable[[SnapshotResult], None] | None = None,
     ) -> None:
         if snapshot_every < 0:
             raise ConfigError(f"snapshot_every must be >= 0, got {snapshot_every}")
+        if digest_every < 0:
+            raise ConfigError(f"digest_every must be >= 0, got {digest_every}")
+        self.digest_every = digest_every
+        self._snapshots = SnapshotWriter(on_snapshot) if background_snapshots else None
+        """Uploads snapshots after version 0 off the publishing step (None: in it)."""
+        self._hash_pool: ThreadPoolExecutor | None = None
         self.stop = threading.Event()
         self.snapshot_every = snapshot_every
         self.model_files = model_files
@@ -162,10 +152,14 @@ class Publisher:
         self._on_segment = on_segment
         self._plan_tied: bool | None = None
         self._given: dict[str, torch.Tensor] = {}
-        self._pending: tuple[int, str, str, str] | None = None
-        """(version, attempt, created_at, weights digest) of a publish that failed: a retry writes the same bytes."""
+        self._pending: tuple[int, str, str, dict[str, torch.Tensor]] | None = None
+        """(version, attempt, created_at, weights) of a publish that failed: a retry of the same weights writes the same bytes."""
+        if options is None and config is None:
+            options = encode_options_from_env()  # AURORA_FORMAT and the encoder's other variables, as the Trainer reads them
         over: dict[str, Any] = {k: v for k, v in (("streams", streams), ("options", options)) if v is not None}
         self._pub_cfg = config if config is not None else PublishConfig.from_env(**over)
+        if format is not None:  # 1: for readers that know only format 1
+            self._pub_cfg = replace(self._pub_cfg, options=replace(self._pub_cfg.options, format=format))
         """Defaults, then ``AURORA_STREAMS`` / ``AURORA_SEGMENT_MIB``, then the arguments."""
         self._last_delta_bytes: int | None = None
         """Bytes of the last delta published: with an adaptive segment size, the next is cut by it."""
@@ -199,9 +193,27 @@ class Publisher:
         self.close()
 
     def close(self) -> None:
-        """Stop riding outages and drop the held version (the store and Redis need no closing)."""
+        """Wait for a snapshot being uploaded, then stop riding outages and drop the held version
+        (the store and Redis need no closing)."""
+        self.wait_snapshots()
         self.stop.set()
         self._base = None
+        if self._hash_pool is not None:
+            self._hash_pool.shutdown(wait=True)
+            self._hash_pool = None
+
+    def wait_snapshots(self, timeout: float | None = None) -> bool:
+        """Wait for a snapshot uploaded in the background; False when one still runs after ``timeout`` seconds."""
+        return self._snapshots is None or self._snapshots.wait(timeout)
+
+    @property
+    def snapshot_in_flight(self) -> int | None:
+        """The version of the snapshot being uploaded in the background (None: none)."""
+        return None if self._snapshots is None else self._snapshots.in_flight
+
+    def spares(self, key: str) -> bool:
+        """Whether ``key`` may belong to the snapshot in flight (retention must not take it for an orphan)."""
+        return self._snapshots is not None and self._snapshots.spares(key)
 
     # -- publishing -------------------------------------------------------------------
     def publish(
@@ -212,6 +224,7 @@ class Publisher:
         step: int | None = None,
         producer: Mapping[str, Any] | None = None,
         owned: bool = False,
+        digest: bool = False,
     ) -> Published | None:
         """The next version: ``weights`` rounded to bf16, as a delta against the previous one (or version 0).
 
@@ -219,7 +232,10 @@ class Publisher:
         start there). ``step`` / ``producer`` go into the manifest's
         ``producer`` (FORMAT.md §4). ``owned``: the weights are bf16 tensors
         the caller hands over and never writes again (the Publisher keeps them
-        as the next delta's base instead of a copy). Returns None on ranks other than 0.
+        as the next delta's base instead of a copy; a background snapshot reads
+        them after this returns). ``digest``: the delta carries the weights
+        digest although no snapshot is due (something else binds to this
+        version, e.g. a checkpoint). Returns None on ranks other than 0.
         """
         t0 = time.perf_counter()
         new = self._gather(weights, owned)
@@ -237,11 +253,10 @@ class Publisher:
             raise ConfigError(
                 f"the weights name {sorted(set(new) ^ set(self._base or new))[:3]} unlike the version before: the model of a run is fixed"
             )
-        digest = weights_digest(new, plan)
         prod = {**({"step": step} if step is not None else {}), **(producer or {})}
         if self._base is None:
-            return self._publish_v0(new, plan, digest, prod, t0)
-        return self._publish_next(new, plan, digest, prod, snapshot, t0)
+            return self._publish_v0(new, plan, prod, t0)
+        return self._publish_next(new, plan, prod, snapshot, digest, t0)
 
     def _gather(self, weights: Tensors, owned: bool = False) -> dict[str, torch.Tensor] | None:
         """bf16 copies of every parameter on rank 0 (one gathered at a time); None elsewhere."""
@@ -289,38 +304,76 @@ class Publisher:
 
         return commit_records_for(self._raw_redis, self.run)
 
-    def _attempt(self, v: int, digest: str) -> tuple[str, str]:
-        """The attempt id and time of version ``v``: a retry of the same weights reuses those of the failed try."""
-        if self._pending is not None and self._pending[0] == v and self._pending[3] == digest:
-            return self._pending[1], self._pending[2]
-        self._pending = (v, new_attempt_id(), _utc_now(), digest)
+    def _attempt(self, v: int, new: dict[str, torch.Tensor]) -> tuple[str, str]:
+        """The attempt id and time of version ``v``: a retry of the same weights reuses those of the failed try.
+
+        Why compare the weights themselves: no digest is computed at most versions, and the
+        comparison costs only on a retry (usually the very tensors handed over again).
+        """
+        p = self._pending
+        if p is not None and p[0] == v and same_weights(p[3], new):
+            self._pending = (v, p[1], p[2], new)
+            return p[1], p[2]
+        self._pending = (v, new_attempt_id(), _utc_now(), new)
         return self._pending[1], self._pending[2]
 
-    def _publish_v0(self, new: dict[str, torch.Tensor], plan: FusionPlan, digest: str, prod: dict[str, Any], t0: float) -> Published:
-        attempt, created = self._attempt(0, digest)
-        m = publish_snapshot(
+    def _hasher(self) -> ThreadPoolExecutor:
+        """The thread a delta's digest is computed on (its leaves on threads of their own), made at first use."""
+        if self._hash_pool is None:
+            self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="aurora-digest-root")
+        return self._hash_pool
+
+    def _snapshot(
+        self,
+        v: int,
+        new: dict[str, torch.Tensor],
+        plan: FusionPlan,
+        state: str | None,
+        prod: dict[str, Any],
+        attempt: tuple[str, str],
+        digest: str,
+    ) -> Manifest:
+        """The snapshot at ``v``: shards, then its manifest, carrying ``digest`` (already computed: not hashed again)."""
+        return publish_snapshot(
             self.store,
             self.run,
-            0,
+            v,
             fuse_weights(new, plan),
-            None,
+            state,
             self._pub_cfg,
             producer=prod or None,
             model=self.model_files,
             signer=self.signer,
             commit=self._commit,
-            attempt=attempt,
-            created_at=created,
+            attempt=attempt[0],
+            created_at=attempt[1],
+            weights_digest=digest,
         )
+
+    def _publish_v0(self, new: dict[str, torch.Tensor], plan: FusionPlan, prod: dict[str, Any], t0: float) -> Published:
+        attempt = self._attempt(0, new)
+        t = time.perf_counter()
+        digest = tree_weights_digest(new, plan)
+        digest_s = time.perf_counter() - t
+        m = self._snapshot(0, new, plan, None, prod, attempt, digest)
         n = sum(p.spec.numel for p in plan)
-        return self._done(0, m, new, "snapshot", m.total_bytes, n, n, digest, t0, snapshot=True, snapshot_bytes=m.total_bytes)
+        return self._done(
+            0, m, new, "snapshot", m.total_bytes, n, n, digest, t0, snapshot=True, snapshot_bytes=m.total_bytes, digest_s=digest_s
+        )
 
     def _publish_next(
-        self, new: dict[str, torch.Tensor], plan: FusionPlan, digest: str, prod: dict[str, Any], snapshot: bool, t0: float
+        self, new: dict[str, torch.Tensor], plan: FusionPlan, prod: dict[str, Any], snapshot: bool, want_digest: bool, t0: float
     ) -> Published:
         assert self._base is not None and self.version is not None and self.state is not None
         v = self.version + 1
-        attempt, created = self._attempt(v, digest)
+        attempt, created = self._attempt(v, new)
+        snap = snapshot or bool(self.snapshot_every and v % self.snapshot_every == 0)
+        hashing: Future[str] | None = None
+        if snap or want_digest or (self.digest_every and v % self.digest_every == 0):
+            # The delta carries the digest (it binds the snapshot at v, FORMAT.md §4.1): hashed a tensor per thread
+            # while the delta is extracted, encoded and uploaded; only its manifest waits for it.
+            hashing = self._hasher().submit(tree_weights_digest, new, plan)
+        digest_now = WaitedFor(hashing) if hashing is not None else None
         announce = announce_segments(self.bus) if self.bus is not None else None
         hook = self._on_segment
 
@@ -342,32 +395,22 @@ class Publisher:
             attempt=attempt,
             created_at=created,
             signer=self.signer,
-            weights_digest=digest,
+            weights_digest=digest_now,
             commit=self._commit,
         )
+        digest, digest_s = (digest_now(), digest_now.waited) if digest_now is not None else (None, 0.0)
         self._last_delta_bytes = m.total_bytes
-        snap = snapshot or bool(self.snapshot_every and v % self.snapshot_every == 0)
         snap_bytes = 0
         if snap:
-            sm = publish_snapshot(
-                self.store,
-                self.run,
-                v,
-                fuse_weights(new, plan),
-                m.state,
-                self._pub_cfg,
-                producer=prod or None,
-                model=self.model_files,
-                signer=self.signer,
-                commit=self._commit,
-                attempt=attempt,
-                created_at=created,
-            )
-            snap_bytes = sm.total_bytes
-        total = sum(p.spec.numel for p in plan)
-        return self._done(
-            v, m, new, "delta", m.total_bytes + snap_bytes, m.nnz, total, digest, t0, snapshot=snap, snapshot_bytes=snap_bytes
-        )
+            assert digest is not None
+            state, d = m.state, digest
+            if self._snapshots is None:
+                snap_bytes = self._snapshot(v, new, plan, state, prod, (attempt, created), d).total_bytes
+            else:
+                # The delta at v is committed: the snapshot follows on its own thread, manifest last.
+                self._snapshots.submit(v, lambda: self._snapshot(v, new, plan, state, prod, (attempt, created), d).total_bytes)
+        total, nbytes = sum(p.spec.numel for p in plan), m.total_bytes + snap_bytes
+        return self._done(v, m, new, "delta", nbytes, m.nnz, total, digest, t0, snapshot=snap, snapshot_bytes=snap_bytes, digest_s=digest_s)
 
     def _delta_cfg(self) -> PublishConfig:
         """How the next delta is cut. An adaptive size must see a whole delta before its first
@@ -387,19 +430,30 @@ class Publisher:
         nbytes: int,
         changed: int,
         total: int,
-        digest: str,
+        digest: str | None,
         t0: float,
         snapshot: bool = False,
         snapshot_bytes: int = 0,
+        digest_s: float = 0.0,
     ) -> Published:
         self._pending = None
         self._base, self.version, self.state = new, v, m.state
         self._announce(v, m.state, kind, nbytes, digest)
         return Published(
-            v, m.state, kind, nbytes, changed, changed / max(1, total), time.perf_counter() - t0, digest, snapshot, snapshot_bytes
+            v,
+            m.state,
+            kind,
+            nbytes,
+            changed,
+            changed / max(1, total),
+            time.perf_counter() - t0,
+            digest,
+            snapshot,
+            snapshot_bytes,
+            digest_s,
         )
 
-    def _announce(self, v: int, state: str, kind: str, nbytes: int, digest: str) -> None:
+    def _announce(self, v: int, state: str, kind: str, nbytes: int, digest: str | None) -> None:
         """Redis: the digest and state readers check, the head, the version and its commit (docs/WORKERS.md).
 
         The records go through :class:`~aurora_store.coordination.records.RunRecords`, fenced by

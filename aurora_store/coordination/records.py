@@ -12,7 +12,9 @@ The records (docs/PROTOCOL.md, docs/WORKERS.md):
 - the digest log: weight digests of the Trainer (``digest:trainer``) and of
   each Actor (``digest:actors``), also appended to the file named by
   ``AURORA_DIGEST_LOG`` when set, and the Actors' activation timings
-  (``activations``).
+  (``activations``). Only some versions have a digest: the writers hash
+  version 0, snapshot and checkpoint versions (docs/WORKERS.md "Digests"),
+  Actors the versions they verify; every version has its expected state.
 
 Every value read was written by another process and is untrusted: a field
 that does not parse reads as missing (None), never as an exception; an
@@ -316,7 +318,8 @@ class RunRecords:
         The expected state is recorded before the head, so an Actor that
         stages a version the head reached finds its record. ``commit``: the
         version is also committed (a writer without batches to create first).
-        ``digest`` None: not recorded.
+        ``digest`` None (a version nothing binds to was not hashed): none is
+        recorded; readers check such a version by its state alone.
         """
         if digest is not None:
             record_digest(self.redis, self.keys, "trainer", version, digest)

@@ -299,16 +299,19 @@ def publish_delta(
     attempt: str | None = None,
     created_at: str | None = None,
     signer: Signer | None = None,
-    weights_digest: str | None = None,
+    weights_digest: str | Callable[[], str] | None = None,
     commit: Callable[[str, int, bytes], None] | None = None,
 ) -> Manifest:
     """Encode, upload and commit delta ``version`` on top of a base with ``base_state``.
 
     ``weights_digest``: the FORMAT.md §4.1 digest of the weights this delta
-    produces (:func:`aurora_store.apply.sink.weights_digest`). Required at a
-    version that also gets a snapshot (publish the delta first): it is what
-    binds that snapshot to the chain, so readers use the snapshot only if
-    the two digests are equal. Allowed at any other version.
+    produces (:func:`aurora_store.apply.sink.tree_weights_digest`), or a
+    callable returning it, called once every segment is uploaded: a digest
+    hashed on another thread overlaps the extraction, encoding and uploads
+    instead of delaying them. Required at a version that also gets a
+    snapshot (publish the delta first): it is what binds that snapshot to
+    the chain, so readers use the snapshot only if the two digests are
+    equal. Optional at any other version (None: the manifest carries none).
 
     ``signer``: sign the manifest (FORMAT.md §4.1); None writes it unsigned.
     Signatures are deterministic, so a retry still writes equal bytes.
@@ -373,7 +376,7 @@ def publish_delta(
         base_state=base_state,
         producer={"name": PRODUCER_NAME, "version": __version__, **(producer or {})},
         created_at=created_at or _utc_now(),
-        extra=_checked_digest(weights_digest),
+        extra=_checked_digest(weights_digest() if callable(weights_digest) else weights_digest),
     )
     if signer is not None:
         m = signer.sign(m)  # last: the signature covers the manifest exactly as written
@@ -403,11 +406,14 @@ def publish_snapshot(
     model: Sequence[ModelFile] | None = None,
     commit: Callable[[str, int, bytes], None] | None = None,
     tree_digest: bool = False,
+    weights_digest: str | None = None,
 ) -> Manifest:
     """Write full weights (fused names) as shards, then the manifest.
 
     ``tree_digest``: the manifest's ``weights_digest`` in the tree form (FORMAT.md §4.1),
     hashed a tensor per thread; a writer uses one form throughout a run.
+    ``weights_digest``: that digest, already computed by the caller over these very
+    weights (the one the delta at ``version`` carries): nothing is hashed again.
 
     ``attempt``, ``created_at``, ``signer`` and ``commit``: as for :func:`publish_delta` (a retry writes equal bytes).
 
@@ -421,8 +427,10 @@ def publish_snapshot(
     """
     from safetensors.torch import save
 
-    from aurora_store.apply.sink import tree_weights_digest, weights_digest
+    from aurora_store.apply.sink import tree_weights_digest
+    from aurora_store.apply.sink import weights_digest as streamed_digest
 
+    digest_of = tree_weights_digest if tree_digest else streamed_digest
     cfg = config or PublishConfig()
     attempt = attempt or new_attempt_id()
     vdir = version_dir("snapshot", version)
@@ -467,9 +475,7 @@ def publish_snapshot(
         producer={"name": PRODUCER_NAME, "version": __version__, **(producer or {})},
         created_at=created_at or _utc_now(),
         extra={
-            WEIGHTS_DIGEST_FIELD: (tree_weights_digest if tree_digest else weights_digest)(
-                {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
-            ),
+            **_checked_digest(weights_digest or digest_of({n: t.detach().cpu().contiguous() for n, t in tensors.items()})),
             **({MODEL_FIELD: model_listing(model)} if model is not None else {}),
         },
     )
