@@ -8,6 +8,7 @@ estimates, what each holds) and turns its plan into ledger calls.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ from workers.task import Problem, Task
 
 __all__ = [
     "IGNORED_REASONS",
+    "CATCH_UP_VERSIONS",
     "BatchClose",
     "Collected",
     "PromptRenderer",
@@ -97,9 +99,39 @@ def actor_views(actors: Iterable[Any], tau: Mapping[str, float], initial_tau: fl
     return views
 
 
+CATCH_UP_VERSIONS = 2
+"""How far behind a batch's version an Actor may be and still get a share when nobody is closer."""
+
+
 def plan_batch(views: list[ActorView], gen_version: int, prompts: int, config: SchedulerConfig) -> StepPlan | None:
-    """How a batch on ``gen_version`` is split over ``views`` (None when no Actor is known yet)."""
-    return plan_step(views, gen_version, prompts, config, require_staged=False) if views else None
+    """How a batch on ``gen_version`` is split over ``views`` (None when no Actor is known yet).
+
+    When no Actor is within one version of ``gen_version`` (every one is still
+    applying an earlier delta: the first deltas after a start, a burst of
+    versions, a hiccup of the store), the batch is split over the live Actors
+    at most :data:`CATCH_UP_VERSIONS` behind instead of left whole in the
+    shared pool. Why: a batch in the pool goes to whoever reaches the version
+    first, in claims of its claim size, so one Actor took the whole batch
+    while the others idled, and the step lasted two generation windows
+    (``aurora bench wan --quick``'s 0.5 vs 0.85, issue 25). An assignment is
+    claimed only once its Actor runs ``gen_version`` (the ledger checks the
+    state), so nothing is generated on the wrong weights; an Actor that dies
+    first has its assignment put back in the pool by the reaper.
+    """
+    if not views:
+        return None
+    plan = plan_step(views, gen_version, prompts, config, require_staged=False)
+    if plan.quotas or prompts == 0:
+        return plan
+    floor = gen_version - CATCH_UP_VERSIONS
+    catching = {v.actor for v in views if v.alive and v.active is not None and floor <= v.active < gen_version}
+    if not catching:
+        return plan
+    log.info(
+        "batch on v%d: no Actor is within one version yet; split over %d catching up (%s)", gen_version, len(catching), sorted(catching)
+    )
+    lifted = [dataclasses.replace(v, active=gen_version - 1) if v.actor in catching else v for v in views]
+    return plan_step(lifted, gen_version, prompts, config, require_staged=False)
 
 
 def updated_tau(prev: float | None, observed: float, config: SchedulerConfig) -> float:
