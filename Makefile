@@ -89,12 +89,11 @@ typecheck: $(STAMP)
 bench-codec: $(STAMP)
 	$(VENV)/bin/aurora bench codec
 
-# The GPU check (docs/BENCHMARKS.md, "GPU check"). `make gpu-wheels` runs here, with network:
-# the wheels of aurora_tools/gpucheck/requirements.txt (the whole import closure, no torch) for
-# the GPU machine's Python, into $(GPU_WHEELS). `make gpu-check` runs there, without this venv or
-# network: it installs the wheels that machine lacks into $(GPU_SITE) and runs the check with its
-# own python3 and CUDA torch; one JSON object on stdout. GPUCHECK_ARGS="--device cpu --small"
-# runs it on a CPU.
+# The GPU check (docs/BENCHMARKS.md, "GPU check"). `make gpu-wheels`: the wheels of
+# aurora_tools/gpucheck/requirements.txt (the measured import closure, no torch, no vllm) for
+# the GPU machine's Python, into $(GPU_WHEELS), from the package registries. `make gpu-check`
+# runs on the GPU machine with its own python3 and CUDA torch, without this venv: see its recipe.
+# GPUCHECK_ARGS="--device cpu --small" runs the same code on a CPU.
 GPU_PYTHON   ?= python3
 GPU_PYVER    ?= 3.12
 GPU_WHEELS   ?= build/gpu-wheels
@@ -107,8 +106,15 @@ gpu-wheels:
 		$(GPU_PLATFORMS) -d $(GPU_WHEELS) -r aurora_tools/gpucheck/requirements.txt
 	@du -sh $(GPU_WHEELS)
 
+# One command: no torch, a CPU torch or no device -> {"gpu": false, "reason": ...} and exit 0 at once
+# (preflight.py); else the wheels (downloaded first when absent and the registries answer), then
+# the check itself: the real `aurora trainer --device cuda` and a vLLM Actor, and the 8B figures.
+# Only the JSON goes to stdout, as its last line; everything else to stderr.
 gpu-check:
-	$(GPU_PYTHON) aurora_tools/gpucheck/install.py --wheels $(GPU_WHEELS) --target $(GPU_SITE)
+	@$(GPU_PYTHON) aurora_tools/gpucheck/preflight.py $(GPUCHECK_ARGS) || exit 0; \
+	if [ ! -d $(GPU_WHEELS) ]; then $(MAKE) --no-print-directory gpu-wheels PYTHON=$(GPU_PYTHON) \
+		GPU_PYVER=$$($(GPU_PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])') >&2 || true; fi; \
+	$(GPU_PYTHON) aurora_tools/gpucheck/install.py --wheels $(GPU_WHEELS) --target $(GPU_SITE) >&2 || true; \
 	PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m aurora_tools.gpucheck $(GPUCHECK_ARGS)
 
 clean:

@@ -435,6 +435,12 @@ def step_record(s: StepRecord, eval_accuracy: float | None = None) -> tuple[str,
         "changed": s.changed,
         "time_ms": int(time.time() * 1000),
     }
+    # Parts of the step the Trainer times where it has them (``aurora bench trainer`` reads them back):
+    # ``publish_s`` above is the whole publish call, these split it and add the checkpoint's wait.
+    for name, field in (("publish_wait_s", "publish_s"), ("digest_s", "digest_s"), ("checkpoint_wait_s", "checkpoint_wait_s")):
+        value = getattr(s, field, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            body[name] = float(value)
     if eval_accuracy is not None:
         body["eval_accuracy"] = eval_accuracy
     return step_key(s.step), json.dumps(body, sort_keys=True).encode("utf-8")

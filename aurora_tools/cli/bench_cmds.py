@@ -1,4 +1,4 @@
-"""``aurora bench codec|transfer|ledger|e2e|wan|chaos|hostile|activate``: each benchmark prints a table, or one JSON object.
+"""``aurora bench codec|transfer|ledger|e2e|wan|chaos|hostile|activate|trainer``: each benchmark prints a table, or one JSON object.
 
 Each benchmark declares its own options (``add_*_arguments`` import it, so
 :mod:`aurora_tools.cli.main` calls them only for the benchmark being run),
@@ -26,6 +26,8 @@ __all__ = [
     "cmd_bench_hostile",
     "add_activate_arguments",
     "cmd_bench_activate",
+    "add_trainer_arguments",
+    "cmd_bench_trainer",
 ]
 
 
@@ -127,5 +129,17 @@ def add_activate_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench_activate(args: argparse.Namespace) -> int:
     from aurora_tools.bench.activate import main
+
+    return main(args)
+
+
+def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
+    from aurora_tools.bench.trainer import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_bench_trainer(args: argparse.Namespace) -> int:
+    from aurora_tools.bench.trainer import main
 
     return main(args)

