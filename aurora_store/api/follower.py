@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aurora_store.api.weights import Tensors, copy_into, named_tensors, tied_head
-from aurora_store.apply.sink import FusedWeights, SplitWeights, apply_delta, digest_as
+from aurora_store.apply.sink import TREE_PREFIX, FusedWeights, SplitWeights, apply_delta, digest_as
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.extract import plan_of, unfuse_weights
 from aurora_store.codec.fusion import FusionPlan
@@ -323,8 +323,13 @@ class Follower:
         if want is None:
             return
         if plan is None:
-            digest = getattr(target, "digest", None)
-            got = digest() if callable(digest) else None
+            # An engine: in the form the manifest names (FORMAT.md §4.1), hashed by the engine itself
+            # (``verify_digest``, off any lock), else its own ``digest()`` when that is the form named.
+            verify, digest = getattr(target, "verify_digest", None), getattr(target, "digest", None)
+            if callable(verify):
+                got = verify(want)
+            else:
+                got = digest() if callable(digest) and not want.startswith(TREE_PREFIX) else None
         else:
             got = digest_as(want, dict(named_tensors(target)), plan)
         if got is not None and got != want:

@@ -7,15 +7,21 @@ same run on the same tensors:
   (:class:`~workers.engine.torch_engine.TorchEngine`): ``engine.apply`` of
   the delta the stager prepared (``engine.prepare``: checks, grouping,
   sorting and the predicted digest, done while generating, timed apart as
-  ``prepare_s``), then ``engine.digest()``: what ``Actor._activate`` runs
-  under its weights lock before the Actor generates again;
+  ``prepare_s``): what ``SafePoint.activate`` runs under its weights lock
+  before the Actor generates again. No digest: the weights are verified
+  afterwards, outside the safe point;
+- ``verify_s``: that verification, timed apart: ``engine.verify_digest``
+  of the tree digest (FORMAT.md §4.1) the Trainer records, what the Actor's
+  verify thread runs while the engine generates (``safe_point_with_verify_s``
+  is the sum: what generation would stop for if it ran in the safe point);
 - ``bare_scatter_s``: the floor: the same values written at the same
   indices of the same tensors by one compiled pass over indices sorted
   beforehand (int64, per source tensor), no checks, no digest;
 - ``swap_safe_point_s``: the same with ``EngineConfig.activation = "swap"``
   (:mod:`workers.engine.spare`): the stager writes the delta into a spare
   copy of the weights and hashes it (``swap_prepare_s``, here always from a
-  full copy: the first version after a load), the safe point swaps it in;
+  full copy: the first version after a load), the safe point swaps it in
+  (no digest either);
 - ``full_copy_s``: every weight copied (``copy_`` tensor by tensor, from a
   second copy in memory), what a full-weight reload costs in memory traffic
   alone.
@@ -124,7 +130,7 @@ def measure(
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; the JSON object ``aurora bench activate --json`` prints."""
-    from aurora_store.apply.sink import weights_digest
+    from aurora_store.apply.sink import tree_weights_digest, weights_digest
     from aurora_store.codec import kernels
     from aurora_store.codec.entries import EncodeOptions
     from aurora_store.codec.extract import bits_view, extract
@@ -166,6 +172,7 @@ def measure(
     say(f"delta encoded and decoded: {staged.nnz:,} changed elements, {delta_bytes:,} bytes ({time.perf_counter() - t0:.1f}s)")
     kernels.warm_up()
     digest_new = weights_digest(new, plan)
+    tree_new = tree_weights_digest(new, plan)  # what the Trainer records and the Actor verifies against
 
     def exact() -> bool:
         now = held()
@@ -200,9 +207,8 @@ def measure(
         k: []
         for k in (
             "prepare",
-            "sp_apply",
-            "sp_digest",
             "sp",
+            "verify",
             "pl_apply",
             "pl_digest",
             "pl",
@@ -224,9 +230,9 @@ def measure(
 
     clock = time.perf_counter
 
-    def prepared_path() -> tuple[float, float, float, str]:
-        """``engine`` loads v0, prepares the delta (while generating), then applies and digests it
-        (the safe point): (prepare, apply, digest) seconds and the digest reached."""
+    def prepared_path() -> tuple[float, float, float, str | None]:
+        """``engine`` loads v0, prepares the delta (while generating), applies it (the safe point),
+        then verifies it (the verify thread): (prepare, apply, verify) seconds and the digest verified."""
         engine.load(model, version=0)
         reset()
         t0 = clock()
@@ -234,18 +240,18 @@ def measure(
         t1 = clock()
         engine.apply(prepared)
         t2 = clock()
-        got = engine.digest()
+        got = engine.verify_digest(tree_new)
         return t1 - t0, t2 - t1, clock() - t2, got
 
     # Every rep runs every path once, one after the other: a machine shared with others
     # slows them alike, not one path's whole series.
     for rep in range(reps + 1):  # rep 0 warms up (kernels compiled or loaded), untimed
         out: dict[str, float] = {}
-        # The Actor's path: prepared while generating, then apply + digest at the safe point.
+        # The Actor's path: prepared while generating, the write at the safe point, verified after it.
         engine = inplace
-        prep, apply_s, digest_s, got = prepared_path()
-        out.update(prepare=prep, sp_apply=apply_s, sp_digest=digest_s, sp=apply_s + digest_s)
-        exact_all &= got == digest_new and exact()
+        prep, apply_s, verify_s, got = prepared_path()
+        out.update(prepare=prep, sp=apply_s, verify=verify_s)
+        exact_all &= got == tree_new and exact()
         # Before preparation: the decoded delta applied and every weight hashed at the safe point.
         reset()
         t0 = clock()
@@ -265,9 +271,9 @@ def measure(
         exact_all &= exact()
         # The option: written into a spare copy while generating, swapped in at the safe point.
         engine = swapper
-        prep, apply_s, digest_s, got = prepared_path()
-        out.update(sw_prep=prep, sw=apply_s + digest_s)
-        exact_all &= got == digest_new and exact()
+        prep, apply_s, _, got = prepared_path()
+        out.update(sw_prep=prep, sw=apply_s)
+        exact_all &= got == tree_new and exact()
         # A full copy of the weights (both sides' pages touched already: traffic, not page faults).
         now = held()
         t0 = clock()
@@ -284,8 +290,8 @@ def measure(
     weights = held()
     result.update(
         safe_point_s=min(runs["sp"]),
-        safe_point_apply_s=min(runs["sp_apply"]),
-        safe_point_digest_s=min(runs["sp_digest"]),
+        verify_s=min(runs["verify"]),
+        safe_point_with_verify_s=min(a + b for a, b in zip(runs["sp"], runs["verify"], strict=True)),
         prepare_s=min(runs["prepare"]),
         plain_safe_point_s=min(runs["pl"]),
         plain_apply_s=min(runs["pl_apply"]),
@@ -295,6 +301,7 @@ def measure(
         swap_prepare_s=min(runs["sw_prep"]),
         full_copy_s=min(runs["copy"]),
         safe_point_runs_s=[round(x, 4) for x in runs["sp"]],
+        verify_runs_s=[round(x, 4) for x in runs["verify"]],
         bare_scatter_runs_s=[round(x, 4) for x in runs["bare"]],
     )
     sp_total = runs["sp"]
@@ -316,16 +323,16 @@ def measure(
 def _table(r: Mapping[str, Any]) -> str:
     bare = r["bare_scatter_s"] or float("nan")
     rows = [
-        ("safe point (prepared apply + digest)", r["safe_point_s"]),
-        ("  of which apply", r["safe_point_apply_s"]),
-        ("  of which digest (predicted)", r["safe_point_digest_s"]),
+        ("safe point (prepared apply, no digest)", r["safe_point_s"]),
+        ("verify (tree digest, outside the safe point)", r["verify_s"]),
+        ("safe point + verify, were it inside", r["safe_point_with_verify_s"]),
         ("bare scatter (sorted, compiled)", r["bare_scatter_s"]),
         ("full copy of the weights", r["full_copy_s"]),
         ("before: apply + digest at the safe point", r["plain_safe_point_s"]),
         ("  of which apply", r["plain_apply_s"]),
         ("  of which digest", r["plain_digest_s"]),
         ("prepare (stager, while generating)", r["prepare_s"]),
-        ("option swap: safe point (swap + digest)", r["swap_safe_point_s"]),
+        ("option swap: safe point (swap)", r["swap_safe_point_s"]),
         ("option swap: prepare (copy, write, hash)", r["swap_prepare_s"]),
     ]
     out = [

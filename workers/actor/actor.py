@@ -12,7 +12,10 @@ Three threads (docs/WORKERS.md):
   :class:`~workers.actor.staging.DeltaStaging`: deltas from the region's
   mirror or origin, a whole version when cheaper or the only way);
 - heartbeat (:class:`~workers.actor.membership.Membership`): report active
-  and staged versions (and quarantined ones) every ``heartbeat_s``.
+  and staged versions (and quarantined ones) every ``heartbeat_s``;
+- verify (:class:`~workers.actor.verify.Verifier`): check the engine's
+  weights against the digest a version's record carries, outside the safe
+  point; the ledger settles nothing generated on a version before it passed.
 
 What the threads share is one :class:`~workers.actor.holding.Holding`; what
 every part depends on (stores, Redis, engine, clock, outages) is one
@@ -38,7 +41,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 
 from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.outage import is_transient
@@ -54,6 +56,7 @@ from workers.actor.safepoint import SafePoint
 from workers.actor.sources import Sources
 from workers.actor.stager import Stager
 from workers.actor.staging import DeltaStaging, StagedObserver, StagingStrategy
+from workers.actor.verify import Verifier
 from workers.actor.work import WorkLoop
 from workers.common import Endpoints
 from workers.engine import Engine
@@ -87,8 +90,10 @@ class Actor:
         self.membership = Membership(ctx)
         self.boot: Boot = boot if boot is not None else StoreBoot(ctx, self.fetcher)
         self.deltas = DeltaStaging(ctx, self.fetcher, self.sources, observers)
-        self.safepoint = SafePoint(ctx, self.fetcher, self.boot.reach, self.membership.heartbeat)
-        self.stager = Stager(ctx, self.fetcher, self.sources, staging or self.deltas, between=self.safepoint.verify_active)
+        self.verifier = Verifier(ctx)
+        ctx.ledger.vouch = self.verifier.vouch
+        self.safepoint = SafePoint(ctx, self.fetcher, self.boot.reach, self.membership.heartbeat, self.verifier)
+        self.stager = Stager(ctx, self.fetcher, self.sources, staging or self.deltas)
         self.work = WorkLoop(ctx, self.membership.heartbeat)
         self._threads: list[threading.Thread] = []
         self._fatal: BaseException | None = None
@@ -193,7 +198,7 @@ class Actor:
             return
         h.start_at(*got)
         me = c.cfg.actor_id
-        c.redis_call(partial(c.records.record_digest, me, h.active, c.engine.digest()), "record a digest")
+        self.verifier.activated(h.active, h.active_state, None)  # verified by the verify thread, if due
         log.info(
             "%s bootstrapped at v%d in %.2fs%s",
             me,
@@ -226,7 +231,12 @@ class Actor:
         self.bootstrap()
         if self.ctx.stop.is_set():
             return
-        self._threads = [self._background(self.membership.run, "heartbeat"), self._background(self.stager.run, "stager")]
+        self.verifier.begin()
+        self._threads = [
+            self._background(self.membership.run, "heartbeat"),
+            self._background(self.stager.run, "stager"),
+            self._background(self.verifier.run, "verify"),
+        ]
         for t in self._threads:
             t.start()
 

@@ -11,6 +11,7 @@ from aurora_store.config import DEFAULT_STREAMS, STREAMS_ENV, Backoff, from_env,
 from aurora_store.errors import ConfigError
 from aurora_store.format.signing import TrustKeys
 from aurora_store.lineage.prefetch import DEFAULT_MAX_HELD_BYTES, FETCH_MODES
+from aurora_store.lineage.results import DEFAULT_INLINE_MAX_BYTES
 from aurora_store.outage import DEFAULT_OUTAGE_BUDGET_S, OUTAGE_BUDGET_ENV
 
 __all__ = ["ENV_PREFIX", "ActorConfig", "ActorStats"]
@@ -76,6 +77,17 @@ class ActorConfig:
     """Sampling temperature (0: greedy)."""
     seed: int = option(0, metavar="N", help="mixed with each lease's token into the sampling seed")
     """Mixed with each lease's token into the sampling seed."""
+    result_inline_max_bytes: int = option(
+        DEFAULT_INLINE_MAX_BYTES,
+        metavar="N",
+        help="a result payload larger than N bytes is written to the store under results/<id>/ and the ledger carries its key, "
+        "size and sha256 (0: every result)",
+    )
+    """Largest result payload settled through the ledger as it is (``--result-inline-max-bytes``,
+    env ``AURORA_ACTOR_RESULT_INLINE_MAX_BYTES``; default 64 KiB): a larger one is written as an
+    object under ``results/<actor id>/`` in the run root, which this Actor's store credential
+    must be allowed to write (docs/SECURITY.md), and the ledger settles a reference to it
+    (:mod:`aurora_store.lineage.results`). A negative value is read as 0."""
     heartbeat_s: float = option(1.0, flag=None, help="period of the ledger heartbeat (seconds)")
     """Period of the ledger heartbeat (active and staged versions)."""
     idle: Backoff = field(default_factory=lambda: Backoff(initial_s=0.05, max_s=0.25, factor=1.5, jitter=0.0), metadata={"env": False})
@@ -132,6 +144,26 @@ class ActorConfig:
     """At start, wait up to this long for the region's Relay to heartbeat before staging from
     origin (for regions deployed with a Relay: Actors started with it would otherwise all
     read the first versions across the region boundary)."""
+    verify_every: int | None = option(
+        None,
+        metavar="N",
+        default_text="every version whose record carries a digest",
+        help="verify the weights by digest, outside the safe point, at versions whose record carries one: "
+        "N >= 1 at most once every N versions, 0 never (only after a failure)",
+    )
+    """Cadence of weight verification (``--verify-every``, env ``AURORA_ACTOR_VERIFY_EVERY``).
+
+    The state chain is checked at every version, whatever this says. A version
+    whose record carries a ``weights_digest`` (its delta manifest's, else the
+    Trainer's record of it) can be verified: the engine hashes its weights
+    in the form the record names, in the Actor's verify thread, never in the
+    safe point, and nothing generated on that version is settled until it
+    passes (docs/WORKERS.md, "Verification"). None: every such version.
+    N >= 1: such a version when at least N versions were activated since the
+    last verified one (so 1 is the default; a version without a digest is
+    never verified, and the next one with a digest is). 0: never, except the
+    version reached again after a failed verification or a refused activation.
+    """
     join_poll_s: float = option(0.1, flag=None, help="how often to look for the run's head (--join-at-version) and the region's Relay")
     """How often the Actor looks for the run's head (``--join-at-version``) and, during
     ``relay_wait_s``, for the region's Relay."""
@@ -195,6 +227,8 @@ class ActorConfig:
             raise ConfigError(f"fetch must be one of {', '.join(FETCH_MODES)}, got {self.fetch!r}")
         if self.max_prefetch_bytes < 0:
             raise ConfigError(f"max_prefetch_bytes must be >= 0, got {self.max_prefetch_bytes}")
+        if self.verify_every is not None and self.verify_every < 0:
+            raise ConfigError(f"verify_every must be >= 0, got {self.verify_every}")
         if self.max_staged_bytes < 1:
             raise ConfigError(f"max_staged_bytes must be >= 1, got {self.max_staged_bytes}")
         if not self.mirror_timeout_s > 0:
@@ -222,6 +256,10 @@ class ActorStats:
     first attempt was accepted, its answer lost)."""
     rejected: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
+    results_through_store: int = 0
+    """Results written to the store (larger than ``result_inline_max_bytes``) and settled by reference."""
+    verifications: list[tuple[int, float, bool]] = field(default_factory=list)
+    """(version, seconds, passed) of each weight verification (outside the safe point)."""
     rebootstraps: int = 0
     """Whole versions swapped in after bootstrap (a catch-up through a snapshot, a broken chain)."""
     spilled: int = 0

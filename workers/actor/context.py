@@ -21,7 +21,6 @@ from aurora_store.clock import SYSTEM_CLOCK, Clock
 from aurora_store.config import Backoff
 from aurora_store.coordination.bus import Bus
 from aurora_store.coordination.keys import RunKeys
-from aurora_store.coordination.ledger import Ledger
 from aurora_store.coordination.records import RunRecords
 from aurora_store.coordination.redisconn import connect
 from aurora_store.errors import StoreUnavailable
@@ -30,6 +29,7 @@ from aurora_store.storage import Store, open_store
 from workers.actor.config import ActorConfig, ActorStats
 from workers.actor.holding import Holding
 from workers.actor.quarantine import Quarantine
+from workers.actor.vouched import VouchedLedger
 from workers.common import Endpoints
 from workers.engine import Engine
 
@@ -67,7 +67,8 @@ class ActorContext:
         self.redis = redis
         self.bus_redis = bus_redis
         """A second client for the stager's blocking stream reads."""
-        self.ledger = Ledger(redis, ep.run)
+        self.ledger = VouchedLedger(redis, ep.run)
+        """The run's ledger; its settlements wait for the weights to be vouched for (workers.actor.verify)."""
         self.bus = Bus(bus_redis, ep.run)
         self.keys = RunKeys(ep.run)
         self.records = RunRecords(redis, ep.run, self.ledger)

@@ -50,6 +50,9 @@ class Staged:
     """The state digest the version reaches (its manifest's)."""
     stage_s: float
     """Seconds it took to stage."""
+    digest: str | None = None
+    """The ``weights_digest`` its record carries (FORMAT.md §4.1), if any: what the weights
+    can be verified against once it is active (workers.actor.verify)."""
 
     @property
     def version(self) -> int:
@@ -79,6 +82,8 @@ class Holding:
         """The newest version a Commit asked for."""
         self.want = -1
         """The version the main loop last wanted: the stager's catch-up target when behind it."""
+        self.verified: tuple[int, str] | None = None
+        """(version, digest) of the last weights verified: what a heartbeat that registers again records."""
         self._queue: deque[Staged] = deque()
 
     @property

@@ -51,9 +51,9 @@ class Membership:
             log.warning("%s: heartbeat refused (the ledger lost or reaped this Actor); registering again", me)
             self.register()
             c.ledger.heartbeat(me, active=h.active, staged=h.staged_version, active_state=h.active_state)
-            with h.weights:
-                active, digest = h.active, c.engine.digest()
-            c.records.record_digest(me, active, digest)
+            verified = h.verified  # the last digest verified, when it is the active version's (never a hash here)
+            if verified is not None and verified[0] == h.active:
+                c.records.record_digest(me, *verified)
         q = json.dumps(c.quarantine.versions())
         if q != self._reported and c.ledger.report(me, "quarantined", q):  # never creates a record
             self._reported = q

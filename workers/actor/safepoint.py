@@ -4,8 +4,10 @@
 needs next (:meth:`SafePoint.wanted_version`): staged deltas are applied in
 place, a staged whole version is swapped in. Each is checked first against
 the state the Trainer recorded for it; one the engine refuses is
-quarantined, and what was staged on it dropped. :meth:`SafePoint.verify_active`
-checks a predicting engine's weights after the fact, in the stager.
+quarantined, and what was staged on it dropped. Nothing is hashed here: the
+weights are verified by digest afterwards, outside the safe point
+(:mod:`workers.actor.verify`), and a version whose weights failed that is
+handled at the next safe point (:meth:`SafePoint.wrong_weights`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from workers.actor.context import ActorContext
 from workers.actor.fetch import INVALID, Fetcher
 from workers.actor.holding import StagedItem
 from workers.actor.quarantine import StagedFull
-from workers.engine import PredictingEngine
+from workers.actor.verify import Job, Verifier
 
 __all__ = ["SafePoint"]
 
@@ -38,13 +40,13 @@ class SafePoint:
         fetcher: Fetcher,
         reload: Callable[[], tuple[int, str] | None],
         heartbeat: Callable[[], None],
+        verifier: Verifier | None = None,
     ) -> None:
         self.ctx = ctx
         self.fetcher = fetcher
         self.reload = reload
         self.heartbeat = heartbeat
-        self._verified: int | None = None
-        """The active version whose predicted digest was checked."""
+        self.verifier = verifier or Verifier(ctx)
 
     def wanted_version(self) -> int:
         """The version to run next.
@@ -73,6 +75,9 @@ class SafePoint:
     def activate(self) -> None:
         """Apply staged deltas (or swap in a whole version) up to the version the run needs."""
         c, h = self.ctx, self.ctx.holding
+        failed = self.verifier.take_failure()
+        if failed is not None:
+            self.wrong_weights(failed)
         while h.active < self.wanted_version():
             entry = h.next_for(h.want)
             if entry is None:
@@ -102,11 +107,11 @@ class SafePoint:
                     self._refused_at_activation(staged, e)
                     return
                 h.activated(entry.version, entry.state)
-                act_s = time.perf_counter() - t0
-                me, v, digest = c.cfg.actor_id, h.active, c.engine.digest()
+                act_s = time.perf_counter() - t0  # the safe point: checks and writes, no digest
+            me, v = c.cfg.actor_id, h.active
+            self.verifier.activated(v, entry.state, entry.digest)
             c.stats.activations.append((v, entry.stage_s, act_s))
             metrics.active().activated(me, c.cfg.region, v, act_s)
-            c.redis_call(partial(c.records.record_digest, me, v, digest), "record a digest")
             c.redis_call(partial(c.records.record_activation, me, v, entry.stage_s, act_s), "record an activation")
             c.redis_call(self.heartbeat, "heartbeat")
             log.info("%s activated v%d (staged in %.3fs, applied in %.4fs)", me, v, entry.stage_s, act_s)
@@ -127,7 +132,32 @@ class SafePoint:
             got = self.reload()
             if got is not None:
                 h.start_at(*got)
-                c.redis_call(partial(c.records.record_digest, c.cfg.actor_id, h.active, c.engine.digest()), "record a digest")
+                self.verifier.activated(h.active, h.active_state, None, forced=True)
+
+    def wrong_weights(self, failed: Job) -> None:
+        """The weights of an active version failed verification (outside the safe point): act on it now.
+
+        Nothing generated on them was settled (the ledger's gate refused it);
+        the leases this Actor holds go back to the pool at once, what was
+        staged on those weights is dropped, and the engine reaches the run
+        again from the store (the boot's way in), to be verified whatever the
+        cadence. Wrong twice in a row: the Actor stops with the error.
+        """
+        c, h = self.ctx, self.ctx.holding
+        me = c.cfg.actor_id
+        released = c.redis_call(partial(c.ledger.release_actor, me), "release the leases of unverified weights")
+        log.error("%s: v%d failed verification; %d prompt(s) released, reaching the run again from the store", me, failed.version, released)
+        if self.verifier.failures_in_row >= 2:
+            raise ModelMismatchError(
+                f"{me}: the weights of v{failed.version} failed verification again right after being reached from the store "
+                f"(digest {str(failed.actual)[:23]}…); stopping: check the engine (docs/WORKERS.md, Verification)"
+            )
+        h.drop_staged()
+        got = self.reload()
+        if got is not None:
+            h.start_at(*got)
+            self.verifier.activated(h.active, h.active_state, None, forced=True)
+            c.redis_call(self.heartbeat, "heartbeat")
 
     def _refused_state(self, version: int, e: BaseException) -> None:
         """A staged version is not the Trainer's (its record came after it was staged): drop what was staged.
@@ -139,27 +169,3 @@ class SafePoint:
         """
         log.error("%s: refused to activate v%d: %s", self.ctx.cfg.actor_id, version, e)
         self.ctx.holding.drop_staged()
-
-    def verify_active(self) -> None:
-        """Check, once per activation, the weights a predicting engine's digest speaks for.
-
-        An engine that predicted the digest of a delta's result before the
-        safe point (:class:`~workers.engine.PredictingEngine`) hashes its real
-        weights here, in the stager, off the critical path. Weights that are
-        not what was predicted are a broken write: no rollout may come from
-        them, so the Actor records their real digest and stops with the error
-        (its leases expire, and the Trainer sees the mismatch).
-        """
-        c = self.ctx
-        engine = c.engine
-        v = c.holding.active
-        if not isinstance(engine, PredictingEngine) or v < 0 or self._verified == v:
-            return
-        ok = engine.verify_predicted()
-        if ok is None:
-            return  # nothing predicted (or a write raced): nothing to check for this version
-        self._verified = v
-        if not ok:
-            digest = c.engine.digest()
-            c.redis_call(partial(c.records.record_digest, c.cfg.actor_id, v, digest), "record a digest")
-            raise ModelMismatchError(f"the weights of v{v} after activation are not the ones predicted (digest {digest[:12]}); stopping")

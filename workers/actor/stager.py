@@ -34,8 +34,8 @@ log = logging.getLogger("aurora.actor")
 class Stager:
     """Follows the run and stages through ``strategy``; :meth:`run` is the thread's body.
 
-    ``between``: called at the top of every round of the loop (the safe
-    point's check of predicted digests runs there, off the critical path).
+    ``between``: called at the top of every round of the loop (a hook for
+    work that belongs off the critical path; the Actor passes none).
     """
 
     def __init__(

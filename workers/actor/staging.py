@@ -31,7 +31,9 @@ from workers.actor.context import ActorContext
 from workers.actor.fetch import INVALID, Fetcher, Refused
 from workers.actor.holding import Staged
 from workers.actor.polled import Polled
+from workers.actor.quarantine import StagedFull
 from workers.actor.sources import Sources
+from workers.actor.verify import record_digest_of
 
 __all__ = ["DeltaStaging", "StagedObserver", "StagingStrategy"]
 
@@ -171,7 +173,7 @@ class DeltaStaging:
                 c.store_dep.ok()
             c.quarantine.cleared("delta", v)
             self.sources.staged(v, from_mirror, region)
-            h.stage(Staged(staged, m.state, time.perf_counter() - t0))
+            h.stage(Staged(staged, m.state, time.perf_counter() - t0, record_digest_of(m)))
             self._delta_bytes.append(m.total_bytes)
             if v >= self._replay_until:
                 self._manifests = None  # the planned replay is done
@@ -256,7 +258,7 @@ class DeltaStaging:
             return False  # removed while we read it: plan again next time
         if store is c.origin:
             c.store_dep.ok()
-        h.stage_whole(Staged(full, full.state, time.perf_counter() - t0))
+        h.stage_whole(Staged(full, full.state, time.perf_counter() - t0, _whole_digest(full, reader)))
         c.quarantine.forget_below(full.version + 1)
         from_mirror = store is not c.origin
         metrics.active().staged(
@@ -288,3 +290,14 @@ class DeltaStaging:
                 delay,
             )
         return False
+
+
+def _whole_digest(full: StagedFull, reader: ManifestReader) -> str | None:
+    """The ``weights_digest`` of a whole version's record: its chain's last manifest (read for the
+    plan already); None when it carries none or cannot be read now (the Trainer's record is tried then)."""
+    if full.manifests:
+        return record_digest_of(full.manifests[-1])
+    try:
+        return record_digest_of(reader.get("delta" if full.version > full.snapshot else "snapshot", full.version))
+    except (AuroraError, OSError):
+        return None

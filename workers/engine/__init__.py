@@ -24,6 +24,7 @@ from workers.engine.protocol import (
     StoreStaging,
     TextCodec,
     TokenCodec,
+    VerifyingEngine,
     evaluate,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "StoreStaging",
     "TextCodec",
     "TokenCodec",
+    "VerifyingEngine",
     "evaluate",
     "make_engine",
 ]

@@ -18,7 +18,9 @@ Capabilities beyond it are Protocols of their own, which the Actor tests with
   (per segment as it is decoded, then as a whole);
 - :class:`PredictingEngine`: predicted the digest of a prepared delta's
   result, and checks the real weights against it afterwards;
-- :class:`StoreStaging`: its workers read versions from the store themselves.
+- :class:`StoreStaging`: its workers read versions from the store themselves;
+- :class:`VerifyingEngine`: computes the digest of its weights in either form of
+  FORMAT.md §4.1 without holding up generation or activation.
 
 This module imports no engine, and neither torch nor vLLM at run time.
 """
@@ -53,6 +55,7 @@ __all__ = [
     "StoreStaging",
     "TextCodec",
     "TokenCodec",
+    "VerifyingEngine",
     "evaluate",
 ]
 
@@ -208,6 +211,21 @@ class PredictingEngine(Protocol):
 
     def verify_predicted(self) -> bool | None:
         """Whether the held weights have the digest predicted for them; None when nothing was predicted."""
+        ...
+
+
+@runtime_checkable
+class VerifyingEngine(Protocol):
+    """An engine that digests its weights off the critical path, in the form a record names.
+
+    Why: an Actor verifies its weights against the ``weights_digest`` a
+    version's record carries (FORMAT.md §4.1: ``sha256:`` or
+    ``tree-sha256:``) while it generates, never inside its safe point; a
+    tensor-parallel engine hashes each whole tensor once, not on every rank.
+    """
+
+    def verify_digest(self, expected: str) -> str | None:
+        """The held weights' digest in ``expected``'s form; None when a weight write raced it."""
         ...
 
 

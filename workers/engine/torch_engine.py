@@ -27,7 +27,7 @@ import torch
 from aurora_store.apply.predict import predicted_digest
 from aurora_store.apply.prepare import prepare_delta, prepare_part
 from aurora_store.apply.prepared_delta import PreparedDelta, PreparedPart, layout_of_plan, parts_of
-from aurora_store.apply.sink import SplitWeights, apply_delta, weights_digest
+from aurora_store.apply.sink import SplitWeights, apply_delta, digest_as, weights_digest
 from aurora_store.codec.encodings import DTYPES
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.extract import spec_of
@@ -355,6 +355,20 @@ class TorchEngine:
             if self._digest == held:
                 self._digest = None
         return False
+
+    def verify_digest(self, expected: str) -> str | None:
+        """The digest of the held weights in the form ``expected`` names (FORMAT.md §4.1), to compare with it.
+
+        Why without the engine's lock: the Actor verifies outside its safe
+        point, while this engine generates (reads only). A weight write that
+        begins meanwhile makes the result speak for no version: None then.
+        """
+        seq = self._seq
+        if seq % 2:
+            return None
+        _, plan = self._need()
+        got = digest_as(expected, self._weights, plan)
+        return got if self._seq == seq else None
 
     def digest(self) -> str:
         """``weights_digest`` of the held weights; the one :meth:`prepare` predicted when it is theirs."""

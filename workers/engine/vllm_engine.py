@@ -323,6 +323,31 @@ class VLLMEngine:
             self._need()
             return str(self._call_all("aurora_digest")[0])
 
+    def verify_digest(self, expected: str) -> str | None:
+        """The weights' digest in ``expected``'s form (FORMAT.md §4.1); None when a weight write raced it.
+
+        Why this shape: the Actor verifies while it generates. At tp=1 the
+        worker hashes in a background thread and generation goes on; the
+        engine's lock is taken only for each short RPC. Under tensor
+        parallelism each whole tensor is gathered to rank 0 and hashed
+        there, in one RPC between two model steps (collectives stay on
+        vLLM's worker thread): no rank receives the whole model.
+        """
+        if self.config.tensor_parallel_size > 1:
+            with self._lock:
+                self._need()
+                got = self._call_all("aurora_digest_gathered", expected)[0]
+            return None if got is None else str(got)
+        with self._lock:
+            self._need()
+            self._call_all("aurora_digest_start", expected)
+        while True:
+            with self._lock:
+                out = self._call_all("aurora_digest_result", 0.0)[0]
+            if out is not None:
+                return None if out["digest"] is None else str(out["digest"])
+            time.sleep(self.config.stage_poll_s)
+
     def probe(self) -> list[dict[str, Any]]:
         """Per rank: pid, resident bytes, parameter storage addresses, staged versions."""
         with self._lock:

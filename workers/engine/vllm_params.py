@@ -163,6 +163,12 @@ class Held:
         self.staging: dict[int, Future[tuple[Manifest, StagedDelta]]] = {}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aurora-stage")
         self.lock = threading.Lock()
+        self.writes = 0
+        """Weight writes so far, twice each (odd while one is under way): a digest hashed
+        beside them (vllm_digest) speaks for a version only if this did not move."""
+        self.digest_pool: ThreadPoolExecutor | None = None
+        self.digest_job: Future[str | None] | None = None
+        """The background hash of the held weights (vllm_digest.start), at tp=1."""
 
     def store(self, url: str, options: Mapping[str, Any]) -> Store:
         if url.startswith("memory://"):
@@ -175,6 +181,33 @@ class Held:
     def whole(self) -> Mapping[str, torch.Tensor]:
         """Fused name -> the whole parameter as the Trainer holds it (lazy, one at a time)."""
         return _WholeView(self)
+
+    def whole_at(self, name: str, dst: int = 0) -> torch.Tensor | None:
+        """The whole parameter ``name`` on rank ``dst`` only (None on the others).
+
+        Why: a digest needs each whole tensor once, by one hasher; gathering
+        it to one rank moves a tensor's worth of bytes once, where an
+        all-gather hands every rank the whole model. Collective under
+        tensor parallelism: every rank calls it for the same names in the
+        same order.
+        """
+        local, lay = self.sink.tensors[name], self.sink.layouts[name]
+        if self.tp == 1:
+            return local.reshape(-1)[: lay.held].view(lay.global_shape)
+        import torch.distributed as dist
+        from vllm.distributed import get_tp_group
+
+        # torch's own gather (vLLM's CPU shared-memory gather never returned in a test here): over the device group
+        # on a GPU, over the CPU (gloo) group for CPU tensors.
+        tp = get_tp_group()
+        part = local.contiguous()
+        group = tp.device_group if part.is_cuda else tp.cpu_group
+        mine = tp.rank_in_group == dst
+        parts = [torch.empty_like(part) for _ in range(self.tp)] if mine else None
+        dist.gather(part, parts, dst=tp.ranks[dst], group=group)
+        if parts is None:
+            return None
+        return assemble([(self.builders[name](r), parts[r]) for r in range(self.tp)])
 
     def load_whole(self, name: str, full: torch.Tensor) -> None:
         """Copy a whole parameter into this rank's shard, in place."""

@@ -32,8 +32,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,6 +46,7 @@ from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import Manifest
 from aurora_store.lineage.fetch import ManifestReader, bound_index, fetch_delta, fetch_snapshot
 from aurora_store.lineage.plan import plan_chain, scan_versions
+from workers.engine import vllm_digest
 from workers.engine.vllm_config import VLLM_PREPARE
 from workers.engine.vllm_params import Held, keep_cpu_linear_on_live_weights
 from workers.engine.vllm_wire import decode_entries, encode_entries, reply
@@ -53,6 +54,8 @@ from workers.engine.vllm_wire import decode_entries, encode_entries, reply
 __all__ = ["AuroraWorkerExtension", "decode_entries", "encode_entries", "reply"]
 
 log = logging.getLogger("aurora.vllm_worker")
+
+T = TypeVar("T")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -114,10 +117,11 @@ class AuroraWorkerExtension:
                 full = torch.frombuffer(bytearray(data), dtype=_DTYPES[dtype]).view(tuple(shape))
                 if spec_of(full, name) != h.sink.specs()[name]:
                     raise ModelMismatchError(f"{name}: given {list(shape)} {dtype}, the model holds {h.sink.specs()[name]}")
-            for name, (dtype, shape, data) in tensors.items():
-                h.load_whole(name, torch.frombuffer(bytearray(data), dtype=_DTYPES[dtype]).view(tuple(shape)))
-            h.version, h.state = version, None
-            _sync()
+            with _writing(h):
+                for name, (dtype, shape, data) in tensors.items():
+                    h.load_whole(name, torch.frombuffer(bytearray(data), dtype=_DTYPES[dtype]).view(tuple(shape)))
+                h.version, h.state = version, None
+                _sync()
 
         return reply(go)
 
@@ -172,7 +176,7 @@ class AuroraWorkerExtension:
             _sync()
             return {"version": h.version, "state": h.state}
 
-        return reply(go)
+        return reply(lambda: _while_writing(self._aurora_held(), go))
 
     def aurora_stage(
         self,
@@ -280,6 +284,18 @@ class AuroraWorkerExtension:
         """``weights_digest`` of the whole model as the Trainer holds it (same bytes, same names)."""
         return reply(lambda: weights_digest(self._aurora_held().whole(), self._aurora_held().plan))
 
+    def aurora_digest_start(self, expected: str) -> dict[str, Any]:
+        """tp=1: start hashing the weights in ``expected``'s form (FORMAT.md §4.1) in the background; returns at once."""
+        return reply(lambda: vllm_digest.start(self._aurora_held(), expected))
+
+    def aurora_digest_result(self, wait_s: float) -> dict[str, Any]:
+        """``{"digest"}`` of the hash ``aurora_digest_start`` began (None: a write raced it); None while it runs."""
+        return reply(lambda: vllm_digest.result(self._aurora_held(), wait_s))
+
+    def aurora_digest_gathered(self, expected: str) -> dict[str, Any]:
+        """Tensor parallelism: each whole tensor gathered to rank 0 and hashed there; rank 0's digest, None elsewhere."""
+        return reply(lambda: vllm_digest.gathered(self._aurora_held(), expected))
+
     def aurora_probe(self) -> dict[str, Any]:
         """Process id, resident memory and every parameter's storage address (tests, benchmarks)."""
 
@@ -319,7 +335,12 @@ class AuroraWorkerExtension:
             _sync()
             return time.perf_counter() - t0
 
-        return reply(go)
+        return reply(lambda: _while_writing(self._aurora_held(), go))
+
+
+def _while_writing(h: Held, fn: Callable[[], T]) -> T:
+    with _writing(h):
+        return fn()
 
 
 def _handed(data: bytes, where: str) -> Manifest:
@@ -394,12 +415,23 @@ def _fetch_prepared(h: Held, store: Any, version: int, streams: int, base_state:
 def _apply(h: Held, staged: StagedDelta | PreparedDelta, state: str | None) -> None:
     if h.version is not None and staged.base_version != h.version:
         raise ChainError(f"delta {staged.version} is based on version {staged.base_version}, the worker holds version {h.version}")
-    if isinstance(staged, PreparedDelta):
-        staged.write(h.sink.tensors)  # every target checked before the first write
-    else:
-        apply_delta(staged, h.sink)  # validates every entry against the whole model before writing
-    _sync()
-    h.version, h.state = staged.version, state
+    with _writing(h):
+        if isinstance(staged, PreparedDelta):
+            staged.write(h.sink.tensors)  # every target checked before the first write
+        else:
+            apply_delta(staged, h.sink)  # validates every entry against the whole model before writing
+        _sync()
+        h.version, h.state = staged.version, state
+
+
+@contextlib.contextmanager
+def _writing(h: Held) -> Iterator[None]:
+    """Around every weight write: a digest hashed beside it (vllm_digest) is then void."""
+    h.writes += 1
+    try:
+        yield
+    finally:
+        h.writes += 1
 
 
 def _hf_named(model: torch.nn.Module, fused: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
