@@ -23,7 +23,7 @@ import torch
 from hf_fixtures import Pretrained
 from safetensors.torch import load_file
 
-from aurora_store.apply.sink import weights_digest
+from aurora_store.apply.sink import tree_weights_digest
 from aurora_store.coordination.evals import read_evals, read_store_evals
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.coordination.records import read_digests
@@ -90,7 +90,7 @@ def run_family(pretrained: dict[str, Pretrained], tmp_path: Path, family: str, t
         plan = fusion_plan_for(model)
         raw = load_file(str(p.model / "model.safetensors"))
         raw.setdefault("lm_head.weight", raw["model.embed_tokens.weight"])
-        assert tdig[0] == weights_digest({n: raw[n] for n, _ in model.named_parameters(remove_duplicate=False)}, plan)
+        assert tdig[0] == tree_weights_digest({n: raw[n] for n, _ in model.named_parameters(remove_duplicate=False)}, plan)
         # Rewards are the task's: the fine-tuned checkpoint earns some, and GRPO moved the weights.
         assert any(lg.reward > 0 for lg in res.logs)
         assert all(lg.delta_bytes > 0 for lg in res.logs if lg.changed)

@@ -53,6 +53,13 @@ def test_json_report_on_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
 
     bpc = r["bytes_per_changed"]
     assert set(bpc) == {"leb128", "u32", "u64", "xor_zstd", "auto", "auto_v2", "zstd_u32"}
+    # Format 1 and the default, format 2, measured in the same run.
+    assert r["default_format"] == 2 and r["segment_format"]["auto_v2"] == 2
+    assert {k: v for k, v in r["segment_format"].items() if k != "auto_v2"} == dict.fromkeys(
+        ("u64", "u32", "leb128", "xor_zstd", "auto"), 1
+    )
+    assert r["decode_apply_elems_per_s_v2"] > 0 and r["extract_encode_fraction_of_memcpy_v2"] > 0
+    assert r["decode_apply_elems_per_cpu_s_v2"] > 0 and r["extract_encode_fraction_of_memcpy_cpu_v2"] > 0
     assert all(isinstance(v, float) and v > 0 for v in bpc.values()), bpc
     # Naive sizes are exact: 8 + 2 and 4 + 2 bytes per changed bf16 element.
     assert bpc["u64"] == pytest.approx(10.0)

@@ -48,17 +48,19 @@ PLANTED = 99999999
 
 def _cfg(steps: int, **kw: Any) -> TrainerConfig:
     return TrainerConfig(
-        steps=steps,
-        batch=2,
-        group=2,
-        checkpoint_every=2,
-        keep_checkpoints=2,
-        eval_every=0,
-        snapshot_every=0,
-        poll_s=0.01,
-        warm_start_steps=0,
-        device="cpu",
-        **kw,
+        **{
+            "steps": steps,
+            "batch": 2,
+            "group": 2,
+            "checkpoint_every": 2,
+            "keep_checkpoints": 2,
+            "eval_every": 0,
+            "snapshot_every": 0,
+            "poll_s": 0.01,
+            "warm_start_steps": 0,
+            "device": "cpu",
+            **kw,
+        }
     )
 
 
@@ -78,26 +80,19 @@ def _resumer(root: Path, redis_url: str, run: str, steps: int = 6, **kw: Any) ->
 def _plant_checkpoint(root: Path, src: int, dst: int, *, keep_signature: bool = False) -> None:
     """The issue's attack: copy checkpoint ``src``, change its model tensors, recompute every hash,
     write it as ``checkpoints/step-{dst}``."""
-    from safetensors.torch import load, save
-
-    src_dir, dst_dir = root / "checkpoints" / f"step-{src:08d}", root / "checkpoints" / f"step-{dst:08d}"
-    rec = json.loads((src_dir / "checkpoint.json").read_bytes())
-    for obj in rec["objects"]:
-        tensors = load((src_dir / obj["key"]).read_bytes())
-        for name, t in tensors.items():
-            if name.startswith("model.") and t.is_floating_point():
-                tensors[name] = t + 0.25  # far beyond a bf16 rounding: the published weights would differ
-        data = save(tensors)
-        out = dst_dir / obj["key"]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(data)
-        obj["bytes"], obj["sha256"] = len(data), hashlib.sha256(data).hexdigest()
-    rec["step"] = dst
-    if "version" in rec:
-        rec["version"] = dst
-    if not keep_signature:
-        rec.pop("signature", None)
-    (dst_dir / "checkpoint.json").write_bytes(canonical_json(rec))
+    store = open_store(str(root))
+    ck = load_checkpoint(store, src)
+    tensors = {
+        # far beyond a bf16 rounding: the published weights would differ
+        n: (t + 0.25 if n.startswith("model.") and t.is_floating_point() else t)
+        for n, t in ck.tensors.items()
+    }
+    save_checkpoint(store, dataclasses.replace(ck, step=dst, tensors=tensors))  # every hash recomputed, unsigned
+    if keep_signature:
+        signature = json.loads((root / checkpoint_key(src)).read_bytes()).get("signature")
+        rec = json.loads((root / checkpoint_key(dst)).read_bytes())
+        rec["signature"] = signature
+        (root / checkpoint_key(dst)).write_bytes(canonical_json(rec))
 
 
 def _model_tensors(root: Path, step: int) -> dict[str, torch.Tensor]:
@@ -167,9 +162,11 @@ def test_a_planted_checkpoint_neither_wins_resume_nor_makes_pruning_delete_the_r
 def test_a_checkpoint_whose_record_claims_a_committed_version_is_refused_by_its_tensors(
     tmp_path: Path, redis_server: Any, redis_client: Any, run_name: str
 ) -> None:
-    """The plant names version 3 with its true state and digest (from Redis): only its tensors betray it."""
+    """The plant names version 3 with its true state and digest (from Redis): only its tensors betray it.
+
+    Version 3 is hashed (a snapshot's version), so a digest of it is committed to copy."""
     root = tmp_path / "run"
-    _fresh_run(root, redis_server.url, redis_client, run_name)
+    _fresh_run(root, redis_server.url, redis_client, run_name, snapshot_every=3)
     records = RunRecords(redis_client, run_name)
     digests, _ = records.digests()
     _plant_checkpoint(root, 4, 3)
@@ -180,7 +177,7 @@ def test_a_checkpoint_whose_record_claims_a_committed_version_is_refused_by_its_
     real = _model_tensors(root, 2)
     for p in sorted((root / "checkpoints" / "step-00000004").rglob("*"), reverse=True):  # the real newest is gone
         p.chmod(0o755) if p.is_dir() else p.unlink()
-    tr = _resumer(root, redis_server.url, run_name)
+    tr = _resumer(root, redis_server.url, run_name, snapshot_every=3)
     try:
         assert tr.resume() == 4
         assert tr.resumed_from == 2 and _master_is(tr, real)

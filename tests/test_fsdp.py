@@ -151,7 +151,7 @@ def test_trainer_nproc2_versions_reach_an_actor_bit_identical(tmp_path: Path, re
                 "--nproc",
                 "2",
                 "--snapshot-every",
-                "0",
+                "1",  # every version hashed (a snapshot's digest): the Actor verifies each against it
             ],
             env=env,
             stdout=tlog,

@@ -48,6 +48,7 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "index_encodings": (("leb128",), ("u32", "u64")),
     "value_modes": (("new",), ("xor",)),
     "codecs": (("none",), ("zstd",)),
+    "format": (1, 2),
 }
 
 

@@ -149,6 +149,7 @@ def test_the_trainers_retention_keeps_every_real_version(mem: Store) -> None:
     vp = VersionPublisher.__new__(VersionPublisher)
     vp.raw_store, vp.cfg, vp.signer = mem, SimpleNamespace(keep_snapshots=2), None
     vp.held_versions = lambda: frozenset()
+    vp.publisher = None  # no snapshot in flight
     vp.states = dict(run.states)
     vp.retain()
     idx = _versions(mem)

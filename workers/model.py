@@ -49,6 +49,8 @@ __all__ = [
     "load_model",
     "logprobs",
     "pack_completions",
+    "pass_tokens",
+    "rows_per_pass",
     "save_model",
     "tiny_qwen3",
     "warm_start",
@@ -231,6 +233,8 @@ def logprobs(
     attention_mask: torch.Tensor,
     completion_mask: torch.Tensor,
     reduction: Literal["sum", "mean", "none"] = "sum",
+    micro_batch: int = 0,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """Log-probabilities of the completion tokens under ``model``, differentiable.
 
@@ -239,6 +243,15 @@ def logprobs(
     ``"sum"`` and ``"mean"`` reduce each row to [B]. Positions come from
     ``attention_mask``, so left- and right-padded rows both work. Softmax
     runs in float32 whatever the model's dtype.
+
+    Memory does not grow with batch x tokens x vocabulary: the model's output
+    head is applied only to completion positions, ``chunk_tokens`` of them at
+    a time (default: about 64 MiB of float32 logits per chunk), and with
+    gradients each chunk is recomputed in the backward pass instead of kept.
+    ``micro_batch`` > 0 runs that many rows per forward; meant for calls
+    without gradients (with gradients, every micro-batch's graph would be
+    kept until the caller's backward: micro-batch the backward instead, as
+    :func:`workers.trainer.fsdp.grpo_epochs` does).
     """
     if input_ids.shape != attention_mask.shape or input_ids.shape != completion_mask.shape:
         raise ValueError(
@@ -246,26 +259,124 @@ def logprobs(
         )
     if bool(completion_mask[:, 0].any()):
         raise ValueError("a completion token at position 0 has no context to be predicted from")
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-    )
-    logits = out.logits[:, :-1].float()
-    targets = input_ids[:, 1:]
-    tok = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-    mask = completion_mask[:, 1:].to(tok.dtype)
-    tok = tok * mask
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
+    rows = int(input_ids.shape[0])
+    step = micro_batch if 0 < micro_batch < rows else rows
+    parts = [
+        _token_logprobs(model, input_ids[lo : lo + step], attention_mask[lo : lo + step], completion_mask[lo : lo + step], chunk_tokens)
+        for lo in range(0, rows, step)
+    ]
+    tok = parts[0] if len(parts) == 1 else torch.cat(parts)
     if reduction == "none":
-        return torch.nn.functional.pad(tok, (1, 0))
+        return tok
     total = tok.sum(-1)
     if reduction == "sum":
         return total
-    if reduction == "mean":
-        return total / mask.sum(-1).clamp(min=1.0)
-    raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
+    return total / completion_mask[:, 1:].sum(-1).clamp(min=1).to(total.dtype)
+
+
+PASS_TOKENS = 4096
+"""Tokens (rows x padded width) one forward/backward pass covers when nothing else is known."""
+
+
+def pass_tokens(hidden_size: int, layers: int, params: int, checkpointing: bool) -> int:
+    """Tokens per forward/backward pass that keep a causal LM's activations near one byte per
+    parameter (at least 64 MiB: small models run their batch in few passes).
+
+    Without checkpointing a decoder layer keeps about 14 x ``hidden_size`` float32 values per
+    token (attention and MLP inputs and outputs); with it, only its input (the rest is recomputed).
+    """
+    per_token = (4 if checkpointing else 56) * max(1, hidden_size) * max(1, layers)
+    return max(1, max(params, ACTIVATION_FLOOR_BYTES) // per_token)
+
+
+ACTIVATION_FLOOR_BYTES = 64 << 20
+"""Activation memory :func:`pass_tokens` allows whatever the model's size."""
+
+
+def rows_per_pass(micro_batch: int, width: int, tokens: int = PASS_TOKENS) -> int:
+    """Rows per forward pass: ``micro_batch`` when > 0, else as many rows of ``width`` tokens as
+    ``tokens`` holds (at least one), so activations do not grow with the batch."""
+    if micro_batch > 0:
+        return micro_batch
+    return max(1, tokens // max(1, width))
+
+
+LOGITS_CHUNK_BYTES = 64 << 20
+"""Float32 logits one chunk of :func:`logprobs` may hold (the default ``chunk_tokens`` follows from it)."""
+
+
+def _token_logprobs(
+    model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, comp: torch.Tensor, chunk_tokens: int | None
+) -> torch.Tensor:
+    """[B, T] per-token log-probabilities of one micro-batch, 0 outside the completion (see :func:`logprobs`)."""
+    position_ids = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    head = _output_head(model)
+    if head is None:  # not a Hugging Face causal LM: the plain computation
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False).logits[:, :-1].float()
+        tok = logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+        return torch.nn.functional.pad(tok * comp[:, 1:].to(tok.dtype), (1, 0))
+    # The head runs inside the model's forward (where a sharded model's weights are
+    # gathered), on the completion positions only, in chunks.
+    chunked = _CompletionHead(head, ids, comp, chunk_tokens)
+    setter = getattr(model, "set_output_embeddings")  # noqa: B009 - the Hugging Face API, checked by _output_head
+    setter(chunked)
+    try:
+        out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False)
+    finally:
+        setter(head)
+    tok = out.logits
+    assert isinstance(tok, torch.Tensor) and tok.shape == ids.shape
+    return tok
+
+
+def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A Hugging Face causal LM's output projection, when it can be swapped for a call."""
+    get = getattr(model, "get_output_embeddings", None)
+    if get is None or not callable(getattr(model, "set_output_embeddings", None)):
+        return None
+    head = get()
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+class _CompletionHead(torch.nn.Module):
+    """Stands in for the output head during one forward: returns [B, T] token log-probs, not [B, T, vocab] logits."""
+
+    def __init__(self, head: torch.nn.Module, ids: torch.Tensor, comp: torch.Tensor, chunk_tokens: int | None) -> None:
+        super().__init__()
+        self.head = head
+        self.ids = ids
+        self.comp = comp
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.head
+        b, t = self.ids.shape
+        where = self.comp[:, 1:].bool()
+        h = hidden[:, :-1][where]  # [N, H]: the states that predict a completion token
+        targets = self.ids[:, 1:][where]
+        n = int(h.shape[0])
+        vocab = int(getattr(head, "out_features", 0) or getattr(getattr(head, "weight", None), "shape", (1,))[0])
+        step = self.chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * max(1, vocab)))
+        grad = torch.is_grad_enabled() and h.requires_grad
+        parts = []
+        for lo in range(0, n, step):
+            if grad:
+                from torch.utils.checkpoint import checkpoint
+
+                parts.append(checkpoint(_chunk_logprobs, head, h[lo : lo + step], targets[lo : lo + step], use_reentrant=False))
+            else:
+                parts.append(_chunk_logprobs(head, h[lo : lo + step], targets[lo : lo + step]))
+        flat = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+        out = hidden.new_zeros((b, t - 1), dtype=torch.float32)
+        out = out.masked_scatter(where, flat) if n else out
+        return torch.nn.functional.pad(out, (1, 0))
+
+
+def _chunk_logprobs(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(h).float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
 # ---------------------------------------------------------------------------

@@ -34,6 +34,7 @@ __all__ = [
     "MAX_FILE_BYTES",
     "ModelDir",
     "check_family",
+    "build_empty",
     "load_pretrained",
     "read_model_dir",
     "tokenizer_from_files",
@@ -140,6 +141,23 @@ def load_pretrained(path: str | os.PathLike[str], dtype: torch.dtype = torch.flo
         model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True, use_safetensors=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"--model {p}: cannot load the model: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return model
+
+
+def build_empty(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The directory's causal LM built from its config alone, without its weights (offline, no remote code).
+
+    Under :func:`workers.trainer.sharding.params_on_meta` the parameters are meta
+    tensors: a sharded Trainer's rank then allocates and reads only its own shard.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    p = os.fspath(path)
+    try:
+        config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"--model {p}: cannot build the model: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     return model
 
 

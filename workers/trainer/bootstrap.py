@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
-from aurora_store.apply.sink import weights_digest
+from aurora_store.apply.sink import digest_as, tree_weights_digest
 from aurora_store.clock import Clock
 from aurora_store.codec.extract import unfuse_weights
 from aurora_store.coordination.bus import COMMIT, Bus
 from aurora_store.coordination.commit import commit_records_for
 from aurora_store.coordination.ledger import Ledger
 from aurora_store.coordination.records import RunRecords
-from aurora_store.errors import ConfigError
-from aurora_store.format.manifest import manifest_key
+from aurora_store.errors import ConfigError, IntegrityError, ManifestError, ObjectNotFound
+from aurora_store.format.manifest import manifest_key, new_attempt_id
 from aurora_store.format.signing import Signer, TrustKeys, trust_from_option
 from aurora_store.lineage.materialize import materialize
 from aurora_store.lineage.plan import VersionIndex, scan_versions
@@ -36,14 +36,22 @@ from workers.common import model_files_listed
 from workers.trainer.batches import BatchBook
 from workers.trainer.checkpoint import (
     Checkpoint,
-    load_latest_checkpoint,
+    CheckpointRecord,
+    bound_checkpoints,
+    checkpoint_folder,
+    checkpoint_key,
+    commit_checkpoint,
     prune_checkpoints,
-    save_checkpoint,
+    read_checkpoint,
+    unbound_reason,
 )
+from workers.trainer.ckpt_async import Checkpointer
+from workers.trainer.ckpt_store import ObjectEntry
 from workers.trainer.config import TrainerConfig
 from workers.trainer.fsdp import DistContext
 from workers.trainer.policy import GrpoPolicy
 from workers.trainer.run_facts import RunFacts, establish
+from workers.trainer.sharding import tell
 from workers.trainer.sources import WeightsSource
 from workers.trainer.versions import VersionPublisher
 
@@ -98,6 +106,8 @@ class Bootstrap:
         """The run's keys: a signed run's checkpoints and versions count only when signed by them."""
         self.facts = RunFacts()
         """The committed versions known (established at resume, then this Trainer's own): what binds checkpoints."""
+        self.checkpointer = Checkpointer(store, checkpoint_folder, ctx.rank, ctx.sharded)
+        """Writes this rank's part of each checkpoint while training goes on (``checkpointer.wait_s``: the time steps waited)."""
 
     @property
     def epoch(self) -> int:
@@ -149,6 +159,8 @@ class Bootstrap:
         # of the same name) is outranked, not obeyed: this Trainer is the run now.
         self.enter_epoch((self.records.stored_epoch() or 0) + 1)
         t0 = time.perf_counter()
+        if self.grpo is not None:
+            tell(self.ctx, ("fresh",))  # the other ranks build the model and take rank 0's weights
         first = self.weights_source.first_version(self.store)
         self.records.forget_states()  # expected states an older run of this name left are not ours
         self.versions.start(first.plan, first.model_files)
@@ -157,7 +169,7 @@ class Bootstrap:
             log.info("v0 snapshot published (%d bytes) in %.1fs total setup", nbytes, time.perf_counter() - t0)
         else:
             self.versions.full_bytes = sum(x.numel() * x.element_size() for x in first.weights.values())
-            self.versions.continue_from(0, first.base_state, first.weights, "base", weights_digest(first.weights, first.plan))
+            self.versions.continue_from(0, first.base_state, first.weights, "base", tree_weights_digest(first.weights, first.plan))
             log.info("v0: a base every Actor builds (%d bytes), ready in %.1fs", self.versions.full_bytes, time.perf_counter() - t0)
         self.evaluate(0)
         self.wait_for_actors()
@@ -187,13 +199,24 @@ class Bootstrap:
             "tiny": [c.tiny_hidden, c.tiny_intermediate],
         }
 
-    def checkpoint(self, step: int) -> None:
-        """Save what a restarted Trainer needs to run ``step`` next (docs/WORKERS.md), when one is due."""
+    def checkpoint(self, step: int, final: bool = False) -> None:
+        """Start saving what a restarted Trainer needs to run ``step`` next (docs/WORKERS.md), when one is due.
+
+        Called after every version (every rank learns from rank 0 whether one is
+        due). Each rank writes its part in the background from the live tensors;
+        the record is committed before the next ``optimizer.step()`` changes them
+        (:mod:`~workers.trainer.ckpt_async`), or now when ``final`` (the run ends).
+        """
         every = self.cfg.checkpoint_every
-        if every <= 0 or step % every != 0 or self.ctx.sharded or self.grpo is None:
+        due = every > 0 and step % every == 0 and self.grpo is not None
+        attempt = new_attempt_id() if due else None
+        tell(self.ctx, ("checkpoint", step, attempt, final))
+        if self.grpo is None or attempt is None:
             return
         t0 = time.perf_counter()
         tensors, opt_meta = self.grpo.checkpoint_tensors()
+        assert self.grpo.opt is not None
+        self.checkpointer.attach(self.grpo.opt)
         book = self.batches
         meta = {
             "run": self.run,
@@ -209,14 +232,25 @@ class Bootstrap:
             "full_bytes": self.versions.full_bytes,
         }
         state, digest = self._binding_of(step)
-        ck = Checkpoint(step=step, epoch=self.epoch, tensors=tensors, meta=meta, state=state, weights_digest=digest, run=self.run)
-        nbytes = save_checkpoint(self.store, ck, signer=self.signer)
-        # Bound to this run's committed states, a checkpoint is this run's history whatever run name it
-        # recorded (a run root copied under a new name resumes): the name is not checked.
-        gone = prune_checkpoints(self.store, self.cfg.keep_checkpoints, self.facts.binding, self.trust)
-        log.info(
-            "checkpoint before step %d: %d bytes in %.2fs%s", step, nbytes, time.perf_counter() - t0, f", pruned {gone}" if gone else ""
-        )
+        ck = Checkpoint(step=step, epoch=self.epoch, meta=meta, state=state, weights_digest=digest, run=self.run)
+
+        def commit(objects: list[ObjectEntry], layout: Any) -> None:
+            nbytes = commit_checkpoint(self.store, ck, objects, layout, world=self.ctx.world, signer=self.signer)
+            # Bound to this run's committed states, a checkpoint is this run's history whatever run name it
+            # recorded (a run root copied under a new name resumes): the name is not checked.
+            gone = prune_checkpoints(self.store, self.cfg.keep_checkpoints, self.facts.binding, self.trust)
+            log.info(
+                "checkpoint before step %d: %d bytes from %d rank(s), committed %.2fs after it began%s",
+                step,
+                nbytes,
+                self.ctx.world,
+                time.perf_counter() - t0,
+                f", pruned {gone}" if gone else "",
+            )
+
+        self.checkpointer.begin(step, attempt, tensors, commit)
+        if final:
+            self.checkpointer.finish()
 
     def _binding_of(self, step: int) -> tuple[str | None, str | None]:
         """The state and weights digest of version ``step``, which the checkpoint before ``step`` binds to."""
@@ -224,7 +258,9 @@ class Bootstrap:
         state = self.versions.states.get(step)
         if not self.cfg.weight_transfer or weights is None or plan is None or state is None:
             return None, None  # versions are not shipped: nothing to bind to (such a run is not resumed)
-        digest = weights_digest(weights, plan)
+        digest = self.versions.digest_of(step)  # hashed at publishing: the delta of a checkpoint's version carries it
+        if digest is None:
+            return None, None
         self.facts.add(step, state, digest)
         return state, digest
 
@@ -247,8 +283,6 @@ class Bootstrap:
             self.start_fresh()
             return 0
         pol = self._policy("--resume")
-        if self.ctx.sharded:
-            raise ConfigError("--resume with several processes (--nproc, torchrun) is not supported yet: resume with one process")
         commits = commit_records_for(self.records.redis, self.run)
         self.facts = facts = establish(self.store, self.records, self.trust, commits)
         head = facts.head
@@ -259,8 +293,9 @@ class Bootstrap:
             )
         if commits is None:
             _refuse_planted_next(self.store, index, head)
-        ck = load_latest_checkpoint(self.store, facts.binding, self.trust, accept=lambda c: self._restored(pol, c))
+        ck = self._load_bound(pol, facts)
         if ck is None:
+            tell(self.ctx, ("stop", None))
             raise ConfigError(
                 f"{self.store.url} holds versions but no usable Trainer checkpoint bound to a committed version "
                 f"(up to v{head}): it cannot be resumed"
@@ -291,7 +326,7 @@ class Bootstrap:
         published = self.versions.held[head]
         listed, _ = model_files_listed(self.store)
         model_files = list(listed.values()) if listed is not None else None
-        digest = weights_digest(published, plan)
+        digest = facts.digests.get(head)  # as committed (its form too); not hashed again
         self.resumed_from = ck.step
         self.versions.start(plan, model_files)
         self.versions.continue_from(head, self.versions.states[head], published, "delta" if head in facts.deltas else "snapshot", digest)
@@ -314,27 +349,46 @@ class Bootstrap:
         )
         return head
 
-    def _restored(self, pol: GrpoPolicy, ck: Checkpoint) -> str | None:
-        """Restore ``pol`` from a bound checkpoint; why it must not be used, or None.
+    def _load_bound(self, pol: GrpoPolicy, facts: RunFacts) -> Checkpoint | None:
+        """Restore ``pol`` from the newest bound checkpoint (:func:`bound_checkpoints`) that reads back whole
+        and makes its version's committed weights; older ones are tried after one that fails. Every rank
+        loads its own shard (rank 0 sends each candidate's checked record). None: none is usable."""
+        for head in bound_checkpoints(self.store, facts.binding, self.trust):
+            try:
+                rec, head = read_checkpoint(self.store, head.step, self.trust)
+                why = unbound_reason(head, facts.binding)
+            except (IntegrityError, ManifestError, ObjectNotFound) as e:
+                why = str(e)
+            if why is None:
+                made = dict(rec["meta"].get("config") or {})
+                if made != self.identity():
+                    tell(self.ctx, ("stop", None))
+                    raise ConfigError(f"--resume: the run was made with {made}, this Trainer has {self.identity()}; use the same settings")
+                tell(self.ctx, ("load", head.step, rec))
+                why = self._restored(pol, head, rec)
+            if why is None:
+                tell(self.ctx, ("resumed",))
+                return Checkpoint(head.step, head.epoch, {}, dict(rec["meta"]), head.state, head.weights_digest, head.run)
+            log.warning("%s is unusable (%s); trying an older one", self.store.where(checkpoint_key(head.step)), why)
+        return None
+
+    def _restored(self, pol: GrpoPolicy, head: CheckpointRecord, rec: dict[str, Any]) -> str | None:
+        """Restore ``pol`` from a bound checkpoint (every rank its shard); why it must not be used, or None.
 
         Its record's binding is a claim: the weights its tensors make must be
         the committed weights of its version (a copy with other tensors and
         recomputed hashes fails here in an unsigned run).
         """
-        made = dict(ck.meta.get("config") or {})
-        made.setdefault("task", "arithmetic")  # checkpoints of releases before tasks were pluggable
-        made.setdefault("model", "built-in")
-        made.setdefault("tiny", [64, 192])
-        if made != self.identity():
-            raise ConfigError(f"--resume: the run was made with {made}, this Trainer has {self.identity()}; use the same settings")
         try:
-            pol.restore(ck)
-        except (RuntimeError, KeyError, ValueError, TypeError) as e:  # torch's load_state_dict and the optimizer's
+            pol.restore(self.store, head.step, rec)
+        except (IntegrityError, ManifestError, ObjectNotFound) as e:
+            return str(e)
+        except (RuntimeError, KeyError, ValueError, TypeError) as e:  # the optimizer's load_state_dict
             return f"its tensors do not fit this model: {str(e)[:200]}"
         assert pol.plan is not None
-        got = weights_digest(pol.bf16_weights(), pol.plan)
-        if got != ck.weights_digest:
-            return f"its tensors make weights {got[:19]}…, not the committed {str(ck.weights_digest)[:19]}… of version {ck.step}"
+        got = digest_as(head.weights_digest or "", pol.bf16_weights(), pol.plan)  # in the form it was recorded in
+        if got != head.weights_digest:
+            return f"its tensors make weights {got[:19]}…, not the committed {str(head.weights_digest)[:19]}… of version {head.step}"
         return None
 
 

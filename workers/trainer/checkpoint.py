@@ -1,22 +1,26 @@
 """Trainer checkpoints: what a restarted Trainer needs to continue the run.
 
-A checkpoint is written to the run root, beside the versions, as
-safetensors shards (tensors: fp32 master weights, the optimizer's tensors,
-the reference model, the torch RNG) plus one JSON record (everything else:
-step, epoch, Python RNG, learning rate, scheduler estimates, the optimizer's
-hyper-parameters). Never pickle: the bucket is shared, and unpickling what
-someone else wrote runs their code.
+A checkpoint is written to the run root, beside the versions, through
+``torch.distributed.checkpoint`` (DCP): every rank writes the chunks it holds
+(fp32 master weights, the optimizer's tensors; rank 0 also the reference model
+and the torch RNG) as raw tensor bytes in part objects
+(:mod:`~workers.trainer.ckpt_store`), and rank 0 writes one JSON record
+(everything else: step, epoch, Python RNG, learning rate, scheduler estimates,
+the optimizer's hyper-parameters, and the layout of every tensor's chunks).
+It can be loaded at any world size. Never pickle: the bucket is shared, and
+unpickling what someone else wrote runs their code.
 
 Layout (docs/WORKERS.md "Checkpoint and resume")::
 
-    checkpoints/step-00000012/<attempt>/shard-00000.safetensors
+    checkpoints/step-00000012/<attempt>/rank-00000/part-00000.bin
     checkpoints/step-00000012/checkpoint.json
 
 Like a version, a checkpoint is create-only and committed by its record,
-written last: the record lists each shard's key, size and SHA-256, so a
+written last: the record lists each object's key, size and SHA-256, so a
 checkpoint whose record exists is complete, and every byte read back is
-checked against it. ``step`` is the step the Trainer runs next, which is
-also the number of versions it had published when it saved.
+checked against it (never against a listing). ``step`` is the step the
+Trainer runs next, which is also the number of versions it had published
+when it saved.
 
 A checkpoint is bound like a snapshot (FORMAT.md §4.1): its record names the
 version it trained from (``version``, equal to ``step``), that version's
@@ -29,23 +33,25 @@ digest (:func:`bound_checkpoints`), so a copy with other tensors planted as
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from aurora_store.coordination.records import epoch_problem
-from aurora_store.errors import IntegrityError, ManifestError, ObjectNotFound
+from aurora_store.errors import IntegrityError, ManifestError, ObjectNotFound, StoreError
 from aurora_store.format.limits import MAX_MANIFEST_BYTES
 from aurora_store.format.manifest import canonical_json, new_attempt_id
 from aurora_store.format.signing import Signer, TrustKeys
 from aurora_store.lineage.binding import manifest_weights_digest
 from aurora_store.storage import Store
+from workers.trainer.ckpt_store import PART_BYTES, ObjectEntry, StoreReader, StoreWriter, parse_layout
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -54,13 +60,18 @@ __all__ = [
     "Checkpoint",
     "CheckpointRecord",
     "bound_checkpoints",
+    "checkpoint_folder",
     "checkpoint_key",
+    "checkpoint_shapes",
+    "commit_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_into",
     "load_latest_checkpoint",
     "load_optimizer",
     "optimizer_tensors",
     "prune_checkpoints",
+    "read_checkpoint",
     "read_checkpoint_record",
     "save_checkpoint",
     "unbound_reason",
@@ -70,14 +81,19 @@ log = logging.getLogger("aurora.trainer")
 
 CHECKPOINTS = "checkpoints"
 """Folder of the run root that holds the Trainer's checkpoints."""
-CHECKPOINT_FORMAT = "aurora-trainer-checkpoint/1"
+CHECKPOINT_FORMAT = "aurora-trainer-checkpoint/2"
+"""Format 2: DCP chunks in raw part objects (format 1, safetensors shards of one process, is not read)."""
 _DIR = re.compile(r"^step-(\d{8})$")
 _STATE = re.compile(r"^sha256:[0-9a-f]{64}$")
-_SHARD_BYTES = 1 << 30
 
 
 def _step_dir(step: int) -> str:
     return f"{CHECKPOINTS}/step-{step:08d}"
+
+
+def checkpoint_folder(step: int) -> str:
+    """Folder (under the run root) of the checkpoint taken before ``step``: its record and its objects."""
+    return _step_dir(step)
 
 
 def checkpoint_key(step: int) -> str:
@@ -126,50 +142,43 @@ class CheckpointRecord:
         return self.step
 
 
-def save_checkpoint(store: Store, ck: Checkpoint, shard_bytes: int = _SHARD_BYTES, signer: Signer | None = None) -> int:
-    """Write ``ck`` create-only (shards first, the record last); returns the bytes written.
-
-    ``signer``: the run's key; the record (which holds every shard's SHA-256) is signed
-    over its canonical JSON, as manifests are (FORMAT.md §4.1).
-    """
-    from safetensors.torch import save
-
-    attempt = new_attempt_id()
-    # Tensors that share storage (a tied lm_head and embedding) are stored once;
-    # the record names the others as aliases, restored on load.
+def _aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Names of tensors that share storage with an earlier name (a tied lm_head and embedding): stored once."""
     aliases: dict[str, str] = {}
     seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], str] = {}
-    for name in sorted(ck.tensors):
-        t = ck.tensors[name]
+    for name in sorted(tensors):
+        t = tensors[name]
         ident = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(int(d) for d in t.shape), t.dtype)
         if t.numel() and ident in seen:
             aliases[name] = seen[ident]
         else:
             seen[ident] = name
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(n for n in ck.tensors if n not in aliases):
-        t = ck.tensors[name].detach().cpu().contiguous()
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += n
-    objects = []
-    total = 0
-    for i, shard in enumerate(shards):
-        data = save(shard, metadata={"aurora.kind": "trainer-checkpoint", "aurora.step": str(ck.step)})
-        key = f"{attempt}/shard-{i:05d}.safetensors"
-        store.put(f"{_step_dir(ck.step)}/{key}", data, mode="create")
-        objects.append({"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-        total += len(data)
+    return aliases
+
+
+def commit_checkpoint(
+    store: Store,
+    ck: Checkpoint,
+    objects: list[ObjectEntry],
+    layout: Mapping[str, Any],
+    aliases: Mapping[str, str] | None = None,
+    world: int = 1,
+    signer: Signer | None = None,
+) -> int:
+    """Write the record that commits checkpoint ``ck`` (its tensors already written as ``objects``
+    laid out as ``layout``), create-only; returns the bytes of the objects and the record.
+
+    ``signer``: the run's key; the record (which holds every object's SHA-256) is signed
+    over its canonical JSON, as manifests are (FORMAT.md §4.1).
+    """
     record: dict[str, Any] = {
         "format": CHECKPOINT_FORMAT,
         "step": ck.step,
         "epoch": ck.epoch,
-        "objects": objects,
-        "aliases": aliases,
+        "world": world,
+        "objects": [{"key": o.key, "bytes": o.bytes, "sha256": o.sha256} for o in objects],
+        "tensors": dict(layout),
+        "aliases": dict(aliases or {}),
         "meta": ck.meta,
     }
     # The binding (docs/FORMAT.md "Trainer checkpoints"): the version it trained from is the step.
@@ -183,7 +192,23 @@ def save_checkpoint(store: Store, ck: Checkpoint, shard_bytes: int = _SHARD_BYTE
         record = signer.sign_json(record)
     body = canonical_json(record)
     store.put(checkpoint_key(ck.step), body, mode="create")
-    return total + len(body)
+    return sum(o.bytes for o in objects) + len(body)
+
+
+def save_checkpoint(store: Store, ck: Checkpoint, shard_bytes: int = PART_BYTES, signer: Signer | None = None) -> int:
+    """Write ``ck`` from one process, synchronously and create-only (objects first, the record last);
+    returns the bytes written. The Trainer writes its own asynchronously and sharded
+    (:mod:`~workers.trainer.ckpt_async`); both make the same kind of checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    aliases = _aliases(ck.tensors)
+    state = {n: t.detach() for n, t in ck.tensors.items() if n not in aliases}
+    writer = StoreWriter(store, _step_dir(ck.step), new_attempt_id(), 0, shard_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    assert writer.layout is not None
+    return commit_checkpoint(store, ck, writer.upload(), writer.layout, aliases, 1, signer)
 
 
 def list_checkpoints(store: Store) -> list[int]:
@@ -207,8 +232,8 @@ def _record(store: Store, step: int, trust: TrustKeys | None = None) -> tuple[di
         raise ManifestError(where, f"not JSON: {e}") from None
     if not isinstance(rec, dict) or rec.get("format") != CHECKPOINT_FORMAT:
         raise ManifestError(where, f"not a {CHECKPOINT_FORMAT} record")
-    if rec.get("step") != step or not isinstance(rec.get("objects"), list):
-        raise ManifestError(where, "step or objects missing or wrong")
+    if rec.get("step") != step or not isinstance(rec.get("objects"), list) or not isinstance(rec.get("tensors"), dict):
+        raise ManifestError(where, "step, objects or tensors missing or wrong")
     why = epoch_problem(rec.get("epoch"))
     if why is not None:
         raise ManifestError(where, why)
@@ -229,7 +254,7 @@ def _record(store: Store, step: int, trust: TrustKeys | None = None) -> tuple[di
 
 
 def read_checkpoint_record(store: Store, step: int, trust: TrustKeys | None = None) -> CheckpointRecord:
-    """What binds the checkpoint before ``step`` (its record alone: no shard is read).
+    """What binds the checkpoint before ``step`` (its record alone: no object is read).
 
     ``trust``: the run's keys; a record unsigned, signed by another key or
     altered is refused (:class:`~aurora_store.errors.SignatureError`).
@@ -237,35 +262,97 @@ def read_checkpoint_record(store: Store, step: int, trust: TrustKeys | None = No
     return _record(store, step, trust)[1]
 
 
-def load_checkpoint(store: Store, step: int, trust: TrustKeys | None = None) -> Checkpoint:
-    """Read and verify the checkpoint taken before ``step`` (its record's signature with ``trust``,
-    then the size and SHA-256 of every shard)."""
-    from safetensors.torch import load
-
+def read_checkpoint(store: Store, step: int, trust: TrustKeys | None = None) -> tuple[dict[str, Any], CheckpointRecord]:
+    """The checked record of the checkpoint before ``step`` (as :func:`read_checkpoint_record`) and its
+    whole body: what :func:`load_into` and :func:`checkpoint_shapes` read the objects with."""
     rec, head = _record(store, step, trust)
-    tensors: dict[str, torch.Tensor] = {}
+    _layout(store, step, rec)  # its layout checked before anyone reads an object
+    return rec, head
+
+
+def _layout(store: Store, step: int, rec: Mapping[str, Any]) -> tuple[StoreReader, dict[str, str]]:
+    """A reader of the checkpoint's objects as its (checked) record lays them out, and its aliases."""
+    where = store.where(checkpoint_key(step))
+    objects: dict[str, ObjectEntry] = {}
     for obj in rec["objects"]:
         if not (isinstance(obj, dict) and isinstance(obj.get("key"), str) and isinstance(obj.get("sha256"), str)):
-            raise ManifestError(store.where(checkpoint_key(step)), f"bad object entry {obj!r:.80}")
+            raise ManifestError(where, f"bad object entry {obj!r:.80}")
         key = obj["key"]
         if key.startswith("/") or ".." in key.split("/"):
-            raise ManifestError(store.where(checkpoint_key(step)), f"object key {key!r:.80} leaves the checkpoint")
+            raise ManifestError(where, f"object key {key!r:.80} leaves the checkpoint")
         size = obj.get("bytes")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ManifestError(store.where(checkpoint_key(step)), f"object {key!r:.80} has no valid size")
-        data = store.get_capped(f"{_step_dir(step)}/{key}", size, "the size the checkpoint record lists")
-        if len(data) != obj.get("bytes") or hashlib.sha256(data).hexdigest() != obj["sha256"]:
-            raise IntegrityError(f"{store.where(f'{_step_dir(step)}/{key}')}: size or SHA-256 differs from the checkpoint record")
-        try:
-            tensors.update(load(data))
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise ManifestError(store.where(f"{_step_dir(step)}/{key}"), f"unreadable safetensors: {e}") from None
+            raise ManifestError(where, f"object {key!r:.80} has no valid size")
+        objects[key] = ObjectEntry(key, size, obj["sha256"])
+    try:
+        metadata, storage = parse_layout(rec.get("tensors"), objects)
+    except ValueError as e:
+        raise ManifestError(where, str(e)) from None
     aliases = rec.get("aliases") or {}
-    if not isinstance(aliases, dict):
-        raise ManifestError(store.where(checkpoint_key(step)), "aliases must be an object")
+    if not isinstance(aliases, dict) or not all(isinstance(t, str) and t in metadata.state_dict_metadata for t in aliases.values()):
+        raise ManifestError(where, "aliases must name tensors the checkpoint holds")
+    return StoreReader(store, _step_dir(step), metadata, storage, objects), aliases
+
+
+def checkpoint_shapes(store: Store, step: int, rec: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor a checked record holds (aliases included)."""
+    reader, aliases = _layout(store, step, rec)
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, md in reader.metadata.state_dict_metadata.items():
+        assert isinstance(md, TensorStorageMetadata)
+        out[name] = (tuple(md.size), md.properties.dtype)
     for name, target in aliases.items():
-        if target not in tensors:
-            raise ManifestError(store.where(checkpoint_key(step)), f"alias {name!r:.80} names a tensor the checkpoint lacks")
+        out[name] = out[target]
+    return out
+
+
+def load_into(store: Store, step: int, rec: Mapping[str, Any], state: Mapping[str, torch.Tensor], sharded: bool = False) -> None:
+    """Fill ``state`` (name -> tensor, plain or a DTensor shard) in place from the checkpoint before
+    ``step`` whose checked record is ``rec``: each rank reads only the objects it needs, capped at
+    their recorded sizes and checked against their SHA-256, whatever the world size that wrote them.
+
+    ``sharded``: every rank of the process group calls this together (one DCP load).
+    Aliases are filled from the tensor they name. Raises the store's error, or
+    :class:`~aurora_store.errors.ManifestError` (a tensor missing or of another shape).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader, aliases = _layout(store, step, rec)
+    wanted = {aliases.get(n, n): t for n, t in state.items()}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+            dcp.load(dict(wanted), storage_reader=reader, no_dist=not sharded)
+    except CheckpointException as e:
+        raise _cause(store, step, e) from None
+    except (RuntimeError, ValueError) as e:  # DCP's planner: a tensor the checkpoint lacks, or of another size
+        raise ManifestError(store.where(checkpoint_key(step)), f"does not fit: {str(e)[:200]}") from None
+    for name, target in aliases.items():
+        if name in state and state[name] is not wanted.get(target):
+            state[name].detach().copy_(wanted[target].detach())
+
+
+def _cause(store: Store, step: int, e: BaseException) -> Exception:
+    """The first rank's own error out of DCP's :class:`CheckpointException` (an Aurora error as it is)."""
+    failures = getattr(e, "failures", {}) or {}
+    for _, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, (IntegrityError, ManifestError, ObjectNotFound, StoreError)):
+            return inner
+        return ManifestError(store.where(checkpoint_key(step)), f"does not fit: {str(inner)[:200]}")
+    return ManifestError(store.where(checkpoint_key(step)), f"unreadable: {str(e)[:200]}")
+
+
+def load_checkpoint(store: Store, step: int, trust: TrustKeys | None = None) -> Checkpoint:
+    """Read and verify the whole checkpoint taken before ``step`` in this process (its record's
+    signature with ``trust``, then the size and SHA-256 of every object), its tensors unsharded."""
+    rec, head = _record(store, step, trust)
+    shapes = checkpoint_shapes(store, step, rec)
+    aliases = rec.get("aliases") or {}
+    tensors = {n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in shapes.items() if n not in aliases}
+    load_into(store, step, rec, tensors)
+    for name, target in aliases.items():
         tensors[name] = tensors[target]
     return Checkpoint(
         step=step,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     train = p.add_argument_group("training")
     add_declared(train, TrainerConfig, ENV_PREFIX, *TRAINING_OPTIONS)
     pub = p.add_argument_group("publishing")
-    add_declared(pub, TrainerConfig, ENV_PREFIX, "snapshot_every", "streams", "commit_via", "sign_key", "sign_key_id")
+    add_declared(pub, TrainerConfig, ENV_PREFIX, "snapshot_every", "streams", "format", "commit_via", "sign_key", "sign_key_id")
     rec = p.add_argument_group("recovery")
     add_declared(rec, TrainerConfig, ENV_PREFIX, *RECOVERY_OPTIONS)
     par = p.add_argument_group("parallelism")
@@ -62,7 +63,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 TASK_OPTIONS = ("model", "task", "data", "eval_data", "eval_every", "eval_size", "reward_timeout_s", "max_new_tokens")
 """The options of ``--help``'s "model and task" group, in order."""
-TRAINING_OPTIONS = ("steps", "batch", "group", "optimizer", "lr", "kl_coef", "seed", "min_actors", "max_lag", "device")
+TRAINING_OPTIONS = (
+    "steps",
+    "batch",
+    "group",
+    "optimizer",
+    "lr",
+    "kl_coef",
+    "seed",
+    "min_actors",
+    "max_lag",
+    "device",
+    "micro_batch",
+    "activation_checkpointing",
+    "versions_on",
+)
 """The options of the "training" group."""
 RECOVERY_OPTIONS = (
     "resume",
@@ -114,9 +129,18 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
         port = free_port()  # torch.distributed's rendezvous cannot bind port 0 and report it
         # The parsed arguments travel to the new processes: only plain values pickle.
         plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
+        procs = mp.start_processes(_spawned_rank, args=(nproc, port, plain, dict(storage_options)), nprocs=nproc, join=False)
+        # SIGTERM goes to rank 0, which stops the run between steps, tells the other ranks (they ignore
+        # signals) and commits the checkpoint being written; a rank killed by it would stop nothing cleanly.
+        signal.signal(
+            signal.SIGTERM, lambda *_: os.kill(procs.processes[0].pid or 0, signal.SIGTERM) if procs.processes[0].is_alive() else None
+        )
         try:
-            mp.spawn(_spawned_rank, args=(nproc, port, plain, dict(storage_options)), nprocs=nproc)
+            while not procs.join():
+                pass
         except mp.ProcessExitedException as e:
+            if e.error_index == 0 and e.exit_code == 130:
+                return 130  # rank 0 was stopped (its own line said so)
             # The rank said why in its own log lines (above); here, one line.
             log.error(
                 "trainer rank %d ended with %s; the run stops",
@@ -140,7 +164,14 @@ def _run(args: argparse.Namespace, storage_options: Mapping[str, Any], ctx: Dist
     setup_logging("trainer" if ctx.leader else f"trainer-rank{ctx.rank}", debug_loggers=getattr(args, "debug_logger", None))
     limit_torch_threads()
     if not ctx.leader:
-        n = follow(config_from_args(args), ctx)
+        from aurora_store.storage import open_store
+
+        # Rank 0 alone takes signals: it stops the run between steps and tells this rank (:mod:`workers.trainer.sharding`).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+        # The run root: each rank writes its own part of every checkpoint and reads its shard on resume.
+        n = follow(config_from_args(args), ctx, open_store(args.store, dict(storage_options)))
         log.info("rank %d: %d updates, done", ctx.rank, n)
         return 0
     serve_from_args(args, "trainer")  # rank 0 only: it alone records what the run does

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from aurora_store.codec.encode_options import DEFAULT_FORMAT, FORMAT_ENV
 from aurora_store.codec.entries import EncodeOptions
 from aurora_store.config import (
     DEFAULT_STREAMS,
@@ -116,6 +118,31 @@ class TrainerConfig:
     """Where the single-process Trainer holds its weights and trains: ``cpu``, ``cuda`` or
     ``cuda:N`` (env ``AURORA_TRAINER_DEVICE``). Sharded runs (``--nproc``, ``torchrun``) use
     one device per rank instead."""
+    micro_batch: int = option(0, metavar="N", help="sequences per forward/backward pass (gradients accumulate); 0: sized to the model")
+    """Sequences per forward and backward pass on each rank; the gradients of the passes
+    accumulate into exactly the whole batch's (the loss is normalised by the batch's token
+    count), so this trades speed for memory and changes nothing else. 0 (the default) takes
+    as many sequences as keep activations near one byte per parameter (at least 64 MiB; about
+    14 x ``hidden_size`` x layers float32 values per token, 1 x with :attr:`activation_checkpointing`:
+    :func:`workers.model.pass_tokens`), at least one, so they do not grow with ``batch`` x
+    ``group``; the CPU demo's batch fits in a few passes. Behaviour and reference
+    log-probabilities use it too."""
+    activation_checkpointing: bool = option(False, help="recompute each decoder layer's activations in the backward pass")
+    """Keep only each decoder layer's input in the forward pass and recompute the rest in the
+    backward pass (Hugging Face gradient checkpointing, non-reentrant): about a third more
+    compute for activations that no longer grow with the number of layers."""
+    versions_on: str = option(
+        "auto",
+        choices=("auto", "device", "host"),
+        help="where the bf16 versions (published one, behaviour policy) live: device, host, or auto (host when the device is short)",
+    )
+    """Where the Trainer keeps the bf16 version it published (what the next delta is taken
+    against and behaviour log-probabilities are computed from): ``device`` (extraction runs
+    there, fastest), ``host`` (saves 2 bytes per parameter of device memory; each behaviour or
+    evaluation pass copies the weights to the device while it runs), or ``auto``: ``host`` when
+    the device is a GPU with less than 20 bytes of memory per parameter (fp32 master,
+    gradient and AdamW state take 16; with N ranks, 4 + 16/N), else ``device``. On the CPU the
+    two are the same memory."""
     streams: int = option(DEFAULT_STREAMS, env=STREAMS_ENV, metavar="S", help="concurrent uploads per published version")
     """Concurrent uploads per published version (env ``AURORA_STREAMS``)."""
     segment_bytes: int | None = option(
@@ -124,6 +151,14 @@ class TrainerConfig:
     """Target segment size of a published delta; None (the default, as for every publisher)
     adapts it to each delta (:func:`aurora_store.lineage.publish.segment_bytes_for`).
     Env ``AURORA_SEGMENT_MIB``, in MiB."""
+    format: int = option(
+        DEFAULT_FORMAT,
+        env=FORMAT_ENV,
+        metavar="N",
+        help="segment format of published deltas: 2 (rice gaps, planes values), or 1 for readers that know only format 1",
+    )
+    """Segment format of the published deltas (FORMAT.md §3.1): 2, the default, or 1 for Actors,
+    Relays and readers that know only format 1. Env ``AURORA_FORMAT``, shared by every publisher."""
     heartbeat_timeout_s: float = option(8.0, flag=None, help="an Actor silent this long is marked gone and its work released")
     """An Actor silent this long is marked gone and its work released."""
     progress_s: float = option(30.0, flag=None, help="while a batch is not complete, log its progress this often")
@@ -231,6 +266,10 @@ class TrainerConfig:
                 f"optimizer must be one of {', '.join(OPTIMIZERS)}, lr > 0 and momentum in [0, 1) "
                 f"(got {self.optimizer!r}, {self.lr}, {self.momentum})"
             )
+        if self.micro_batch < 0 or self.versions_on not in ("auto", "device", "host"):
+            raise ConfigError(
+                f"micro_batch must be >= 0 and versions_on auto, device or host (got {self.micro_batch}, {self.versions_on!r})"
+            )
         if self.commit_via not in COMMIT_VIA:
             raise ConfigError(f"commit_via must be one of {', '.join(COMMIT_VIA)}, got {self.commit_via!r}")
         self._check_recovery_knobs()
@@ -258,7 +297,8 @@ class TrainerConfig:
 
     def publish_config(self, **overrides: Any) -> PublishConfig:
         """How this run's versions are cut and sent."""
-        kw: dict[str, Any] = {"streams": self.streams, "segment_bytes": self.segment_bytes, "options": self.options}
+        options = self.options if self.options.format == self.format else dataclasses.replace(self.options, format=self.format)
+        kw: dict[str, Any] = {"streams": self.streams, "segment_bytes": self.segment_bytes, "options": options}
         kw.update(overrides)
         return PublishConfig(**kw)
 

@@ -2,7 +2,7 @@
 
 Every ``eval_every`` versions (and version 0) the Trainer generates one
 greedy completion per held-out problem on exactly the bf16 weights it
-published at that version, with the torch engine on its own device, and
+published at that version, on its own device (the torch engine's sampling), and
 scores them with the task's reward (bounded like every reward). The
 accuracy goes to Redis (``evals``: version -> JSON,
 :mod:`aurora_store.coordination.evals`, read by ``aurora status``, the demo
@@ -14,7 +14,6 @@ its Redis.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import time
 from collections.abc import Mapping
@@ -33,8 +32,10 @@ from aurora_store.coordination.evals import (
 from aurora_store.coordination.keys import RunKeys
 from aurora_store.errors import VersionConflict
 from aurora_store.storage import Store
-from workers.engine.torch_engine import EngineConfig, TorchEngine
+from workers.engine.torch_config import EngineConfig
+from workers.engine.torch_sampling import sample_rows
 from workers.task import RewardRunner, Task
+from workers.trainer.behaviour import BehaviourModel
 
 __all__ = ["EVAL_PREFIX", "EvalResult", "Evaluator", "eval_key", "read_evals", "read_store_evals"]
 
@@ -63,32 +64,44 @@ class EvalResult:
 
 
 class Evaluator:
-    """Greedy generation on a private bf16 copy of the model, scored by the task."""
+    """Greedy generation on the Trainer's weightless bf16 module, the version's tensors lent to it, scored by the task.
+
+    No copy of the model is kept for evaluation: the module is the one behaviour
+    log-probabilities run on (:class:`~workers.trainer.behaviour.BehaviourModel`),
+    and the version's tensors are those the Trainer already holds.
+    """
 
     def __init__(
         self,
         task: Task,
         tokenizer: Any,
         rewards: RewardRunner,
-        template: torch.nn.Module,
+        behaviour: BehaviourModel,
         size: int,
         max_new_tokens: int,
-        device: torch.device,
+        max_batch_rows: int | None = None,
     ) -> None:
         self.problems = list(task.eval_problems(size))[:size]
         self.prompts = [tokenizer.render_prompt(p.prompt_text) for p in self.problems]
+        self.tokenizer = tokenizer
         self.rewards = rewards
         self.max_new_tokens = max_new_tokens
-        self.engine = TorchEngine(tokenizer, EngineConfig(device=str(device)))
-        self.engine.load(copy.deepcopy(template))
+        self.behaviour = behaviour
+        self.max_batch_rows = max_batch_rows or EngineConfig().max_batch_rows
 
     def run(self, version: int, weights: Mapping[str, torch.Tensor]) -> EvalResult:
         """Accuracy of ``weights`` (Hugging Face names, bf16: the version as published)."""
         t0 = time.perf_counter()
         if not self.problems:
             return EvalResult(version, 0.0, 0, 0.0, int(time.time() * 1000))
-        self.engine.load_weights(weights, version=version)
-        g = self.engine.generate(self.prompts, 1, self.max_new_tokens, seed=0, temperature=0.0)
-        scores = self.rewards.score([(group[0].text, p) for p, group in zip(self.problems, g.completions, strict=True)])
+        dev = self.behaviour.device
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(0)
+        texts: list[str] = []
+        with torch.inference_mode(), self.behaviour.lent(weights) as model:
+            for lo in range(0, len(self.prompts), self.max_batch_rows):
+                rows = [list(p) for p in self.prompts[lo : lo + self.max_batch_rows]]
+                texts += [c.text for c in sample_rows(model, self.tokenizer, dev, rows, self.max_new_tokens, 0.0, gen)]
+        scores = self.rewards.score(list(zip(texts, self.problems, strict=True)))
         acc = sum(scores) / len(scores)
         return EvalResult(version, acc, len(scores), time.perf_counter() - t0, int(time.time() * 1000))

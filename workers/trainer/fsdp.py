@@ -15,7 +15,12 @@ all-gather (``DTensor.full_tensor``), rank 0 casts the result to bf16 and
 moves it to host memory, and the full fp32 tensor is dropped before the next
 parameter. So an accelerator holds its shard plus *one* full parameter at a
 time, never a second full copy of the model; the published bf16 copy lives
-in host memory, where extraction runs against the previous version.
+where ``versions_on`` says (rank 0's device, or the host when it is short),
+where extraction runs against the previous version.
+
+Each rank runs its rows ``micro_batch`` at a time (the same number of passes
+on every rank: each forward and backward is a collective), optionally with
+activation checkpointing; both travel with the batch from rank 0.
 
 On CPU (gloo) this runs the same code, which is how the tests check it on a
 machine without GPUs. On CUDA each rank uses ``cuda:LOCAL_RANK`` and NCCL.
@@ -45,6 +50,8 @@ __all__ = [
     "local_rows",
     "shard_model",
     "grpo_epochs",
+    "micro_batches",
+    "set_activation_checkpointing",
 ]
 
 
@@ -171,7 +178,12 @@ def local_rows(n: int, ctx: DistContext) -> list[int]:
 
 @dataclass(slots=True)
 class GrpoBatch:
-    """What rank 0 sends every rank for one GRPO update: the packed batch and its fixed terms."""
+    """What rank 0 sends every rank for one GRPO update: the packed batch, its fixed terms, and how to run it.
+
+    ``micro_batch`` and ``checkpointing`` travel with the batch so that every
+    rank runs the same number of forward and backward passes (each is a
+    collective under FSDP) and nothing but rank 0's configuration decides them.
+    """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -182,12 +194,16 @@ class GrpoBatch:
     """[B, T] behaviour-policy log-probabilities."""
     ref: torch.Tensor | None
     """[B, T] reference log-probabilities, with a KL term."""
+    micro_batch: int = 0
+    """Rows per forward and backward pass on each rank (gradients accumulate); 0: all of a rank's rows at once."""
+    checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
 
     def rows(self, idx: Sequence[int], device: torch.device) -> GrpoBatch:
         sel = torch.tensor(list(idx), dtype=torch.long)
 
         def pick(t: torch.Tensor) -> torch.Tensor:
-            return t.index_select(0, sel).to(device)
+            return t.index_select(0, sel.to(t.device)).to(device)
 
         return GrpoBatch(
             pick(self.input_ids),
@@ -196,7 +212,13 @@ class GrpoBatch:
             pick(self.advantages),
             pick(self.old),
             pick(self.ref) if self.ref is not None else None,
+            self.micro_batch,
+            self.checkpointing,
         )
+
+    def to(self, device: torch.device | str) -> GrpoBatch:
+        """The same batch with every tensor on ``device`` (the host, before it is sent to other ranks)."""
+        return self.rows(range(int(self.input_ids.shape[0])), torch.device(device))
 
 
 def exchange(msg: tuple[str, GrpoBatch | None] | None, ctx: DistContext) -> tuple[str, GrpoBatch | None]:
@@ -207,6 +229,27 @@ def exchange(msg: tuple[str, GrpoBatch | None] | None, ctx: DistContext) -> tupl
     if not (isinstance(out, tuple) and len(out) == 2 and out[0] in ("train", "skip", "stop")):
         raise RuntimeError(f"rank {ctx.rank}: unexpected message from rank 0: {type(out).__name__}")
     return out
+
+
+def set_activation_checkpointing(model: torch.nn.Module, on: bool) -> None:
+    """Turn Hugging Face gradient checkpointing (every decoder layer, non-reentrant) on or off; idempotent."""
+    if bool(getattr(model, "is_gradient_checkpointing", False)) == on:
+        return
+    if on:
+        enable = getattr(model, "gradient_checkpointing_enable", None)
+        if enable is None:
+            raise TypeError(f"{type(model).__name__}: activation checkpointing needs a Hugging Face model")
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()  # type: ignore[operator]
+
+
+def micro_batches(rows: int, world: int, micro_batch: int) -> int:
+    """Forward/backward passes each rank runs over a batch of ``rows`` (the same on every rank)."""
+    most = -(-rows // world)  # the most rows any rank holds (strided split)
+    if micro_batch <= 0 or most <= micro_batch:
+        return 1
+    return -(-most // micro_batch)
 
 
 def grpo_epochs(
@@ -224,25 +267,58 @@ def grpo_epochs(
 
     The loss is normalised by the token count of the *whole* batch and scaled
     by the world size, so FSDP's mean over ranks gives exactly the gradient
-    one process would compute on the whole batch.
+    one process would compute on the whole batch; the micro-batches' losses
+    are sums over their own tokens with that same divisor, so accumulating
+    their gradients gives the whole batch's gradient too. Gradients are freed
+    after the last optimizer step (they take no memory between steps).
     """
-    total_tokens = batch.completion_mask.float().sum()
-    rows = local_rows(int(batch.input_ids.shape[0]), ctx)
+    set_activation_checkpointing(model, batch.checkpointing)
+    n = int(batch.input_ids.shape[0])
+    scale = ctx.world / float(batch.completion_mask.float().sum())
+    rows = local_rows(n, ctx)
     # A rank with no rows (batch smaller than the world) still joins every
     # collective: it runs row 0 with a zero mask, contributing nothing.
     mine = batch.rows(rows or [0], ctx.device)
-    mask = mine.completion_mask.float() * (1.0 if rows else 0.0)
-    a = mine.advantages[:, None]
+    held = len(rows)
+    passes = micro_batches(n, ctx.world, batch.micro_batch)
+    size = -(-held // passes) if held else 1
     for _ in range(epochs):
         opt.zero_grad(set_to_none=True)
-        new = logprobs(model, mine.input_ids, mine.attention_mask, mine.completion_mask, reduction="none")
-        ratio = torch.exp(new - mine.old)
-        obj = torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
-        loss = -(obj * mask).sum()
-        if mine.ref is not None and kl_coef > 0:
-            # k3 estimator of KL(pi || ref), per token
-            d = mine.ref - new
-            loss = loss + kl_coef * ((torch.exp(d) - d - 1) * mask).sum()
-        (loss * (ctx.world / total_tokens)).backward()
+        for i in range(passes):
+            lo, hi = i * size, min(held, (i + 1) * size)
+            weight = 1.0 if hi > lo else 0.0
+            if hi <= lo:  # this rank ran out of rows: one idle pass keeps the collectives in step
+                lo, hi = 0, 1
+            _grpo_pass(model, mine, lo, hi, weight * scale, clip, kl_coef, logprobs)
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _grpo_pass(
+    model: torch.nn.Module,
+    mine: GrpoBatch,
+    lo: int,
+    hi: int,
+    scale: float,
+    clip: float,
+    kl_coef: float,
+    logprobs: Callable[..., torch.Tensor],
+) -> None:
+    """Forward and backward over rows ``lo:hi`` of this rank's rows; gradients accumulate."""
+    ids, attn, comp = mine.input_ids[lo:hi], mine.attention_mask[lo:hi], mine.completion_mask[lo:hi]
+    # Padding columns after every row's last token are dropped (causal attention: nothing before them changes).
+    width = int(attn.any(0).nonzero().max()) + 1
+    ids, attn, comp = ids[:, :width], attn[:, :width], comp[:, :width]
+    old = mine.old[lo:hi, :width]
+    mask = comp.float()
+    a = mine.advantages[lo:hi, None]
+    new = logprobs(model, ids, attn, comp, reduction="none")
+    ratio = torch.exp(new - old)
+    obj = torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
+    loss = -(obj * mask).sum()
+    if mine.ref is not None and kl_coef > 0:
+        # k3 estimator of KL(pi || ref), per token
+        d = mine.ref[lo:hi, :width] - new
+        loss = loss + kl_coef * ((torch.exp(d) - d - 1) * mask).sum()
+    (loss * scale).backward()

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from aurora_store.coordination.ledger import AcceptedResult
-from workers.model import Packed, hf_weights, logprobs, pack_completions
+from workers.model import PASS_TOKENS, Packed, logprobs, pack_completions, rows_per_pass
 from workers.task import Problem, RewardRunner
 from workers.tokenizer import CharTokenizer, HFTokenizer
+from workers.trainer.behaviour import BehaviourModel
 from workers.trainer.fsdp import GrpoBatch
 
 __all__ = ["Rollouts", "advantages", "behavior_logprobs", "grpo_batch", "read_rollouts"]
@@ -102,18 +103,27 @@ def advantages(rewards: list[float], group: int) -> torch.Tensor:
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)
 
 
-def behavior_logprobs(behavior: torch.nn.Module, weights: Mapping[str, torch.Tensor], packed: Packed) -> torch.Tensor:
+def behavior_logprobs(behavior: BehaviourModel, weights: Mapping[str, torch.Tensor], packed: Packed, micro_batch: int = 0) -> torch.Tensor:
     """Log-probs under the weights that generated the batch (``weights``: that version in bf16).
 
     With one-step asynchrony the batch was sampled from an older policy
     than the one being trained; the clipped ratio must be taken against
     that behaviour policy, not against the current weights. ``behavior``
-    is a spare copy of the model whose weights are overwritten here.
+    is the weightless bf16 module the version's tensors are lent to; the
+    result is on the batch's device.
     """
-    with torch.no_grad():
-        for name, t in hf_weights(behavior).items():
-            t.copy_(weights[name].to(t.dtype))
-        return logprobs(behavior, packed.input_ids, packed.attention_mask, packed.completion_mask, reduction="none")
+    with torch.no_grad(), behavior.lent(weights) as module:
+        out = logprobs(module, *_on(packed, behavior.device), reduction="none", micro_batch=micro_batch)
+    return out.to(packed.input_ids.device)
+
+
+def _on(packed: Packed, device: torch.device) -> Packed:
+    return Packed(*(t.to(device) for t in packed))
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 def grpo_batch(
@@ -122,11 +132,18 @@ def grpo_batch(
     rewards: list[float],
     group: int,
     pad_id: int,
-    behavior: torch.nn.Module,
+    behavior: BehaviourModel,
     behavior_weights: Mapping[str, torch.Tensor],
     reference: torch.nn.Module | None,
+    micro_batch: int = 0,
+    tokens_per_pass: int = PASS_TOKENS,
 ) -> GrpoBatch | None:
-    """Advantages and the fixed log-probabilities of a batch; None when no group has any signal."""
+    """Advantages and the fixed log-probabilities of a batch; None when no group has any signal.
+
+    The batch is packed on the behaviour module's device (where the model
+    runs); the reference runs wherever it is held. ``micro_batch``: rows per
+    forward pass, here and in the update (0: as many as ``tokens_per_pass`` holds).
+    """
     if not prompts:
         return None
     adv = advantages(rewards, group)
@@ -134,8 +151,12 @@ def grpo_batch(
     if not bool(keep.any()):
         return None  # every group uniform: no signal this step
     idx = torch.nonzero(keep).view(-1).tolist()
-    packed = pack_completions([prompts[i] for i in idx], [comps[i] for i in idx], pad_id)
-    old = behavior_logprobs(behavior, behavior_weights, packed)
-    with torch.no_grad():
-        ref = logprobs(reference, *packed, reduction="none") if reference is not None else None
-    return GrpoBatch(packed.input_ids, packed.attention_mask, packed.completion_mask, adv[idx], old, ref)
+    packed = pack_completions([prompts[i] for i in idx], [comps[i] for i in idx], pad_id, behavior.device)
+    micro_batch = rows_per_pass(micro_batch, int(packed.input_ids.shape[1]), tokens_per_pass)
+    old = behavior_logprobs(behavior, behavior_weights, packed, micro_batch)
+    ref = None
+    if reference is not None:
+        with torch.no_grad():
+            ref = logprobs(reference, *_on(packed, _module_device(reference)), reduction="none", micro_batch=micro_batch)
+        ref = ref.to(packed.input_ids.device)
+    return GrpoBatch(packed.input_ids, packed.attention_mask, packed.completion_mask, adv[idx].to(behavior.device), old, ref, micro_batch)

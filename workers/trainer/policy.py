@@ -2,8 +2,10 @@
 
 :class:`GrpoPolicy` is the Trainer's weights source and step source
 (:mod:`~workers.trainer.sources`): it holds the fp32 master weights (sharded
-with FSDP2 over several processes), the optimizer, the bf16 behaviour copy
-and the optional KL reference, builds each batch's prompts from the task and
+with FSDP2 over several processes), the optimizer, a weightless bf16 module
+for behaviour log-probabilities and evaluations (:mod:`~workers.trainer.behaviour`:
+the version's own tensors are lent to it) and the KL reference only when
+``kl_coef`` > 0, builds each batch's prompts from the task and
 rewards each completion itself (nothing an Actor says about rewards is
 trusted). The model trains in float32 and every version is its bfloat16
 rounding, so the deltas are exactly what an RL run in bf16 inference would ship.
@@ -24,11 +26,12 @@ from aurora_store.coordination.ledger import AcceptedResult
 from aurora_store.errors import ConfigError
 from aurora_store.storage import Store
 from workers.common import write_model_description
-from workers.model import fusion_plan_for, hf_weights, is_tied, logprobs, tiny_qwen3, warm_start
+from workers.model import PASS_TOKENS, fusion_plan_for, hf_weights, is_tied, logprobs, pass_tokens, tiny_qwen3, warm_start
 from workers.pretrained import ModelDir, load_pretrained, read_model_dir
 from workers.task import Problem, RewardRunner, Task, make_task
 from workers.tokenizer import CharTokenizer, HFTokenizer
-from workers.trainer.checkpoint import Checkpoint, load_optimizer, optimizer_tensors
+from workers.trainer.behaviour import BehaviourModel, versions_device
+from workers.trainer.checkpoint import checkpoint_shapes, load_into, load_optimizer
 from workers.trainer.config import TrainerConfig
 from workers.trainer.evaluation import EvalResult, Evaluator
 from workers.trainer.fsdp import (
@@ -41,6 +44,14 @@ from workers.trainer.fsdp import (
 )
 from workers.trainer.grpo import Rollouts, grpo_batch, read_rollouts
 from workers.trainer.scheduling import Prompts, batch_prompts
+from workers.trainer.sharding import (
+    is_meta,
+    load_hf_shards,
+    materialize_module,
+    materialize_sharded,
+    optimizer_targets,
+    rank_state,
+)
 from workers.trainer.sources import FirstVersion
 
 __all__ = ["GrpoPolicy"]
@@ -82,8 +93,8 @@ class GrpoPolicy:
         """prompt id -> its problem (the answer stays here)."""
         self.model: Any = None
         """The fp32 master (a Hugging Face causal LM)."""
-        self.behavior: Any = None
-        """A spare bf16-as-published copy: the policy each batch was sampled from."""
+        self.behavior: BehaviourModel | None = None
+        """The weightless bf16 module behaviour log-probs and evaluations run on (rank 0)."""
         self.reference: torch.nn.Module | None = None
         """The warm-started weights, frozen, for the KL term (``kl_coef`` > 0)."""
         self.opt: torch.optim.Optimizer | None = None
@@ -92,6 +103,8 @@ class GrpoPolicy:
         self.followers_joined = False
         """Whether the other ranks wait for :func:`~workers.trainer.fsdp.exchange` messages."""
         self.evaluator: Evaluator | None = None
+        self.restoring = False
+        """Whether the model is being built for a resume (its weights then come from the checkpoint)."""
 
     @property
     def family(self) -> str:
@@ -103,6 +116,8 @@ class GrpoPolicy:
         """The fp32 master: ``--model``'s checkpoint (its tokenizer with it), or the built-in tiny Qwen3."""
         md = self.model_dir
         if md is not None:
+            # (A sharded rank could build it on the meta device and read only its shard:
+            # workers.trainer.sharding.params_on_meta / materialize_sharded / load_hf_shards; not wired in yet.)
             self.model = load_pretrained(md.path, torch.float32)
             self.tokenizer = HFTokenizer.from_dir(md.path, model_vocab=int(self.model.config.vocab_size))
             log.info(
@@ -128,22 +143,63 @@ class GrpoPolicy:
     def prepare_training(self) -> None:
         """After the master weights are final: the behaviour copy, sharding, the optimizer, the plan."""
         self.model.train()
-        # The policy each batch was sampled from (bf16, as the Actors ran it),
-        # kept for the two versions a batch can be generated on.
-        self.behavior = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # The module behaviour log-probs and evaluations run on: bf16 as the Actors run it, with no
+        # weights of its own (the version's held tensors are lent to it while it computes).
+        self.behavior = BehaviourModel(self.model, self.ctx.device)
         tied = is_tied(hf_weights(self.model))
         if self.ctx.sharded:
-            torch.nn.Module.to(self.model, self.ctx.device)
-            broadcast_module(self.model)
-            shard_model(self.model, self.ctx)
+            self._shard()
         self.opt = self.cfg.make_optimizer(self.model.parameters())
         self.followers_joined = self.ctx.sharded
         # The plan describes what is shipped: the bf16 weights (the fp32 master is the Trainer's own).
-        self.plan = fusion_plan_for({n: t.to(torch.bfloat16) for n, t in hf_weights(self.behavior).items()}, tied=tied)
+        # (Built from the behaviour module's meta tensors: shapes and dtypes only, nothing allocated.)
+        self.plan = fusion_plan_for(hf_weights(self.behavior.module), tied=tied)
+
+    def _shard(self) -> None:
+        """FSDP2 over the ranks. A model built on the meta device (``--model``) gets only this rank's
+        shard, read from the model's safetensors (on resume the checkpoint's shard is loaded instead);
+        the built-in one is built whole on every rank and takes rank 0's (warm-started) weights."""
+        if not is_meta(self.model):
+            torch.nn.Module.to(self.model, self.ctx.device)
+            broadcast_module(self.model)
+            shard_model(self.model, self.ctx)
+            return
+        md = self.model_dir
+        assert md is not None
+        restoring = self.restoring
+        materialize_sharded(self.model, self.ctx, None if restoring else (lambda m: load_hf_shards(m, md.path)))
+        if self.reference is not None and is_meta(self.reference):
+            # The KL reference stays whole on rank 0: the warm start's weights, or the checkpoint's.
+            self.reference = (
+                materialize_module(self.reference, self.ctx.device)
+                if restoring
+                else load_pretrained(md.path, torch.float32).eval().requires_grad_(False)
+            )
+
+    @property
+    def params(self) -> int:
+        """Parameters of the model (tied ones once); 0 before it is built."""
+        return sum(p.numel() for p in self.model.parameters()) if self.model is not None else 0
+
+    @property
+    def tokens_per_pass(self) -> int:
+        """Tokens per forward/backward pass when ``micro_batch`` is 0: activations near 1 byte per parameter."""
+        cfg = getattr(self.model, "config", None)
+        hidden, layers = int(getattr(cfg, "hidden_size", 0) or 0), int(getattr(cfg, "num_hidden_layers", 0) or 0)
+        if not hidden or not layers:
+            return PASS_TOKENS
+        return pass_tokens(hidden, layers, self.params, self.cfg.activation_checkpointing)
+
+    def versions_device(self) -> torch.device | None:
+        """Where the bf16 versions live (``versions_on``); None before the model is built."""
+        if self.model is None:
+            return None
+        return versions_device(self.cfg.versions_on, self.ctx.device, self.params, world=self.ctx.world)
 
     def bf16_weights(self) -> dict[str, torch.Tensor]:
-        """The bf16 rounding of the master weights, in host memory (gathered one parameter at a time when sharded)."""
-        return gather_bf16(list(self.model.named_parameters(remove_duplicate=False)), self.ctx)
+        """The bf16 rounding of the master weights, where :meth:`versions_device` says (gathered one parameter at a time when sharded)."""
+        dev = self.versions_device() or self.ctx.device
+        return gather_bf16(list(self.model.named_parameters(remove_duplicate=False)), DistContext(self.ctx.rank, self.ctx.world, dev))
 
     def _write_model_description(self, store: Store) -> Any:
         """``model/`` in the run root: what an Actor builds the model and its tokenizer from (FORMAT.md §1)."""
@@ -185,7 +241,7 @@ class GrpoPolicy:
 
     def train(self, rollouts: Rollouts, behaviour: Mapping[str, torch.Tensor]) -> None:
         """One GRPO step: clipped ratio against ``behaviour``, optional KL to the reference."""
-        assert self.opt is not None
+        assert self.opt is not None and self.behavior is not None
         batch = grpo_batch(
             rollouts.prompts,
             rollouts.completions,
@@ -195,9 +251,16 @@ class GrpoPolicy:
             self.behavior,
             behaviour,
             self.reference,
+            self.cfg.micro_batch,
+            self.tokens_per_pass,
         )
+        release = getattr(behaviour, "release", None)
+        if callable(release):
+            release()  # an older version's rebuilt tensors are not needed for the backward pass
+        if batch is not None:
+            batch.checkpointing = self.cfg.activation_checkpointing
         if self.ctx.sharded:
-            exchange(("train", batch) if batch is not None else ("skip", None), self.ctx)
+            exchange(("train", batch.to("cpu")) if batch is not None else ("skip", None), self.ctx)
         if batch is not None:
             grpo_epochs(self.model, self.opt, batch, self.ctx, self.cfg.epochs, self.cfg.clip, self.cfg.kl_coef, logprobs)
 
@@ -205,6 +268,7 @@ class GrpoPolicy:
     def evaluate(self, v: int, weights: Mapping[str, torch.Tensor]) -> EvalResult:
         """Held-out accuracy of version ``v`` (its bf16 ``weights``)."""
         if self.evaluator is None:
+            assert self.behavior is not None
             self.evaluator = Evaluator(
                 self.task,
                 self.tokenizer,
@@ -212,36 +276,46 @@ class GrpoPolicy:
                 self.behavior,
                 self.cfg.eval_size,
                 self.cfg.max_new_tokens,
-                self.ctx.device,
             )
         return self.evaluator.run(v, weights)
 
     def checkpoint_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """What a resumed run restores: the master, the optimizer (its metadata apart), the reference, torch's RNG."""
+        """What a resumed run restores, this rank's part and live (written while the next step's forward and
+        backward run, :mod:`~workers.trainer.ckpt_async`): the master and the optimizer (its metadata apart;
+        DTensor shards when sharded), and on rank 0 the reference and torch's RNG."""
         assert self.opt is not None
-        tensors = {f"model.{n}": p.detach() for n, p in self.model.state_dict().items()}
-        opt_t, opt_meta = optimizer_tensors(self.opt)
-        tensors.update(opt_t)
-        if self.reference is not None:
-            tensors.update({f"reference.{n}": p.detach() for n, p in self.reference.state_dict().items()})
-        tensors["rng.torch"] = torch.get_rng_state()
+        tensors, opt_meta = rank_state(self.model, self.opt)
+        if self.ctx.leader:
+            if self.reference is not None:
+                tensors.update({f"reference.{n}": p.detach() for n, p in self.reference.state_dict().items()})
+            tensors["rng.torch"] = torch.get_rng_state()
         return tensors, opt_meta
 
-    def restore(self, ck: Checkpoint) -> None:
-        """The master, reference and optimizer of checkpoint ``ck``; ready to train."""
-        self.build_model()
-        self.model.load_state_dict({n[len("model.") :]: t for n, t in ck.tensors.items() if n.startswith("model.")})
-        self.reference = None
-        if self.cfg.kl_coef > 0:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-            ref = {n[len("reference.") :]: t for n, t in ck.tensors.items() if n.startswith("reference.")}
-            if ref:
-                self.reference.load_state_dict(ref)
-        self.prepare_training()
+    def restore(self, store: Store, step: int, rec: Mapping[str, Any]) -> None:
+        """The master, reference and optimizer of the checkpoint before ``step`` (``rec``: its checked
+        record), each rank reading its own shard whatever the world size that wrote it; ready to train.
+
+        Every rank calls it together when sharded (:func:`~workers.trainer.trainer.follow` mirrors
+        it). The model is built once: a checkpoint that does not fit is loaded over by the next one.
+        """
+        if self.model is None:
+            self.restoring = True
+            self.build_model()
+            built: Any = self.model
+            self.reference = copy.deepcopy(built).eval().requires_grad_(False) if self.cfg.kl_coef > 0 else None
+            self.prepare_training()
         assert self.opt is not None
-        load_optimizer(self.opt, ck.tensors, ck.meta["optimizer"])
-        if "rng.torch" in ck.tensors:
-            torch.set_rng_state(ck.tensors["rng.torch"])
+        shapes = checkpoint_shapes(store, step, rec)
+        state, _ = rank_state(self.model, None)
+        state.update(optimizer_targets(self.opt, shapes))
+        if self.reference is not None and any(n.startswith("reference.") for n in shapes):
+            state.update({f"reference.{n}": p.detach() for n, p in self.reference.state_dict().items()})
+        if self.ctx.leader and "rng.torch" in shapes:
+            state["rng.torch"] = torch.empty(shapes["rng.torch"][0], dtype=shapes["rng.torch"][1])
+        load_into(store, step, rec, state, sharded=self.ctx.sharded)
+        load_optimizer(self.opt, {n: t for n, t in state.items() if n.startswith("opt.")}, rec["meta"].get("optimizer") or {})
+        if "rng.torch" in state:
+            torch.set_rng_state(state["rng.torch"])
 
     def close(self) -> None:
         """Stop the reward runner; release the other ranks (only once they wait for messages:

@@ -54,21 +54,14 @@ from aurora_store.lineage.publish import PublishConfig
 from aurora_store.outage import Dependency, is_transient, riding
 from aurora_store.storage import Store, open_store
 from workers.common import Endpoints
-from workers.model import logprobs, tiny_qwen3
-from workers.pretrained import load_pretrained, read_model_dir
-from workers.tokenizer import CharTokenizer
 from workers.trainer.batches import BatchBook
 from workers.trainer.bootstrap import Bootstrap
 from workers.trainer.config import TrainerConfig
 from workers.trainer.crash import crash_point
+from workers.trainer.follower import follow
 from workers.trainer.fsdp import (
     SINGLE,
     DistContext,
-    broadcast_module,
-    exchange,
-    gather_bf16,
-    grpo_epochs,
-    shard_model,
 )
 from workers.trainer.policy import GrpoPolicy
 from workers.trainer.sources import StepSource, WeightsSource
@@ -105,6 +98,13 @@ class StepLog:
     rejected_payloads: int = 0
     elements: int = 0
     """Elements of the published weights (tied ones once): ``changed / elements`` is the delta's density."""
+    publish_s: float = 0.0
+    """Of ``extract_publish_s``, the time the step waited for publishing, hashing excluded (a snapshot uploads in the background)."""
+    digest_s: float = 0.0
+    checkpoint_wait_s: float = 0.0
+    """Of ``step_s``, the time the step waited for checkpoints: planning one, and the hold before
+    ``optimizer.step()`` while the previous one was still being written (:mod:`~workers.trainer.ckpt_async`)."""
+    """Of ``extract_publish_s``, the time spent hashing the weights (only at snapshot and checkpoint versions)."""
 
 
 class Trainer:
@@ -176,6 +176,8 @@ class Trainer:
             held_versions=lambda: run_held_versions(raw, ep.run, heartbeat_ms),
             on_version=on_version,
         )
+        if self.grpo is not None:
+            self.versions.place = self.grpo.versions_device  # a resumed run's versions go where fresh ones are
         self.batches = BatchBook(
             self.ledger,
             self.records,
@@ -186,6 +188,7 @@ class Trainer:
             lambda: self.bootstrap.enter_epoch(self.epoch),
             self.stop,
             clock,
+            store=self.store,
         )
         self.bootstrap = Bootstrap(
             self.store,
@@ -204,6 +207,7 @@ class Trainer:
             self.stop,
             clock,
         )
+        self._ckpt_wait_mark = 0.0
         self.eval_accuracy: dict[int, float] = {}
         """version -> held-out accuracy measured on it (``eval_every``)."""
         self.logs: list[StepLog] = []
@@ -236,6 +240,11 @@ class Trainer:
     def newest_version(self) -> int:
         """The newest version this Trainer published (0 when versions are not shipped)."""
         return max(self.versions.states) if self.cfg.weight_transfer else 0
+
+    @property
+    def checkpoint_wait_s(self) -> float:
+        """Seconds this Trainer's steps waited for checkpoints so far (each step's share: ``StepLog.checkpoint_wait_s``)."""
+        return self.bootstrap.checkpointer.wait_s
 
     @property
     def resumed_from(self) -> int | None:
@@ -284,7 +293,9 @@ class Trainer:
         r = self.step_source.rollouts(self.batches.collected[b])
         self.batches.update_tau(r.gen_tokens, r.gen_s)
         t1 = time.perf_counter()
-        self.step_source.train(r, self.versions.held[gen_version])
+        # Batches after this one are generated on versions >= b + 1 - max_lag: what rebuilds older ones
+        # is released once this batch's behaviour log-probs are taken (before the backward pass).
+        self.step_source.train(r, self.versions.behaviour(gen_version, b + 1 - self.cfg.max_lag))
         t_train = time.perf_counter() - t1
         v = b + 1
         new = self.weights_source.weights()
@@ -303,6 +314,9 @@ class Trainer:
             # Also in the Trainer's hash: an Actor following a Relay's stream
             # that went silent (the Relay died) still learns of the Commit.
             self.records.record_commit(v)
+        # Started here, written while the next step runs; the run's last one is finished now.
+        self.bootstrap.checkpoint(v, final=v >= self.cfg.steps or self.stop.is_set())
+        ckpt_wait_s, self._ckpt_wait_mark = self.checkpoint_wait_s - self._ckpt_wait_mark, self.checkpoint_wait_s
         step_s = time.perf_counter() - t0
         plan = self.versions.plan
         full = self.versions.full_bytes
@@ -325,6 +339,9 @@ class Trainer:
             by_actor=r.by_actor,
             rejected_payloads=r.bad,
             elements=sum(spec.numel for spec in plan.specs().values()) if plan is not None else 0,
+            publish_s=self.versions.publish_s if self.cfg.weight_transfer else 0.0,
+            digest_s=self.versions.digest_s if self.cfg.weight_transfer else 0.0,
+            checkpoint_wait_s=ckpt_wait_s,
         )
         self.logs.append(entry)
         metrics.active().trainer_step(entry)
@@ -348,7 +365,6 @@ class Trainer:
         save_step_metrics(self.raw_store, self.store_dep, self.stop, entry, self.eval_accuracy.get(v))
         if self.on_step:
             self.on_step(entry)
-        self.bootstrap.checkpoint(v)
         return entry
 
     def _log_step_json(self, b: int, v: int, gen_version: int, twice0: int, wrong0: int) -> None:
@@ -390,6 +406,7 @@ class Trainer:
         )
 
     def run(self) -> list[StepLog]:
+        clean = False
         try:
             if self.cfg.weight_transfer and self.cfg.transfer != "none":
                 self.prepare_commit()
@@ -400,9 +417,17 @@ class Trainer:
                 if self.stop.is_set():
                     break
                 self.train_step(b)
+            self.versions.drain()  # the last snapshot, still uploading in the background
+            clean = True
+        except KeyboardInterrupt:  # stopped (SIGTERM, SIGINT) between collectives: a clean end too
+            clean = True
+            raise
         finally:
             if self.grpo is not None:
                 self.grpo.close()
+            if clean:
+                # The checkpoint still being written is committed (the other ranks, told to stop, finish theirs).
+                self.bootstrap.checkpointer.finish()
         self.records.record_status("done")
         return self.logs
 
@@ -419,41 +444,3 @@ def _device(name: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
     return dev
-
-
-def follow(cfg: TrainerConfig, ctx: DistContext) -> int:
-    """A rank > 0 of a sharded Trainer: hold a shard, run each update rank 0 sends, join each gather.
-
-    Returns the number of updates taken part in. The model is built like
-    rank 0's and then overwritten by rank 0's warm-started weights, so every
-    rank starts from the same parameters without a file in between.
-    """
-    if ctx.leader:
-        raise ValueError("rank 0 runs the Trainer, not follow()")
-    if cfg.model:
-        model = load_pretrained(read_model_dir(cfg.model).path, torch.float32)
-    else:
-        model = tiny_qwen3(
-            CharTokenizer().vocab_size,
-            seed=cfg.seed,
-            dtype=torch.float32,
-            head_dim=cfg.head_dim,
-            hidden=cfg.tiny_hidden,
-            intermediate=cfg.tiny_intermediate,
-        )
-    torch.nn.Module.to(model, ctx.device)
-    model.train()
-    broadcast_module(model)
-    shard_model(model, ctx)
-    opt = cfg.make_optimizer(model.parameters())
-    params = list(model.named_parameters(remove_duplicate=False))
-    gather_bf16(params, ctx)  # v0
-    updates = 0
-    while True:
-        kind, batch = exchange(None, ctx)
-        if kind == "stop":
-            return updates
-        if kind == "train" and batch is not None:
-            grpo_epochs(model, opt, batch, ctx, cfg.epochs, cfg.clip, cfg.kl_coef, logprobs)
-            updates += 1
-        gather_bf16(params, ctx)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,8 @@ import torch
 
 from aurora_store import metrics
 from aurora_store.api import Publisher
-from aurora_store.apply.sink import weights_digest
+from aurora_store.api.snapshots import SnapshotResult
+from aurora_store.apply.sink import tree_weights_digest, weights_digest
 from aurora_store.codec.extract import fuse_weights
 from aurora_store.codec.fusion import FusionPlan
 from aurora_store.coordination.bus import VERSION, Bus
@@ -39,6 +41,7 @@ from aurora_store.outage import is_transient
 from aurora_store.storage import Store
 from workers.trainer.config import TrainerConfig
 from workers.trainer.crash import crash_point
+from workers.trainer.held import HeldWeights
 from workers.trainer.publishing import Published, publish_version
 
 __all__ = ["VersionEvent", "VersionObserver", "VersionPublisher"]
@@ -102,12 +105,27 @@ class VersionPublisher:
         self.publisher: Publisher | None = None
         self.states: dict[int, str] = {}
         """version -> its ``state``, for every version this Trainer published or continued from."""
-        self.held: dict[int, dict[str, torch.Tensor]] = {}
-        """bf16 weights of the newest versions: those a batch may still be generated on."""
-        self.published: dict[str, torch.Tensor] = {}
-        """The newest version's bf16 weights."""
+        self.held = HeldWeights()
+        """bf16 weights of the versions a batch may still be generated on: the newest in full, the
+        older ones (``max_lag`` of them) as what rebuilds them from it (:mod:`workers.trainer.held`)."""
+        self.place: Callable[[], torch.device | None] = lambda: None
+        """Where held versions go (the Trainer's ``versions_on``); None: where they are given."""
         self.full_bytes = 0
         """Bytes of a whole version (version 0's snapshot)."""
+        self.digests: dict[int, str] = {}
+        """version -> the tree digest (FORMAT.md §4.1) of its weights, for the versions hashed:
+        version 0, snapshots and checkpoint versions (see :meth:`digest_of`)."""
+        self.publish_s = 0.0
+        """Seconds the last :meth:`publish` kept its step waiting, hashing excluded (``aurora bench trainer``)."""
+        self.digest_s = 0.0
+        """Seconds the last :meth:`publish` spent hashing weights (0 at most versions)."""
+        self._snapshots_ended: deque[SnapshotResult] = deque()
+        """Snapshots written in the background that ended since the last step looked (appended on their thread)."""
+
+    @property
+    def published(self) -> dict[str, torch.Tensor]:
+        """The newest version's bf16 weights."""
+        return self.held.weights
 
     @property
     def newest(self) -> int:
@@ -134,6 +152,8 @@ class VersionPublisher:
             snapshot_every=snap,
             config=self.publish_config,
             on_segment=lambda ev: crash_point("segment", ev.version),
+            background_snapshots=True,
+            on_snapshot=self._snapshots_ended.append,
         )
 
     def _publisher(self) -> tuple[Publisher, FusionPlan]:
@@ -149,11 +169,13 @@ class VersionPublisher:
         assert p is not None and p.version == 0
         self._hold(0, p.state, weights)
         self.full_bytes = p.bytes
+        if p.weights_digest is not None:
+            self.digests[0] = p.weights_digest
         self.record(0, "snapshot", p.bytes, p.weights_digest, t0)
         metrics.active().published(0, "snapshot", p.bytes)
         return p.bytes
 
-    def continue_from(self, version: int, state: str, weights: dict[str, torch.Tensor], kind: str, digest: str | None = None) -> None:
+    def continue_from(self, version: int, state: str, weights: Mapping[str, torch.Tensor], kind: str, digest: str | None = None) -> None:
         """Continue the chain after ``version`` (its ``state``), whose weights this Trainer holds.
 
         A resumed run's newest version, or a synthetic base every Actor builds
@@ -161,17 +183,27 @@ class VersionPublisher:
         """
         pub, _ = self._publisher()
         self._hold(version, state, weights)
-        pub.continue_from(version, state, weights, owned=True)
+        if digest is not None:
+            self.digests[version] = digest
+        pub.continue_from(version, state, self.published, owned=True)
         self.record(version, kind, 0, digest, time.time() * 1000)
 
-    def hold(self, version: int, state: str, weights: dict[str, torch.Tensor]) -> None:
+    def hold(self, version: int, state: str, weights: Mapping[str, torch.Tensor]) -> None:
         """Keep ``version`` (already in the store) as one a batch may be generated on."""
         self.states[version] = state
-        self.held[version] = weights
+        self.held.hold(version, _placed(weights, self.place()))
 
-    def _hold(self, version: int, state: str, weights: dict[str, torch.Tensor]) -> None:
+    def _hold(self, version: int, state: str, weights: Mapping[str, torch.Tensor]) -> None:
         self.hold(version, state, weights)
-        self.published = weights
+
+    def behaviour(self, version: int, oldest_needed: int) -> Mapping[str, torch.Tensor]:
+        """Version ``version``'s weights for one batch's behaviour log-probabilities; then what rebuilds
+        versions older than ``oldest_needed`` (no batch to come is generated on them) is let go, so
+        it is freed as soon as the returned view is (:meth:`~workers.trainer.held.VersionView.release`)."""
+        w = self.held[version]
+        self.held.forget_before(min(oldest_needed, self.held.newest if self.held.newest is not None else version))
+        self.held.compact()  # what must outlive this batch (max_lag > 1) shrinks to the elements that changed
+        return w
 
     def publish(self, v: int, new: dict[str, torch.Tensor], producer: dict[str, Any]) -> tuple[int, int]:
         """Ship version ``v`` as ``cfg.transfer`` says; returns (bytes written, changed elements).
@@ -181,19 +213,24 @@ class VersionPublisher:
         Trainer got there first) fences this one out too.
         """
         t0 = time.time() * 1000
+        started = time.perf_counter()
         pub, plan = self._publisher()
         self.records.check_epoch()
-        digest = weights_digest(new, plan)
-        snap_bytes = 0
+        digest: str | None = None
+        digest_s = 0.0
         try:
             if self.cfg.transfer == "delta":
-                # The delta carries the digest of the weights it makes (FORMAT.md §4.1), which
-                # binds a snapshot at the same version (every snapshot_every) to the chain.
-                p = pub.publish(new, producer=producer, owned=True)
+                # Weights are hashed only where something binds to them (FORMAT.md §4.1): the delta at a
+                # snapshot's version (the Publisher decides) and at a checkpoint's; the snapshot is
+                # uploaded after the delta, in the background (retention waits for its commit).
+                p = pub.publish(new, producer=producer, owned=True, digest=self.binds(v))
                 assert p is not None and p.version == v, (p, v)
                 out = Published(p.state, "delta", p.bytes - p.snapshot_bytes, p.changed)
-                snap_bytes = p.snapshot_bytes if p.snapshot else -1
+                digest, digest_s = p.weights_digest, p.digest_s
             else:  # the broadcast baselines of `aurora bench wan`
+                if self.binds(v):  # in the form the baseline's snapshots carry (they hash themselves)
+                    digest = (weights_digest if self.cfg.transfer == "full" else tree_weights_digest)(new, plan)
+                    digest_s = time.perf_counter() - started
                 out = publish_version(
                     self.store,
                     self.records.run,
@@ -216,13 +253,52 @@ class VersionPublisher:
             raise self._conflict(v, e) from e
         crash_point("manifest", v)
         self._hold(v, out.state, new)
-        self.held.pop(v - 2, None)
+        self.held.forget_before(v - self.cfg.max_lag)
+        if digest is not None:
+            self.digests[v] = digest
         self.record(v, out.kind, out.nbytes, digest, t0)
         metrics.active().published(v, out.kind, out.nbytes)
-        if snap_bytes >= 0 and self.cfg.transfer == "delta":
-            metrics.active().published(v, "snapshot", snap_bytes)
-            self.retain()
+        self.snapshots_ended()
+        self.digest_s = digest_s
+        self.publish_s = max(0.0, time.perf_counter() - started - digest_s)
         return out.nbytes, out.changed
+
+    def binds(self, v: int) -> bool:
+        """Whether a checkpoint binds to version ``v`` (the Trainer saves one before step ``v`` every
+        ``checkpoint_every``): its delta then carries the weights digest, as at a snapshot's version."""
+        every = self.cfg.checkpoint_every
+        return every > 0 and v % every == 0
+
+    def digest_of(self, v: int) -> str | None:
+        """The tree digest (FORMAT.md §4.1) of version ``v``'s weights: the one its delta carries and the
+        records hold when ``v`` was hashed at publishing (snapshot and checkpoint versions, version 0),
+        else computed now from the held weights; None when this Trainer no longer holds them.
+        What a checkpoint of ``v`` records as ``weights_digest``."""
+        if v not in self.digests:
+            weights, plan = self.held.get(v), self.plan
+            if weights is None or plan is None:
+                return None
+            self.digests[v] = tree_weights_digest(weights, plan)
+        return self.digests[v]
+
+    def snapshots_ended(self) -> None:
+        """Account for snapshots the background finished since: count those committed, then run
+        retention (only now: nothing is deleted before a snapshot is committed). A failed one was
+        logged on its thread; the next snapshot is written as usual."""
+        committed = False
+        while self._snapshots_ended:
+            res = self._snapshots_ended.popleft()
+            if res.ok:
+                metrics.active().published(res.version, "snapshot", res.bytes)
+                committed = True
+        if committed:
+            self.retain()
+
+    def drain(self) -> None:
+        """Wait for a snapshot still being uploaded, then account for it (the end of a run)."""
+        if self.publisher is not None:
+            self.publisher.wait_snapshots()
+        self.snapshots_ended()
 
     def _conflict(self, v: int, e: VersionConflict) -> Exception:
         """What a conflict at version ``v`` means: a newer Trainer (the epoch in Redis moved on:
@@ -271,7 +347,8 @@ class VersionPublisher:
         try:
             # Nothing above this Trainer's own head counts: a planted snapshot at v9999999999 must
             # not move the floor above every real version (issue 24).
-            plan = retain(self.raw_store, self.cfg.keep_snapshots, held, ceiling=self.newest)
+            spares = self.publisher.spares if self.publisher is not None else None
+            plan = retain(self.raw_store, self.cfg.keep_snapshots, held, ceiling=self.newest, spare_orphan=spares)
         except Exception as e:  # noqa: BLE001 - sorted right below
             if not is_transient(e):
                 raise
@@ -279,3 +356,20 @@ class VersionPublisher:
             return
         if plan.versions or plan.orphans:
             log.info("retention: %s", plan.summary())
+
+
+def _placed(weights: Mapping[str, torch.Tensor], device: torch.device | None) -> dict[str, torch.Tensor]:
+    """``weights`` on ``device`` (as they are when None or already there); tied names stay one tensor."""
+    if device is None:
+        return dict(weights)
+    moved: dict[int, torch.Tensor] = {}
+    out = {}
+    for n, t in weights.items():
+        if t.device == device:
+            out[n] = t
+            continue
+        key = id(t)
+        if key not in moved:
+            moved[key] = t.to(device)
+        out[n] = moved[key]
+    return out
