@@ -164,8 +164,10 @@ def _run(tmp_path: Path, redis_url: str, name: str, first: int, then: int | None
 
 @pytest.mark.parametrize("ranks", [2, 1])
 def test_a_run_resumed_on_as_many_ranks_publishes_the_uninterrupted_versions(tmp_path: Path, redis_url: str, ranks: int) -> None:
-    straight, _, straight_url = _run(tmp_path, redis_url, "straight", ranks, None)
-    _, text, resumed_url = _run(tmp_path, redis_url, "resumed", ranks, ranks)
+    # Run names carry the parameter: the Redis server is the session's, and a run named as in the
+    # other parametrization would find its head already past the cut (stopped before it started).
+    straight, _, straight_url = _run(tmp_path, redis_url, f"straight{ranks}", ranks, None)
+    _, text, resumed_url = _run(tmp_path, redis_url, f"resumed{ranks}", ranks, ranks)
     assert len(set(straight)) == STEPS + 1  # every step trained
     want, got = _versions(straight_url, STEPS), _versions(resumed_url, STEPS)
     for v in range(STEPS + 1):

@@ -68,6 +68,8 @@ def test_trainer_and_actor_ride_out_redis_and_s3_outages(tmp_path: Path) -> None
                 "0",
                 "--checkpoint-every",
                 "0",
+                "--digest-every",
+                "1",  # every version hashed: the Actor's weights are compared at each activation
             ],
             env=env,
             stdout=open(tlog, "wb"),  # noqa: SIM115

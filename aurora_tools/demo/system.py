@@ -61,6 +61,8 @@ class DemoConfig:
     stop_relay_at: int | None = None
     """Step at which the Relay is stopped (its Actors fall back to origin); None: never."""
     snapshot_every: int = 5
+    digest_every: int = 1
+    """Every version hashed (a tiny model: cheap), so each activation is compared bit for bit."""
     store: str | None = None
     redis: str | None = None
     run: str = "demo"
@@ -292,6 +294,7 @@ def run_system_demo(cfg: DemoConfig, say: Any = print) -> DemoResult:
             batch=cfg.batch,
             group=cfg.group,
             snapshot_every=cfg.snapshot_every,
+            digest_every=cfg.digest_every,
             seed=cfg.seed,
             weight_transfer=cfg.weight_transfer,
             model=cfg.model,

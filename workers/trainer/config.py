@@ -70,6 +70,12 @@ class TrainerConfig:
     """Weight of the KL to the warm-started reference (0: no reference kept)."""
     snapshot_every: int = option(10, metavar="N", help="a full snapshot every N versions, for late joiners")
     """Write a full snapshot every N versions (late joiners start there)."""
+    digest_every: int = option(
+        0, metavar="N", help="also record the weights digest of every N-th version (0: only snapshot and checkpoint versions)"
+    )
+    """Hash every N-th version too, so Actors verify their weights that often (``--verify-every``).
+    0, the default, hashes only where something binds to the digest: version 0, snapshots and
+    checkpoint versions (FORMAT.md §4.1); a tree digest of 8 B parameters costs seconds."""
     warm_start_steps: int = option(85, flag=None, help="supervised steps before RL (the built-in tiny model)")
     """Supervised steps before RL: enough for some rewarded samples (about a third of the
     sampled answers on the demo's model), not more."""
@@ -275,6 +281,8 @@ class TrainerConfig:
         self._check_recovery_knobs()
 
     def _check_recovery_knobs(self) -> None:
+        if self.digest_every < 0:
+            raise ConfigError(f"digest_every must be >= 0, got {self.digest_every}")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.keep_snapshots < 0:
             raise ConfigError(
                 f"checkpoint_every and keep_snapshots must be >= 0 and keep_checkpoints >= 1 "

@@ -150,6 +150,7 @@ class VersionPublisher:
             prepared=True,
             plan=plan,
             snapshot_every=snap,
+            digest_every=self.cfg.digest_every,
             config=self.publish_config,
             on_segment=lambda ev: crash_point("segment", ev.version),
             background_snapshots=True,
