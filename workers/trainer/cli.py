@@ -43,7 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     train = p.add_argument_group("training")
     add_declared(train, TrainerConfig, ENV_PREFIX, *TRAINING_OPTIONS)
     pub = p.add_argument_group("publishing")
-    add_declared(pub, TrainerConfig, ENV_PREFIX, "snapshot_every", "digest_every", "streams", "format", "commit_via", "sign_key", "sign_key_id")
+    add_declared(
+        pub, TrainerConfig, ENV_PREFIX, "snapshot_every", "digest_every", "streams", "format", "commit_via", "sign_key", "sign_key_id"
+    )
     rec = p.add_argument_group("recovery")
     add_declared(rec, TrainerConfig, ENV_PREFIX, *RECOVERY_OPTIONS)
     par = p.add_argument_group("parallelism")
