@@ -25,7 +25,7 @@ from typing import Any
 
 from aurora_tools.bench.hostile.cases import Case, Context, Result
 
-__all__ = ["LEDGER_CASES", "acl_server", "MARK"]
+__all__ = ["LEDGER_CASES", "acl_server", "claim_every_step", "MARK"]
 
 MARK = b"hostile-result"
 ACL_FILE = Path(__file__).resolve().parents[3] / "infra" / "redis" / "aurora.acl"
@@ -138,16 +138,20 @@ Attack = Callable[[Any, int, int, str, list[Any]], None]
 honest Actor claimed its leases and before it settles them."""
 
 
-def _honest(url: str, attack: Attack, attacker_url: str, work: Recorder, stop: threading.Event, errors: list[str]) -> None:
-    """The honest Actor: claims and settles every step the workload issued (on Redis 6.2 an Actor's
-    user cannot read the open-steps set, so it learns the step ids from the workload)."""
+OnLeases = Callable[[Any, int, int, str, list[Any]], None]
+"""``on_leases(ledger, step, version, state, leases)``: what the stand-in Actor does with the leases it claimed."""
+
+
+def claim_every_step(url: str, work: Recorder, stop: threading.Event, on_leases: OnLeases) -> None:
+    """A stand-in Actor (``a0``, the Actor's Redis user) that claims every step the workload issued and
+    hands its leases to ``on_leases`` (on Redis 6.2 an Actor's user cannot read the open-steps set,
+    so it learns the step ids from the workload). It rides out whatever the run does."""
     from aurora_store.coordination.keys import RunKeys
     from aurora_store.coordination.ledger import Ledger
     from aurora_store.coordination.redisconn import connect
 
-    client, attacker = connect(url), connect(attacker_url)
+    client = connect(url)
     ledger, keys = Ledger(client, RUN), RunKeys(RUN)
-    attacked: set[int] = set()
     done: set[int] = set()
     registered = False
     try:
@@ -169,18 +173,34 @@ def _honest(url: str, attack: Attack, attacker_url: str, work: Recorder, stop: t
                     status, leases = ledger.claim("a0", b, 16)
                     if status in ("closed", "no_step"):
                         done.add(b)
-                    if b not in attacked and status == "ok" and leases:
-                        attacked.add(b)
-                        try:
-                            attack(attacker, b, v, state, leases)
-                        except Exception as e:  # noqa: BLE001 - a refused command is the defence working
-                            errors.append(f"{type(e).__name__}: {str(e)[:120]}")
-                    for lease in leases if status == "ok" else []:
-                        ledger.settle("a0", lease, v, state, b'{"honest": 1}')
-            except Exception:  # noqa: BLE001 - the honest Actor rides out whatever the run does
+                    if status == "ok" and leases:
+                        on_leases(ledger, b, v, state, leases)
+            except Exception:  # noqa: BLE001 - the stand-in Actor rides out whatever the run does
                 time.sleep(0.05)
     finally:
         client.close()
+
+
+def _honest(url: str, attack: Attack, attacker_url: str, work: Recorder, stop: threading.Event, errors: list[str]) -> None:
+    """The honest Actor: settles every lease it claims; ``attack`` runs once per step, before the settles."""
+    from aurora_store.coordination.redisconn import connect
+
+    attacker = connect(attacker_url)
+    attacked: set[int] = set()
+
+    def settle(ledger: Any, b: int, v: int, state: str, leases: list[Any]) -> None:
+        if b not in attacked:
+            attacked.add(b)
+            try:
+                attack(attacker, b, v, state, leases)
+            except Exception as e:  # noqa: BLE001 - a refused command is the defence working
+                errors.append(f"{type(e).__name__}: {str(e)[:120]}")
+        for lease in leases:
+            ledger.settle("a0", lease, v, state, b'{"honest": 1}')
+
+    try:
+        claim_every_step(url, work, stop, settle)
+    finally:
         attacker.close()
 
 

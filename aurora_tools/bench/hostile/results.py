@@ -14,12 +14,11 @@ planted giant is never read past the size the reference records.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from aurora_tools.bench.hostile.cases import Case, Context, Result
-from aurora_tools.bench.hostile.ledger import MARK, RUN, STEPS, TRAINER_TIMEOUT_S, Recorder, acl_server
+from aurora_tools.bench.hostile.ledger import MARK, RUN, STEPS, TRAINER_TIMEOUT_S, Recorder, acl_server, claim_every_step
 
 __all__ = ["RESULTS_CASES"]
 
@@ -29,39 +28,15 @@ Settle = Callable[[Any, str, int, int], bytes]
 
 def _actor(url: str, store_url: str, settle: Settle, work: Recorder, stop: threading.Event) -> None:
     """An Actor (``a0``, the Actor's Redis user) that claims every step's leases and settles what ``settle`` makes."""
-    from aurora_store.coordination.keys import RunKeys
-    from aurora_store.coordination.ledger import Ledger
-    from aurora_store.coordination.redisconn import connect
     from aurora_store.storage import open_store
 
-    client, store = connect(url), open_store(store_url)
-    ledger, keys = Ledger(client, RUN), RunKeys(RUN)
-    done: set[int] = set()
-    registered = False
-    try:
-        while not stop.wait(0.02):
-            try:
-                if not registered:
-                    ledger.register("a0")
-                    registered = True
-                for b in sorted(work.steps - done):
-                    v = ledger.step_version(b)
-                    raw = client.hget(keys.step(b), "state")
-                    state = raw.decode() if raw else None
-                    if v is None or state is None:
-                        continue
-                    if not ledger.heartbeat("a0", active=v, staged=v, active_state=state):
-                        registered = False
-                        break
-                    status, leases = ledger.claim("a0", b, 16)
-                    if status in ("closed", "no_step"):
-                        done.add(b)
-                    for lease in leases if status == "ok" else []:
-                        ledger.settle("a0", lease, v, state, settle(store, "a0", b, lease.token))
-            except Exception:  # noqa: BLE001 - the Actor rides out whatever the run does
-                time.sleep(0.05)
-    finally:
-        client.close()
+    store = open_store(store_url)
+
+    def settle_all(ledger: Any, b: int, v: int, state: str, leases: list[Any]) -> None:
+        for lease in leases:
+            ledger.settle("a0", lease, v, state, settle(store, "a0", b, lease.token))
+
+    claim_every_step(url, work, stop, settle_all)
 
 
 def _run(ctx: Context, name: str, settle: Settle) -> dict[str, Any]:
