@@ -25,7 +25,7 @@ from typing import Any
 
 from aurora_tools.bench.hostile.cases import Case, Context, Result
 
-__all__ = ["LEDGER_CASES", "acl_server", "claim_every_step", "MARK"]
+__all__ = ["LEDGER_CASES", "acl_server", "claim_every_step", "drive", "MARK"]
 
 MARK = b"hostile-result"
 ACL_FILE = Path(__file__).resolve().parents[3] / "infra" / "redis" / "aurora.acl"
@@ -204,6 +204,28 @@ def _honest(url: str, attack: Attack, attacker_url: str, work: Recorder, stop: t
         attacker.close()
 
 
+def drive(tr: Any, actor: threading.Thread, stop: threading.Event, out: dict[str, Any]) -> None:
+    """Run the Trainer ``tr`` beside the stand-in ``actor`` (stopped through ``stop``) until it ends or
+    times out; ``out`` gains ``logs``, or ``error``: what stopped the Trainer is the finding."""
+
+    def go() -> None:
+        try:
+            out["logs"] = tr.run()
+        except BaseException as e:  # noqa: BLE001 - what stopped the Trainer is the finding
+            out["error"] = e
+
+    t = threading.Thread(target=go, daemon=True)
+    actor.start()
+    t.start()
+    t.join(TRAINER_TIMEOUT_S)
+    if t.is_alive():
+        tr.stop.set()
+        t.join(30)
+        out["error"] = out["error"] or TimeoutError(f"the Trainer did not finish {STEPS} steps in {TRAINER_TIMEOUT_S:.0f} s")
+    stop.set()
+    actor.join(10)
+
+
 def _run_trainer(ctx: Context, name: str, attack: Attack) -> dict[str, Any]:
     """The real Trainer over :class:`Recorder`, as the Trainer's user, with the honest Actor and ``attack``."""
     from workers.common import Endpoints
@@ -227,23 +249,7 @@ def _run_trainer(ctx: Context, name: str, attack: Attack) -> dict[str, Any]:
     stop, errors = threading.Event(), list[str]()
     out: dict[str, Any] = {"work": work, "errors": errors, "error": None, "logs": None, "trainer": tr, "srv": srv}
     honest = threading.Thread(target=_honest, args=(srv["urls"]["actor"], attack, srv["urls"]["actor"], work, stop, errors), daemon=True)
-
-    def go() -> None:
-        try:
-            out["logs"] = tr.run()
-        except BaseException as e:  # noqa: BLE001 - what stopped the Trainer is the finding
-            out["error"] = e
-
-    t = threading.Thread(target=go, daemon=True)
-    honest.start()
-    t.start()
-    t.join(TRAINER_TIMEOUT_S)
-    if t.is_alive():
-        tr.stop.set()
-        t.join(30)
-        out["error"] = out["error"] or TimeoutError(f"the Trainer did not finish {STEPS} steps in {TRAINER_TIMEOUT_S:.0f} s")
-    stop.set()
-    honest.join(10)
+    drive(tr, honest, stop, out)
     return out
 
 

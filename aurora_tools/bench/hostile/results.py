@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aurora_tools.bench.hostile.cases import Case, Context, Result
-from aurora_tools.bench.hostile.ledger import MARK, RUN, STEPS, TRAINER_TIMEOUT_S, Recorder, acl_server, claim_every_step
+from aurora_tools.bench.hostile.ledger import MARK, RUN, STEPS, Recorder, acl_server, claim_every_step, drive
 
 __all__ = ["RESULTS_CASES"]
 
@@ -53,23 +53,7 @@ def _run(ctx: Context, name: str, settle: Settle) -> dict[str, Any]:
     stop = threading.Event()
     out: dict[str, Any] = {"work": work, "error": None, "logs": None, "trainer": tr}
     actor = threading.Thread(target=_actor, args=(srv["urls"]["actor"], store_url, settle, work, stop), daemon=True)
-
-    def go() -> None:
-        try:
-            out["logs"] = tr.run()
-        except BaseException as e:  # noqa: BLE001 - what stopped the Trainer is the finding
-            out["error"] = e
-
-    t = threading.Thread(target=go, daemon=True)
-    actor.start()
-    t.start()
-    t.join(TRAINER_TIMEOUT_S)
-    if t.is_alive():
-        tr.stop.set()
-        t.join(30)
-        out["error"] = out["error"] or TimeoutError(f"the Trainer did not finish {STEPS} steps in {TRAINER_TIMEOUT_S:.0f} s")
-    stop.set()
-    actor.join(10)
+    drive(tr, actor, stop, out)
     if tr.batches.results is not None:
         tr.batches.results.close()
     return out
