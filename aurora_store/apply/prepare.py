@@ -17,10 +17,12 @@ import torch
 from aurora_store.apply.prepared_delta import (
     DenseWrite,
     Layout,
+    MappedBlock,
     PreparedDelta,
     PreparedPart,
     SortedWrites,
 )
+from aurora_store.apply.tp_experts import mismatch
 from aurora_store.apply.write_kernel import warm
 from aurora_store.codec.encodings import DTYPES
 from aurora_store.codec.entries import ParamSpec
@@ -58,9 +60,7 @@ def prepare_part(
         if spec is None:
             raise ModelMismatchError(f"delta {version}: the model has no parameter {e.param!r}")
         if e.spec != spec:
-            raise ModelMismatchError(
-                f"{where} is {list(e.spec.shape)} {e.spec.dtype} in the delta, {list(spec.shape)} {spec.dtype} in the model"
-            )
+            raise ModelMismatchError(mismatch(where, e.param, e.spec, spec))
         width = DTYPES[spec.dtype].width
         if e.bits.dtype.itemsize != width:
             raise ModelMismatchError(f"{where} carries {e.bits.dtype.itemsize}-byte values, the model holds {spec.dtype}")
@@ -74,7 +74,11 @@ def prepare_part(
         if e.indices is None:
             if bits.size != e.stop - e.start:
                 raise ModelMismatchError(f"{where}: dense range of {e.stop - e.start} elements carries {bits.size} values")
-            for source, off, n, loc, total in blocks:
+            for blk in blocks:
+                if isinstance(blk, MappedBlock):
+                    _mapped(pieces, numels, blk, np.arange(e.start, e.stop, dtype=np.int64), bits, xor, width)
+                    continue
+                source, off, n, loc, total = blk
                 lo, hi = max(e.start, off), min(e.stop, off + n)
                 if hi > lo:
                     numels[source] = (total, width)
@@ -91,7 +95,11 @@ def prepare_part(
             raise ModelMismatchError(f"{where}: indices must lie in [{e.start}, {e.stop})")
         if idx.size > 1 and not bool(np.all(idx[1:] > idx[:-1])):
             raise ModelMismatchError(f"{where}: indices are not strictly increasing")
-        for source, off, n, loc, total in blocks:
+        for blk in blocks:
+            if isinstance(blk, MappedBlock):
+                _mapped(pieces, numels, blk, idx, bits, xor, width)
+                continue
+            source, off, n, loc, total = blk
             numels[source] = (total, width)
             if off <= e.start and e.stop <= off + n:
                 lo, hi = 0, idx.size  # the whole entry in one block (the usual case)
@@ -108,6 +116,23 @@ def prepare_part(
                         run = run.copy()
                 pieces.setdefault((source, xor), []).append((run, np.array(bits[lo:hi])))
     return PreparedPart(version, len(entries), pieces, numels, dense, basis)
+
+
+def _mapped(
+    pieces: dict[tuple[str, bool], list[tuple[np.ndarray, np.ndarray]]],
+    numels: dict[str, tuple[int, int]],
+    blk: MappedBlock,
+    idx: np.ndarray,
+    bits: np.ndarray,
+    xor: bool,
+    width: int,
+) -> None:
+    """An entry's writes into a source reached through a map (fused experts): one vectorised pass."""
+    numels[blk.source] = (blk.total, width)
+    sel, local = blk.localize(idx)
+    if sel.size:
+        itype = np.int32 if blk.total <= _INT32_MAX else np.int64
+        pieces.setdefault((blk.source, xor), []).append((local.astype(itype), np.array(bits[sel])))
 
 
 def prepare_delta(
@@ -146,21 +171,27 @@ def prepare_delta(
         # Each run is strictly increasing (checked per entry); so is the whole when each run
         # starts after the last index of the one before: no element twice, and the first and
         # last index bound them all (the write kernel relies on it).
-        for (a, _), (b, _) in zip(rs, rs[1:], strict=False):
-            if int(b[0]) <= int(a[-1]):
-                raise ModelMismatchError(f"delta {staged.version}: {source} has indices out of order or written twice")
+        chained = all(int(b[0]) > int(a[-1]) for (a, _), (b, _) in zip(rs, rs[1:], strict=False))
         if len(rs) == 1:
             ind, val = rs[0]
         else:
             itype = np.int64 if any(r[0].dtype == np.int64 for r in rs) else np.int32
             ind = np.concatenate([r[0] for r in rs]).astype(itype, copy=False)
             val = np.concatenate([r[1] for r in rs])
+            if not chained:
+                # Runs through a map (experts in another order on this rank) may interleave:
+                # one sort of the changed elements, then no element may be there twice.
+                order = np.argsort(ind, kind="stable")
+                ind, val = ind[order], val[order]
+                if bool(np.any(ind[1:] <= ind[:-1])):
+                    raise ModelMismatchError(f"delta {staged.version}: {source} has indices out of order or written twice")
         if int(ind[0]) < 0 or int(ind[-1]) >= n:
             raise ModelMismatchError(f"delta {staged.version}: {source} has an index outside its {n} elements")
         nnz += ind.size
         ind.flags.writeable = False
         val.flags.writeable = False
         sparse.append(SortedWrites(source, n, width, xor, ind, val))
+    _no_overlapping_ranges(staged)  # runs may interleave (above) only where entries do not overlap
     _no_overlap(staged.version, sparse, dense)
     for w in sparse:
         warm(w.bits.dtype.str, w.indices.dtype.str)  # compiled here, in the stager, not at the safe point
@@ -168,6 +199,14 @@ def prepare_delta(
         sparse = [_to_device(w, device(w.source)) for w in sparse]
         dense = [_dense_to_device(d, device(d.source)) for d in dense]
     return PreparedDelta(staged.version, staged.base_version, nnz, tuple(sparse), tuple(dense))
+
+
+def _no_overlapping_ranges(staged: StagedDelta) -> None:
+    """No two entries of one parameter cover overlapping ranges (FORMAT.md §3), whoever staged the delta."""
+    ranges = sorted((e.param, e.start, e.stop) for e in staged.entries)
+    for (pa, _, a_stop), (pb, b_start, _) in zip(ranges, ranges[1:], strict=False):
+        if pa == pb and b_start < a_stop:
+            raise ModelMismatchError(f"delta {staged.version}: {pa} has overlapping entries")
 
 
 def _no_overlap(version: int, sparse: Sequence[SortedWrites], dense: Sequence[DenseWrite]) -> None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from aurora_store.apply.tp_experts import ExpertLayout
 from aurora_store.apply.write_kernel import write_whole
 from aurora_store.codec.extract import bits_view
 from aurora_store.codec.fusion import FusionPlan
@@ -23,6 +24,7 @@ from aurora_store.format.checkpoint import StagedDelta
 
 __all__ = [
     "Layout",
+    "MappedBlock",
     "PreparedDelta",
     "PreparedPart",
     "SortedWrites",
@@ -32,10 +34,24 @@ __all__ = [
     "layout_of_shards",
 ]
 
+
+class MappedBlock(NamedTuple):
+    """A source tensor whose elements are not one run of the fused parameter (fused experts split by
+    expert or intermediate block, :class:`~aurora_store.apply.tp_experts.ExpertLayout`): reached through
+    a vectorised map instead of an offset."""
+
+    source: str
+    total: int
+    """Elements of the source tensor."""
+    localize: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+    """Sorted fused flat indices -> (positions held here, their flat indices in the source), by
+    increasing source index; a position may appear more than once (replicas)."""
+
+
 #: fused parameter -> its blocks: (source tensor, offset in the fused parameter, elements, offset in
-#: the source tensor, elements of the source tensor). Elements of the parameter in no block are not
-#: held here (another rank's shard) and are skipped.
-Layout = Callable[[str], Sequence[tuple[str, int, int, int, int]]]
+#: the source tensor, elements of the source tensor), or a :class:`MappedBlock`. Elements of the
+#: parameter in no block are not held here (another rank's shard) and are skipped.
+Layout = Callable[[str], Sequence[tuple[str, int, int, int, int] | MappedBlock]]
 
 
 def layout_of_plan(plan: FusionPlan) -> Layout:
@@ -180,9 +196,17 @@ def parts_of(staged: StagedDelta, basis: object) -> list[PreparedPart] | None:
 
 def layout_of_shards(layouts: Mapping[str, Any]) -> Layout | None:
     """The layout of a tensor-parallel rank's shards (:class:`~aurora_store.apply.tp.ShardLayout`
-    per fused name); None when a parameter is split by columns (not runs of rows: applied as before)."""
-    blocks: dict[str, list[tuple[str, int, int, int, int]]] = {}
+    or :class:`~aurora_store.apply.tp_experts.ExpertLayout` per fused name); None when a dense
+    parameter is split by columns (not runs of rows: applied as before)."""
+    blocks: dict[str, list[tuple[str, int, int, int, int] | MappedBlock]] = {}
     for name, lay in layouts.items():
+        if isinstance(lay, ExpertLayout):
+            total = lay.local_numel
+            if lay.is_prefix:
+                blocks[name] = [(name, 0, total, 0, total)]
+            else:
+                blocks[name] = [MappedBlock(name, total, lay.localize_np)]
+            continue
         if lay.cols is not None:
             return None
         rn = lay.row_numel

@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from aurora_store.apply.tp_experts import mismatch
 from aurora_store.codec import kernels
 from aurora_store.codec.encodings import DTYPES
 from aurora_store.codec.entries import DecodedEntry, ParamSpec
@@ -160,10 +161,8 @@ def check_fits(staged: StagedDelta, specs: Mapping[str, ParamSpec]) -> None:
         if have is None:
             raise ModelMismatchError(f"delta {staged.version}: the model has no parameter {e.param!r}")
         if have != e.spec:
-            raise ModelMismatchError(
-                f"delta {staged.version}: {e.param} is {list(e.spec.shape)} {e.spec.dtype} in the delta, "
-                f"{list(have.shape)} {have.dtype} in the model"
-            )
+            where = f"delta {staged.version}: {e.param}"
+            raise ModelMismatchError(mismatch(where, e.param, e.spec, have))
         # Decoding validated all of this; a StagedDelta built by hand was not.
         where = f"delta {staged.version}: {e.param} [{e.start}, {e.stop})"
         if not 0 <= e.start < e.stop <= have.numel:

@@ -28,8 +28,15 @@ constructor per kind of vLLM layer, following vLLM's own weight loaders
   table plus padding, so even one rank needs this map.
 - :func:`replicated` (norms, ``ReplicatedLinear``): every rank holds all of it.
 
-A delta element may live on several ranks (replicated parameters and KV
-heads); each rank applies its own copy. Every map is a handful of affine
+Fused mixture-of-experts tensors (``w13_weight``, ``w2_weight``) are split
+by expert and by intermediate block: :class:`~aurora_store.apply.tp_experts.ExpertLayout`
+and its constructors (:func:`fused_experts`, :func:`expert_slots`,
+:func:`slots_from_expert_map`) live in :mod:`aurora_store.apply.tp_experts`,
+whose docstring lists that API, and are re-exported here;
+:func:`assemble` and :class:`ShardedWeights` take either kind of layout.
+
+A delta element may live on several ranks (replicated parameters, KV
+heads, replicas of an expert); each rank applies its own copy. Every map is a handful of affine
 pieces, so mapping the sorted indices of an entry costs a binary search per
 piece (row splits) or one vectorized pass (column splits), never per-element
 Python. :class:`ShardedWeights` is the :class:`~aurora_store.apply.sink.WeightSink`
@@ -46,22 +53,28 @@ from dataclasses import dataclass
 import torch
 
 from aurora_store.apply.sink import _write_flat
+from aurora_store.apply.tp_experts import ExpertLayout, expert_slots, fused_experts, slots_from_expert_map
 from aurora_store.codec.entries import DecodedEntry, ParamSpec
 from aurora_store.codec.extract import bits_view
 from aurora_store.errors import ModelMismatchError
 
 __all__ = [
     "VOCAB_PADDING",
+    "AnyLayout",
+    "ExpertLayout",
     "Piece",
     "ShardLayout",
     "ShardedWeights",
     "assemble",
     "column_parallel",
+    "expert_slots",
+    "fused_experts",
     "merged_column_parallel",
     "pad_vocab",
     "qkv_parallel",
     "replicated",
     "row_parallel",
+    "slots_from_expert_map",
     "vocab_parallel",
 ]
 
@@ -202,7 +215,11 @@ class ShardLayout:
         return out
 
 
-def assemble(shards: Sequence[tuple[ShardLayout, torch.Tensor]]) -> torch.Tensor:
+#: A rank's layout of one parameter: dense (:class:`ShardLayout`) or fused experts (:class:`ExpertLayout`).
+AnyLayout = ShardLayout | ExpertLayout
+
+
+def assemble(shards: Sequence[tuple[AnyLayout, torch.Tensor]]) -> torch.Tensor:
     """The whole parameter from every rank's shard (the inverse of :meth:`ShardLayout.shard`).
 
     Used to digest the weights of a sharded engine; replicated elements are
@@ -212,8 +229,11 @@ def assemble(shards: Sequence[tuple[ShardLayout, torch.Tensor]]) -> torch.Tensor
         raise ValueError("no shards")
     shape = shards[0][0].global_shape
     out = shards[0][1].new_empty(shape)
+    if any(isinstance(lay, ExpertLayout) for lay, _ in shards):
+        return _assemble_experts(shards, out)
     covered = 0
     for lay, t in shards:
+        assert isinstance(lay, ShardLayout)
         if lay.global_shape != shape or tuple(t.shape) != lay.local_shape:
             raise ModelMismatchError(f"shard {list(t.shape)} does not fit {lay}")
         if lay.cols is not None:
@@ -228,6 +248,25 @@ def assemble(shards: Sequence[tuple[ShardLayout, torch.Tensor]]) -> torch.Tensor
         numel *= d
     if covered < numel:
         raise ModelMismatchError(f"shards hold {covered} of {numel} elements of a {list(shape)} parameter")
+    return out
+
+
+def _assemble_experts(shards: Sequence[tuple[AnyLayout, torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
+    """:func:`assemble` for fused experts: every (expert, intermediate block) must come from some rank."""
+    first = shards[0][0]
+    assert isinstance(first, ExpertLayout)
+    covered: set[tuple[int, int]] = set()
+    for lay, t in shards:
+        if not isinstance(lay, ExpertLayout) or lay.global_shape != first.global_shape or lay.tp != first.tp or lay.kind != first.kind:
+            raise ModelMismatchError(f"{first.where or first.kind}: shards of different layouts cannot be assembled")
+        lay.place(out, t)
+        covered |= lay.covers()
+    need = first.experts * first.tp
+    if len(covered) < need:
+        lack = sorted({(e, r) for e in range(first.experts) for r in range(first.tp)} - covered)[:3]
+        raise ModelMismatchError(
+            f"{first.where or first.kind}: the shards hold {len(covered)} of {need} (expert, tensor-parallel block) pairs, e.g. not {lack}"
+        )
     return out
 
 
@@ -354,7 +393,7 @@ class ShardedWeights:
     holds. Writes are in place; nothing is reallocated.
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], layouts: Mapping[str, ShardLayout], dtypes: Mapping[str, str]) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], layouts: Mapping[str, AnyLayout], dtypes: Mapping[str, str]) -> None:
         if tensors.keys() != layouts.keys():
             raise ModelMismatchError(f"tensors and layouts name different parameters: {sorted(tensors.keys() ^ layouts.keys())[:5]}")
         for name, t in tensors.items():
@@ -376,6 +415,14 @@ class ShardedWeights:
         flat = bits_view(self.tensors[entry.param])
         if lay.is_prefix:
             _write_flat(flat, indices, entry.start, entry.stop, bits, entry.values)
+            return
+        if isinstance(lay, ExpertLayout):
+            # One vectorised map over the entry's indices, then one scatter (replicas included).
+            if indices is None:
+                indices = torch.arange(entry.start, entry.stop, device=bits.device)
+            sel, local = lay.localize(indices)
+            if sel.numel():
+                _write_flat(flat, local, 0, 0, bits[sel].contiguous(), entry.values)
             return
         if indices is None:
             if lay.cols is None:

@@ -28,6 +28,7 @@ from aurora_store.apply.predict import predicted_digest
 from aurora_store.apply.prepare import prepare_delta, prepare_part
 from aurora_store.apply.prepared_delta import PreparedDelta, PreparedPart, layout_of_plan, parts_of
 from aurora_store.apply.sink import SplitWeights, apply_delta, digest_as, weights_digest
+from aurora_store.apply.tp_experts import mismatch
 from aurora_store.codec.encodings import DTYPES
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.extract import spec_of
@@ -38,8 +39,9 @@ from aurora_store.format.segment import Segment
 from workers.engine.protocol import Completion, Generation, TokenCodec
 from workers.engine.spare import SpareWeights, swap_fits
 from workers.engine.torch_config import DTYPES_BY_NAME, ENV_PREFIX, EngineConfig
+from workers.engine.torch_experts import engine_plan
 from workers.engine.torch_sampling import sample_rows
-from workers.model import fusion_plan_for, hf_weights
+from workers.model import hf_weights
 
 __all__ = ["ENV_PREFIX", "EngineConfig", "TorchEngine"]
 
@@ -91,7 +93,7 @@ class TorchEngine:
             model.eval().requires_grad_(False)
             embedding = cast(Any, model).get_input_embeddings()
             weights = hf_weights(model)
-            plan = fusion_plan_for(weights)
+            plan = engine_plan(model, weights)  # packed experts: one block each, under FORMAT.md §2's names
             sink = SplitWeights({n: weights[n] for p in plan for n in (b.source for b in p.blocks)}, plan)
             self._seq += 2
             self._model, self._weights, self._plan, self._sink = model, weights, plan, sink
@@ -458,6 +460,8 @@ def _check_entries(staged: StagedDelta, specs: Mapping[str, ParamSpec]) -> None:
         where = f"delta {staged.version}: {e.param}"
         if spec is None:
             raise ModelMismatchError(f"delta {staged.version}: the model has no parameter {e.param!r}")
+        if e.spec != spec:  # first: a delta cut for other E, I or H is named as such
+            raise ModelMismatchError(mismatch(where, e.param, e.spec, spec))
         if not 0 <= e.start <= e.stop <= spec.numel:
             raise ModelMismatchError(f"{where} range [{e.start}, {e.stop}) does not fit its {spec.numel} elements")
         width = DTYPES[spec.dtype].bits.itemsize
