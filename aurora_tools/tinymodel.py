@@ -1,8 +1,10 @@
 """Tiny Hugging Face model directories and data files, made on the spot, for tests, demos and trials.
 
 Nothing can be downloaded here, so :func:`make_model_dir` builds what a
-user would bring: a ``save_pretrained`` directory of a tiny Qwen3 or Llama
-(random bf16 weights, safetensors), with a byte-level BPE tokenizer trained
+user would bring: a ``save_pretrained`` directory of a tiny Qwen3, Qwen2,
+Llama or Mistral, or a mixture-of-experts Qwen3-MoE, Qwen2-MoE (with its
+shared expert) or Mixtral (random bf16 weights, safetensors; the experts
+saved one by one, as transformers writes them), with a byte-level BPE tokenizer trained
 on the spot by the ``tokenizers`` library, a chat template in the family's
 own style and a generation config naming its stop tokens.
 :func:`write_gsm8k_jsonl` and :func:`write_math_jsonl` write small data
@@ -17,7 +19,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["FAMILY_STYLES", "TinySpec", "make_model_dir", "supervise", "write_gsm8k_jsonl", "write_math_jsonl"]
+__all__ = ["FAMILY_STYLES", "MOE_SPECS", "TinySpec", "make_model_dir", "supervise", "write_gsm8k_jsonl", "write_math_jsonl"]
 
 _QWEN_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -66,6 +68,10 @@ FAMILY_STYLES: dict[str, dict[str, object]] = {
 }
 
 
+FAMILY_STYLES["qwen3_moe"] = FAMILY_STYLES["qwen2_moe"] = FAMILY_STYLES["qwen3"]
+FAMILY_STYLES["mixtral"] = FAMILY_STYLES["mistral"]
+
+
 @dataclass(frozen=True, slots=True)
 class TinySpec:
     """Sizes of a tiny model (defaults: about 0.1 M parameters plus the embedding)."""
@@ -81,6 +87,36 @@ class TinySpec:
     vocab: int = 512
     """Target vocabulary of the BPE tokenizer trained for it."""
     tie_word_embeddings: bool = True
+    experts: int = 4
+    """Routed experts per layer (mixture-of-experts families only)."""
+    experts_per_token: int = 2
+    moe_intermediate: int = 40
+    """Intermediate size of one routed expert (Mixtral: its ``intermediate_size``)."""
+    shared_intermediate: int = 48
+    """Intermediate size of Qwen2-MoE's shared expert."""
+
+
+MOE_SPECS: dict[str, TinySpec] = {
+    # 40 and 48 are not multiples of 32: vLLM's CPU MoE pads the per-rank intermediate size to one,
+    # so these exercise a padded layout; Mixtral's 64 is a multiple (32 a rank at TP=2): no padding.
+    "qwen3_moe": TinySpec(experts=8, moe_intermediate=40),
+    "qwen2_moe": TinySpec(experts=4, moe_intermediate=48, shared_intermediate=40),
+    "mixtral": TinySpec(experts=4, moe_intermediate=64),
+}
+"""Default sizes of the mixture-of-experts families (head size 32, top-2 routing)."""
+
+
+def _moe_config(family: str, spec: TinySpec) -> dict[str, int]:
+    """The config arguments of a family's experts (none for dense families)."""
+    routing = {"num_experts_per_tok": spec.experts_per_token}
+    if family == "mixtral":
+        return {**routing, "num_local_experts": spec.experts, "intermediate_size": spec.moe_intermediate}
+    if family in ("qwen3_moe", "qwen2_moe"):
+        moe = {**routing, "num_experts": spec.experts, "moe_intermediate_size": spec.moe_intermediate, "decoder_sparse_step": 1}
+        if family == "qwen2_moe":
+            moe["shared_expert_intermediate_size"] = spec.shared_intermediate
+        return moe
+    return {}
 
 
 def _corpus(seed: int) -> Iterator[str]:
@@ -124,7 +160,8 @@ def _corpus(seed: int) -> Iterator[str]:
 def make_model_dir(out: str | os.PathLike[str], family: str = "qwen3", seed: int = 0, spec: TinySpec | None = None) -> str:
     """A ``save_pretrained`` directory of a tiny ``family`` model and its tokenizer; returns its path.
 
-    The weights are random, seeded (the same arguments give the same bits),
+    ``spec`` defaults to :data:`MOE_SPECS` for a mixture-of-experts family,
+    :class:`TinySpec` otherwise. The weights are random, seeded (the same arguments give the same bits),
     saved in bf16 as safetensors; the tokenizer is a byte-level BPE trained
     on a generated corpus, with the family's special tokens and chat template.
     """
@@ -137,7 +174,7 @@ def make_model_dir(out: str | os.PathLike[str], family: str = "qwen3", seed: int
         PreTrainedTokenizerFast,
     )
 
-    spec = spec or TinySpec()
+    spec = spec or MOE_SPECS.get(family) or TinySpec()
     style = FAMILY_STYLES[family]
     specials = list(style["specials"])  # type: ignore[call-overload]
     p = os.fspath(out)
@@ -158,11 +195,12 @@ def make_model_dir(out: str | os.PathLike[str], family: str = "qwen3", seed: int
     tok.chat_template = style["template"]
     tok.save_pretrained(p)
     ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
+    sizes: dict[str, int] = {"intermediate_size": spec.intermediate, **_moe_config(family, spec)}
     cfg = AutoConfig.for_model(
         family,
         vocab_size=len(tok),
         hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
+        **sizes,
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = [
+    "Checkpoint",
     "DESCRIPTION_FILES",
     "FAMILIES",
     "MAX_FILE_BYTES",
@@ -36,12 +37,17 @@ __all__ = [
     "check_family",
     "build_empty",
     "load_pretrained",
+    "read_checkpoint",
     "read_model_dir",
     "tokenizer_from_files",
 ]
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-"""``model_type`` values whose projections the fusion map knows (aurora_store.codec.fusion)."""
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+"""``model_type`` values whose projections the fusion map knows (aurora_store.codec.fusion, .experts).
+
+DeepSeek-style ``glm4_moe`` (shared experts, no MLA) has its names mapped but
+is not accepted: transformers holds its router bias ``e_score_correction_bias``
+as a buffer, which the Trainer and the engines (parameters only) would not carry."""
 
 DESCRIPTION_FILES = (
     "config.json",
@@ -177,3 +183,59 @@ def tokenizer_from_files(files: Mapping[str, bytes], model_vocab: int | None, wh
         tok = HFTokenizer.from_dir(d, model_vocab=model_vocab)
     tok.where = where
     return tok
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """The tensors of a safetensors file or model directory, as saved, and what its config says about naming them."""
+
+    tensors: dict[str, torch.Tensor]
+    family: str | None
+    """config.json's ``model_type`` (None: a bare file, or no config)."""
+    tied: bool
+    """config.json's ``tie_word_embeddings``."""
+    config: dict[str, Any]
+    """config.json (empty for a bare file)."""
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """A ``.safetensors`` file, or every ``*.safetensors`` of a model directory (shards) with its ``config.json``.
+
+    Refused with one line: a path that does not exist, a directory without
+    safetensors files, an unreadable file, a tensor name in two shards, a
+    config.json that is not a JSON object.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        files = sorted(os.path.join(p, n) for n in os.listdir(p) if n.endswith(".safetensors"))
+        if not files:
+            raise ConfigError(f"{p}: no *.safetensors weights in the directory")
+    elif os.path.exists(p):
+        files = [p]
+    else:
+        raise ConfigError(f"{p}: no such file or directory")
+    tensors: dict[str, torch.Tensor] = {}
+    for fp in files:
+        try:
+            part = load_file(fp)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConfigError(f"{fp}: not a readable safetensors file: {e}") from None
+        twice = sorted(set(part) & set(tensors))
+        if twice:
+            raise ConfigError(f"{fp}: {twice[0]} is in another shard too")
+        tensors.update(part)
+    config: dict[str, Any] = {}
+    cfg_path = os.path.join(p, "config.json")
+    if os.path.isdir(p) and os.path.isfile(cfg_path):
+        try:
+            with open(cfg_path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{cfg_path}: not a JSON config: {e}") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"{cfg_path}: not a JSON object")
+    family = config.get("model_type")
+    return Checkpoint(tensors, family if isinstance(family, str) else None, config.get("tie_word_embeddings") is True, config)

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aurora_store.api.weights import Tensors, copy_into, named_tensors, tied_head
+from aurora_store.api.weights import Tensors, copy_into, family_of, named_tensors, tied_head
 from aurora_store.apply.sink import TREE_PREFIX, FusedWeights, SplitWeights, apply_delta, digest_as
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.extract import plan_of, unfuse_weights
@@ -304,7 +304,7 @@ class Follower:
             if set(named) <= fused_names:
                 copy_into(target, fused)
             else:
-                plan = plan_of(named, tied=tied_head(target, named))
+                plan = plan_of(named, tied=tied_head(target, named), family=family_of(target))
                 copy_into(target, unfuse_weights(fused, plan))
         return state, "snapshot", len(cp.deltas), nbytes
 
@@ -313,7 +313,7 @@ class Follower:
         if _is_engine(target):
             return target.param_specs(), None, None
         named = dict(named_tensors(target))
-        plan = plan_of(named, tied=tied_head(target, named))
+        plan = plan_of(named, tied=tied_head(target, named), family=family_of(target))
         sink: FusedWeights | SplitWeights = SplitWeights({n: named[n] for p in plan for n in (b.source for b in p.blocks)}, plan)
         return plan.specs(), sink, plan
 

@@ -41,6 +41,7 @@ from aurora_store.api.published import Published, WaitedFor, announce_segments, 
 from aurora_store.api.snapshots import SnapshotResult, SnapshotWriter
 from aurora_store.api.weights import (
     Tensors,
+    family_of,
     gather_bf16,
     is_distributed_rank,
     named_tensors,
@@ -243,7 +244,7 @@ class Publisher:
             return None
         if self._plan is None:
             self._plan_tied = tied_head(weights, new)
-            self._plan = plan_of(new, tied=self._plan_tied)
+            self._plan = plan_of(new, tied=self._plan_tied, family=family_of(weights))
         if not self._chain_read:
             self._given = new
             self._continue_chain()
@@ -273,7 +274,7 @@ class Publisher:
         if base is None:
             return
         if self._plan is None:
-            self._plan = plan_of(base, tied=tied_head(weights, base))
+            self._plan = plan_of(base, tied=tied_head(weights, base), family=family_of(weights))
         self._base, self.version, self.state, self._chain_read = base, int(version), state, True
 
     def _continue_chain(self) -> None:
@@ -287,7 +288,7 @@ class Publisher:
         names = {p.name for p in self._plan}
         if TIED_HEAD in names and TIED_HEAD not in fused and self._plan_tied is False:
             # The run ties the head to the embedding; these weights name both (a copied state dict).
-            self._plan = plan_of(self._given, tied=True)
+            self._plan = plan_of(self._given, tied=True, family=self._plan.family)
             names = {p.name for p in self._plan}
         if set(fused) != names:
             raise ConfigError(

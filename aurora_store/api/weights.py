@@ -17,7 +17,7 @@ import torch
 from aurora_store.codec.fusion import EMBED, TIED_HEAD
 from aurora_store.errors import ConfigError
 
-__all__ = ["Tensors", "gather_bf16", "is_distributed_rank", "leader", "named_tensors", "tied_head"]
+__all__ = ["Tensors", "family_of", "gather_bf16", "is_distributed_rank", "leader", "named_tensors", "tied_head"]
 
 Tensors = torch.nn.Module | Mapping[str, torch.Tensor]
 """A model, or a mapping name -> tensor (Hugging Face or fused names)."""
@@ -93,6 +93,18 @@ def tied_head(weights: Tensors, named: Mapping[str, torch.Tensor]) -> bool:
         return params[TIED_HEAD] is params[EMBED]
     a, b = named[TIED_HEAD], named[EMBED]
     return bool(a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.device == b.device)
+
+
+def family_of(weights: Tensors) -> str | None:
+    """A model's ``config.model_type`` (None for a mapping, or a module without a config).
+
+    The fused names of some families' experts depend on it (Mixtral's live
+    under ``block_sparse_moe`` in the format, under ``mlp`` in transformers 5's
+    memory: FORMAT.md §2), and names alone cannot tell.
+    """
+    cfg = getattr(weights, "config", None) if isinstance(weights, torch.nn.Module) else None
+    family = getattr(cfg, "model_type", None)
+    return family if isinstance(family, str) else None
 
 
 def is_distributed_rank() -> tuple[bool, int]:

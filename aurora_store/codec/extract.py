@@ -206,13 +206,20 @@ def _cat(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
 # fusing Hugging Face weights into engine tensors
 
 
-def plan_of(weights: Mapping[str, torch.Tensor], tied: bool, where: str = "") -> FusionPlan:
+def plan_of(weights: Mapping[str, torch.Tensor], tied: bool, where: str = "", family: str | None = None) -> FusionPlan:
     """The fusion plan (FORMAT.md §2) of Hugging Face-named (or fused) tensors.
 
-    ``where`` prefixes the names in error messages (a file name, say).
+    ``where`` prefixes the names in error messages (a file name, say);
+    ``family`` is the config's ``model_type`` (see :meth:`FusionPlan.from_specs`).
     """
     prefix = f"{where}: " if where else ""
-    return FusionPlan.from_specs({n: spec_of(t, prefix + n) for n, t in weights.items()}, tied_lm_head=tied)
+    specs = {n: spec_of(t, prefix + n) for n, t in weights.items()}
+    try:
+        return FusionPlan.from_specs(specs, tied_lm_head=tied, family=family)
+    except ModelMismatchError as e:
+        if not prefix:
+            raise
+        raise ModelMismatchError(f"{prefix}{e}") from None
 
 
 def fuse_weights(weights: Mapping[str, torch.Tensor], plan: FusionPlan) -> dict[str, torch.Tensor]:

@@ -139,20 +139,30 @@ def _trust(args: argparse.Namespace, store: Any = None) -> Any:
     return trust_of(args, store)
 
 
-def _load_weights(path: str) -> dict[str, Any]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def _load_plan(path: str, tied_flag: bool) -> tuple[dict[str, Any], Any]:
+    """(tensors, fusion plan) of a safetensors file or a model directory (its shards; family and tying from its config.json).
 
-    if not os.path.exists(path):
-        raise ConfigError(f"{path}: no such file")
-    try:
-        return dict(load_file(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ConfigError(f"{path}: not a readable safetensors file: {e}") from None
+    Expert tensors are checked here, before anything is written: per layer,
+    every expert present, one form, shapes that agree with each other and
+    with config.json's E, I and H (FORMAT.md §2).
+    """
+    from aurora_store.codec.experts import check_config
+    from aurora_store.codec.extract import plan_of
+    from workers.pretrained import read_checkpoint
+
+    ck = read_checkpoint(path)
+    plan = plan_of(ck.tensors, tied_flag or ck.tied, path, ck.family)
+    if ck.config:
+        check_config(plan.specs(), ck.config, path)
+    return ck.tensors, plan
+
+
+def _shape(spec: Any) -> str:
+    return "absent" if spec is None else f"{list(spec.shape)} {spec.dtype}"
 
 
 def cmd_snapshot_create(args: argparse.Namespace) -> int:
-    from aurora_store.codec.extract import fuse_weights, plan_of
+    from aurora_store.codec.extract import fuse_weights
     from aurora_store.lineage.fetch import read_manifest
     from aurora_store.lineage.plan import scan_versions
     from aurora_store.lineage.publish import publish_snapshot
@@ -161,8 +171,8 @@ def cmd_snapshot_create(args: argparse.Namespace) -> int:
     store = open_store(args.store, storage_options(args.storage_option))
     signer = _signer(args)  # a bad key fails before any work
     commit, commits = _commit(args, store)  # so does a store that cannot commit
-    w = _load_weights(args.weights)
-    fused = fuse_weights(w, plan_of(w, args.tied_lm_head, args.weights))
+    w, plan = _load_plan(args.weights, args.tied_lm_head)
+    fused = fuse_weights(w, plan)
     index = scan_versions(store)
     v = args.version
     if v in index.deltas:
@@ -183,7 +193,7 @@ def cmd_snapshot_create(args: argparse.Namespace) -> int:
 
 
 def cmd_delta_create(args: argparse.Namespace) -> int:
-    from aurora_store.codec.extract import extract, plan_of
+    from aurora_store.codec.extract import extract, fuse_weights, unfuse_weights
     from aurora_store.lineage.fetch import read_manifest
     from aurora_store.lineage.plan import scan_versions
     from aurora_store.lineage.publish import publish_delta
@@ -202,8 +212,17 @@ def cmd_delta_create(args: argparse.Namespace) -> int:
         base_m = read_manifest(store, "snapshot", v - 1, commits=commits)
     else:
         raise ConfigError(f"delta {v}: its base version {v - 1} is not committed in {store.url}")
-    base, new = _load_weights(args.base), _load_weights(args.new)
-    plan = plan_of(base, args.tied_lm_head, args.base)
+    (base, plan), (new, new_plan) = _load_plan(args.base, args.tied_lm_head), _load_plan(args.new, args.tied_lm_head)
+    have, got = plan.specs(), new_plan.specs()
+    if got != have:
+        diff = [
+            f"{n}: {_shape(have.get(n))} vs {_shape(got.get(n))}"
+            for n in [*have, *(x for x in got if x not in have)]
+            if have.get(n) != got.get(n)
+        ]
+        raise ConfigError(f"delta {v}: the new weights are not the model of {args.base} ({args.new}; base vs new: {'; '.join(diff[:3])})")
+    if {b.source for p in plan for b in p.blocks} != {b.source for p in new_plan for b in p.blocks}:
+        new = unfuse_weights(fuse_weights(new, new_plan), plan)  # experts per-expert on one side, packed on the other
     snaps = [s for s in index.snapshots if s <= v - 1]
     if snaps:
         model = read_manifest(store, "snapshot", max(snaps)).param_specs()

@@ -55,7 +55,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     snap = sub.add_parser("snapshot", help="full-weight snapshots").add_subparsers(dest="action", required=True)
     sc = snap.add_parser("create", help="write WEIGHTS as snapshot V (fused names)")
-    sc.add_argument("weights", metavar="WEIGHTS.safetensors")
+    sc.add_argument("weights", metavar="WEIGHTS", help="a .safetensors file, or a model directory (its shards and config.json)")
     sc.add_argument("--version", type=int, required=True)
     sc.add_argument("--run", default=None, help="run name (default: run; required with --commit-via redis)")
     sc.add_argument(
@@ -71,8 +71,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     delta = sub.add_parser("delta", help="sparse delta versions").add_subparsers(dest="action", required=True)
     dc = delta.add_parser("create", help="write delta V = NEW - BASE on top of version V-1")
-    dc.add_argument("base", metavar="BASE.safetensors")
-    dc.add_argument("new", metavar="NEW.safetensors")
+    dc.add_argument("base", metavar="BASE", help="a .safetensors file, or a model directory")
+    dc.add_argument("new", metavar="NEW", help="a .safetensors file, or a model directory")
     dc.add_argument("--version", type=int, required=True)
     dc.add_argument("--run", default=None, help="run name (default: run; required with --commit-via redis)")
     dc.add_argument("--tied-lm-head", action="store_true")
@@ -165,10 +165,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     tm = sub.add_parser(
         "tiny-model",
-        help="write a tiny Hugging Face model directory (Qwen3, Qwen2, Llama or Mistral, BPE tokenizer, chat template) and GSM8K/MATH-format data to try --model with",
+        help="write a tiny Hugging Face model directory (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Qwen2-MoE or Mixtral, BPE tokenizer, chat template) and GSM8K/MATH-format data to try --model with",
     )
     tm.add_argument("--out", required=True, metavar="DIR", help="the model directory to write (must not exist)")
-    tm.add_argument("--family", default="qwen3", choices=("qwen3", "qwen2", "llama", "mistral"))
+    tm.add_argument("--family", default="qwen3", choices=("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"))
     tm.add_argument("--seed", type=int, default=0)
     tm.add_argument("--data-dir", metavar="DIR", default=None, help="also write gsm8k.jsonl and math.jsonl here (200 rows each)")
     tm.add_argument(

@@ -28,9 +28,10 @@ from typing import Any
 import torch
 
 from aurora_store.api.follower import Follower
-from aurora_store.api.weights import named_tensors, tied_head
+from aurora_store.api.weights import family_of, named_tensors, tied_head
 from aurora_store.apply.sink import weights_digest
-from aurora_store.codec.extract import plan_of
+from aurora_store.codec.extract import fuse_weights, plan_of, unfuse_weights
+from aurora_store.codec.fusion import FusionPlan
 from aurora_store.config import option
 from aurora_store.errors import ConfigError, IntegrityError
 from aurora_store.format.signing import TrustKeys
@@ -205,9 +206,28 @@ def _skeleton(store: Store) -> tuple[Any, dict[str, bytes]]:
     return model, files
 
 
-def _digest(model: torch.nn.Module) -> str:
+def _plan(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], FusionPlan]:
     named = dict(named_tensors(model))
-    return weights_digest(named, plan_of(named, tied=tied_head(model, named)))
+    return named, plan_of(named, tied=tied_head(model, named), family=family_of(model))
+
+
+def _digest(model: torch.nn.Module) -> str:
+    return weights_digest(*_plan(model))
+
+
+def _as_held(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A saved directory's tensors under the names ``model`` holds them by.
+
+    ``save_pretrained`` writes a mixture-of-experts model's experts one by
+    one (``…experts.{e}.gate_proj.weight``) while transformers holds them
+    packed (``…experts.gate_up_proj``): both sides go through the format's
+    names (FORMAT.md §2), so ``load_state_dict`` sees every tensor.
+    """
+    named, plan = _plan(model)
+    if set(state) <= set(named):
+        return state
+    saved = plan_of(state, tied=False, family=plan.family)
+    return unfuse_weights(fuse_weights(state, saved), plan)
 
 
 def _resume(out: OutDir, f: Follower, model: Any) -> None:
@@ -225,7 +245,7 @@ def _resume(out: OutDir, f: Follower, model: Any) -> None:
         for name in sorted(os.listdir(path)):
             if name.endswith(".safetensors"):
                 state.update(load_file(os.path.join(path, name)))
-        model.load_state_dict(state, strict=False)
+        model.load_state_dict(_as_held(state, model), strict=False)
         model.tie_weights()  # a tied head is saved once, under the embedding's name
         ok = _digest(model) == marker.weights_digest
     except (OSError, RuntimeError, ValueError) as e:
