@@ -17,7 +17,7 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 # What ruff, mypy and the import contracts check; tests/ is linted but not type-checked.
 PACKAGES := aurora_store workers aurora_tools
 
-.PHONY: venv demo test test-all checks static format test-fast lint lint-imports typecheck bench-codec gpu-wheels gpu-check clean
+.PHONY: venv venv-verl demo test test-all checks static format test-fast lint lint-imports typecheck bench-codec gpu-wheels gpu-check clean
 
 venv: $(STAMP)
 
@@ -33,6 +33,27 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
+
+# verl's environment (aurora_store/integrations/verl.py, tests/test_verl_backend.py), layered on
+# this one: verl 0.9.1 declares transformers<5.11 while this venv has 5.19, with which its
+# checkpoint_engine imports and runs. $(VERL_VENV) holds verl without its declared dependencies
+# and only what `import verl.checkpoint_engine` needs, pinned; torch, transformers and
+# aurora_store come from $(VENV) through a .pth line (no second torch). About 40 s from nothing.
+VERL_VENV ?= .venv-verl
+VERL_PINS := verl==0.9.1 ray==2.60.0 msgpack==1.2.4 tensordict==0.10.0 orjson==3.13.0 pyvers==0.1.0 \
+	lazy-importer==0.1.0 importlib-metadata==10.2.0 zipp==4.1.2 hydra-core==1.3.8 omegaconf==2.3.1 \
+	antlr4-python3-runtime==4.9.3 codetiming==1.4.0
+
+venv-verl: $(VERL_VENV)/.installed
+
+$(VERL_VENV)/.installed: $(STAMP) Makefile
+	test -x $(VERL_VENV)/bin/python || $(PY) -m venv --without-pip $(VERL_VENV)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')')" \
+		> "$$($(VERL_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/aurora-venv.pth"
+	$(PY) -m pip --python $(VERL_VENV)/bin/python install --quiet --no-deps $(VERL_PINS)
+	ln -sf $(abspath $(VENV))/bin/rclone $(VERL_VENV)/bin/rclone  # `aurora bench verl`'s S3 server
+	$(VERL_VENV)/bin/python -c "import verl.checkpoint_engine, aurora_store.integrations.verl"
+	touch $@
 
 demo: $(STAMP)
 	$(VENV)/bin/aurora demo
@@ -54,10 +75,10 @@ define beside_mypy
 	if [ $$typed -ne 0 ]; then exit $$typed; fi; exit $$tests
 endef
 
-test: $(STAMP) checks
+test: $(STAMP) $(VERL_VENV)/.installed checks
 	$(call beside_mypy,$(PY) -m pytest $(XDIST) -m "not long" $(PYTEST_ARGS))
 
-test-all: $(STAMP) checks
+test-all: $(STAMP) $(VERL_VENV)/.installed checks
 	$(call beside_mypy,$(PY) -m pytest $(XDIST) $(PYTEST_ARGS))
 
 checks: $(STAMP)
@@ -118,5 +139,5 @@ gpu-check:
 	PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m aurora_tools.gpucheck $(GPUCHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache \
+	rm -rf $(VENV) $(VERL_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache \
 		.import_linter_cache demo-run

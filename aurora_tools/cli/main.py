@@ -231,6 +231,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     later.fill(("bench", "trainer"), btr, bench_cmds.add_trainer_arguments)
     btr.set_defaults(func=bench_cmds.cmd_bench_trainer)
+    bv = bench.add_parser("verl", help="Aurora as verl's checkpoint engine across an emulated WAN link (run it with .venv-verl's python)")
+    later.fill(("bench", "verl"), bv, bench_cmds.add_verl_arguments)
+    bv.set_defaults(func=bench_cmds.cmd_bench_verl)
     return ap
 
 
