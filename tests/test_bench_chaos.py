@@ -163,3 +163,20 @@ def test_prompt_evidence_missing_is_none_not_zero() -> None:
     rec = {"step": 0, "version": 1, "gen_version": 0, "state": "s1", "prompts": ["a"], "used": [["a", "eu-0", 1, 0]], "unreturned": []}
     got = _prompts(_evidence_run([rec]), 1)
     assert got["prompts_lost"] == 0 and got["accepted_wrong_state"] is None
+
+
+def test_a_fault_the_bench_ended_inside_reports_nothing_as_after_it() -> None:
+    """The timeout hit while the resumed Trainer was starting: the old one was never woken, so its
+    earlier step lines are not "published after waking" (which would fail ``fenced`` falsely)."""
+    from aurora_tools.bench.chaos.evidence import _fault_json
+    from aurora_tools.bench.chaos.faults import FaultRecord
+
+    class OldTrainer:
+        def lines_since(self, t: float, pattern: Any) -> list[tuple[float, str]]:
+            lines = [(50.0, "trainer INFO step 18 -> v19: reward 0.5"), (90.0, "trainer INFO step 23 -> v24: reward 0.5")]
+            return [(ts, ln) for ts, ln in lines if ts >= t and pattern.search(ln)]
+
+    rec = FaultRecord("old-trainer", 24, injected=True, at_version=24, t_start=100.0, victims=[OldTrainer()])  # type: ignore[list-item]
+    out = _fault_json(_Stub(fleet=_Stub(versions={v: (float(v), None, None) for v in range(25)})), rec, now=900.0)  # type: ignore[arg-type]
+    assert "old_trainer_published" not in out and out["next_version"] is None
+    assert out["outcome"].startswith("not lifted")

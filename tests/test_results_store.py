@@ -5,7 +5,8 @@ goes through the store and is trained on; a small one still goes inline; the
 Trainer refuses a reference outside the settling Actor's ``results/<id>/``,
 drops and counts a tampered object (hash mismatch) and never reads more than
 the size the reference records; retention removes leftovers past its grace
-and weight readers never count them.
+(of steps the ledger no longer holds: tests/test_results_gc.py) and weight
+readers never count them.
 """
 
 from __future__ import annotations
@@ -184,8 +185,18 @@ def test_retention_removes_old_results_and_weight_readers_ignore_them(tmp_path: 
     assert read_lineage(store).orphans == []  # no reader of weights counts it
     young = retain(store, keep_snapshots=1, grace_s=3600)
     assert young.results == [] and young.young_results == 1 and len(store.list("results/")) == 1
-    old = retain(store, keep_snapshots=1, grace_s=0)
+    # Old, but no ledger was asked whether its batch is open (tests/test_results_gc.py asks one): kept.
+    unasked = retain(store, keep_snapshots=1, grace_s=0)
+    assert unasked.results == [] and unasked.results_unasked == 1 and len(store.list("results/")) == 1
+    old = retain(store, keep_snapshots=1, grace_s=0, batches=_NoneOpen())
     assert len(old.results) == 1 and store.list("results/") == []
+
+
+class _NoneOpen:
+    """A ledger that holds no step."""
+
+    def open_batches(self, steps: Any) -> frozenset[int]:
+        return frozenset()
 
 
 @pytest.mark.slow
@@ -212,6 +223,8 @@ def test_large_results_go_through_the_store_and_are_trained_on(tmp_path: Path, r
     assert all(lg.rejected_payloads == 0 for lg in logs)
     rd = trainer.batches.results
     assert rd is not None and rd.through_store == steps * batch and rd.refused == {}
+    # Every reference was read as it was collected (BatchBook wires the read ahead), none only at its batch's close.
+    assert rd.read_ahead == steps * batch and rd.read_at_close == 0
     assert actor.ctx.stats.results_through_store >= steps * batch
     rd.close()  # the deletes in flight
     store = open_store(url)

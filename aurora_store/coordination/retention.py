@@ -11,17 +11,24 @@ module answers it from Redis:
   the ``relay-held:{region}`` key each Relay refreshes with its heartbeat
   (:func:`relay_held_value` writes it, :func:`parse_relay_held` reads it);
 - :class:`UnionHeld` and :func:`run_held_versions`: all of them, for the
-  Trainer's retention and ``aurora gc --redis``.
+  Trainer's retention and ``aurora gc --redis``;
+- :class:`LedgerOpenBatches`: the steps whose batches may still read the
+  result objects Actors wrote (``OpenBatches``,
+  :mod:`aurora_store.lineage.results`); :func:`run_held_versions` answers it
+  too, so the same callers keep those results.
 
 Every read goes to Redis afresh; a failure propagates
 (:class:`~aurora_store.errors.RedisUnavailable`), so retention skips a round
-rather than deleting what it could not ask about.
+rather than deleting what it could not ask about. What Redis holds is
+untrusted (any Actor's credential writes it), so its answers are only ever
+used to keep more: a forged open step keeps some results a while longer, and
+nothing Redis says makes retention delete anything.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from aurora_store.coordination.decode import as_str
@@ -33,7 +40,9 @@ from aurora_store.lineage.interfaces import HeldVersions
 
 __all__ = [
     "LedgerHeldVersions",
+    "LedgerOpenBatches",
     "RelayHeldVersions",
+    "RunHeld",
     "UnionHeld",
     "parse_relay_held",
     "relay_held_value",
@@ -156,6 +165,54 @@ class UnionHeld:
         return frozenset(out)
 
 
-def run_held_versions(redis: Any, run: str, heartbeat_timeout_ms: int | None = None) -> UnionHeld:
-    """What retention of a run's origin store must keep: live Actors' versions and live Relays'."""
-    return UnionHeld(LedgerHeldVersions(Ledger(redis, run), heartbeat_timeout_ms), RelayHeldVersions(redis, run))
+class LedgerOpenBatches:
+    """``OpenBatches`` over a ledger: a step counts while the ledger holds it in any form.
+
+    Open (in the run's ``steps`` set), or sealed and being read, or closed a
+    moment ago (its hash, or the tombstone it leaves for ``closed_ttl_s``):
+    the Trainer reads a closing batch's last results after the ledger dropped
+    it. A step lost with Redis is issued again and its Actors write new
+    objects; the old ones are read by nobody.
+    """
+
+    CHUNK = 1000
+    """Steps asked per round trip."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    @translate_redis_errors("LedgerOpenBatches.open_batches")
+    def open_batches(self, steps: Collection[int]) -> frozenset[int]:
+        asked = sorted({int(s) for s in steps if 0 <= int(s) < _MAX_VERSION})
+        held: set[int] = set()
+        for i in range(0, len(asked), self.CHUNK):
+            chunk = asked[i : i + self.CHUNK]
+            pipe = self.ledger.r.pipeline(transaction=False)
+            for s in chunk:
+                pipe.zscore(self.ledger.k_steps, str(s))
+                pipe.exists(self.ledger.k_step(s))
+            # An answer that is an error (a planted key of the wrong type) is not None: it keeps the step.
+            answers = pipe.execute(raise_on_error=False)
+            for j, s in enumerate(chunk):
+                in_set, exists = answers[2 * j], answers[2 * j + 1]
+                if in_set is not None or exists:
+                    held.add(s)
+        return frozenset(held)
+
+
+class RunHeld(UnionHeld):
+    """Live Actors' and Relays' versions (:class:`UnionHeld`) and the ledger's open batches (:class:`LedgerOpenBatches`):
+    everything retention of a run's origin asks Redis."""
+
+    def __init__(self, ledger: Ledger, *sources: HeldVersions) -> None:
+        super().__init__(*sources)
+        self.batches = LedgerOpenBatches(ledger)
+
+    def open_batches(self, steps: Collection[int]) -> frozenset[int]:
+        return self.batches.open_batches(steps)
+
+
+def run_held_versions(redis: Any, run: str, heartbeat_timeout_ms: int | None = None) -> RunHeld:
+    """What retention of a run's origin store must keep: live Actors' versions and live Relays', and the results of open batches."""
+    ledger = Ledger(redis, run)
+    return RunHeld(ledger, LedgerHeldVersions(ledger, heartbeat_timeout_ms), RelayHeldVersions(redis, run))

@@ -29,7 +29,20 @@ Results that Actors wrote to the store (``results/<actor id>/``,
 :mod:`aurora_store.lineage.results`) are no version's: the Trainer
 deletes each once it has read it, and what is left (a settle the ledger
 refused, a Trainer that died before reading) goes once older than the grace,
-like an orphan. Weight readers never look there (like ``eval/``).
+unless a step the ledger still holds may read it (a long batch, a batch a
+resumed Trainer reopens): :func:`~aurora_store.lineage.results.results_to_remove`.
+Which steps those are comes from an
+:class:`~aurora_store.lineage.results.OpenBatches` (``held`` answers it when
+it is :func:`aurora_store.coordination.retention.run_held_versions`); with
+none, old results are kept (nobody can tell), and an error asking it
+propagates like one reading held versions. Weight readers never look there
+(like ``eval/``).
+
+Trainer checkpoints (``checkpoints/step-N/``) are pruned by the Trainer
+itself; what it never sees are the parts of an attempt that was not
+committed (a Trainer killed while uploading). Those go once no record lists
+them, their attempt stopped writing a grace ago and can no longer commit
+(:mod:`aurora_store.lineage.ckpt_orphans`).
 
 Only versions that count (:mod:`aurora_store.lineage.trusted`: trusted, on
 the chain, at or below the Trainer's head when the caller has it) decide the
@@ -54,10 +67,11 @@ from typing import TYPE_CHECKING
 
 from aurora_store.errors import AuroraError, ConfigError
 from aurora_store.format.manifest import manifest_key, version_dir
+from aurora_store.lineage.ckpt_orphans import checkpoint_orphans
 from aurora_store.lineage.interfaces import HeldVersions
 from aurora_store.lineage.plan import VersionIndex, plan_chain
 from aurora_store.lineage.report import Lineage, read_lineage
-from aurora_store.lineage.results import RESULTS_PREFIX
+from aurora_store.lineage.results import RESULTS_PREFIX, OpenBatches, results_to_remove
 from aurora_store.storage import Store
 from aurora_store.storage.base import TEMP_PREFIX
 
@@ -126,9 +140,19 @@ class GcPlan:
     temp_files: list[str] = field(default_factory=list)
     """Temporary files (``.tmp-*``) older than the grace: writers that died."""
     results: list[str] = field(default_factory=list)
-    """Result objects (``results/``) older than the grace: nobody will read them any more."""
+    """Result objects (``results/``) older than the grace that no step the ledger holds may read."""
     young_results: int = 0
-    """Result objects spared: a batch still open may refer to them."""
+    """Result objects younger than the grace: perhaps not settled yet."""
+    results_for_open_batches: int = 0
+    """Result objects older than the grace, kept: a step the ledger still holds may read them."""
+    results_unasked: int = 0
+    """Result objects older than the grace, kept: no ledger was asked which batches are open."""
+    checkpoint_orphans: list[str] = field(default_factory=list)
+    """Checkpoint objects no record lists, of attempts that stopped a grace ago and can no longer commit."""
+    young_checkpoint_objects: int = 0
+    """Checkpoint objects no record lists, kept: their attempt may still be uploading or commit."""
+    unreadable_checkpoints: list[str] = field(default_factory=list)
+    """Checkpoint folders kept whole: their record could not be read."""
     young_temp_files: int = 0
     """Temporary files spared: they may be being written."""
     dry_run: bool = True
@@ -149,13 +173,15 @@ class GcPlan:
         for k, v in self.versions:
             m = lin.manifests[(k, v)] if (k, v) in lin.manifests else lin.uncounted[(k, v)]
             out.extend(f"{version_dir(k, v)}/{s.key}" for s in m.segments)
-        return out + self.orphans + self.temp_files + self.results
+        return out + self.orphans + self.temp_files + self.results + self.checkpoint_orphans
 
     def summary(self) -> str:
         """One line: what went (or would go) and what was kept."""
         what = f"{len(self.versions)} version(s), {len(self.orphans)} orphan(s), {len(self.temp_files)} temporary file(s)"
         if self.results:
             what += f", {len(self.results)} result object(s)"
+        if self.checkpoint_orphans:
+            what += f", {len(self.checkpoint_orphans)} uncommitted checkpoint object(s)"
         line = f"would remove {what}" if self.dry_run else f"removed {self.removed} object(s): {what}"
         line += f"; kept snapshots {self.kept_snapshots}"
         if self.kept_for_held:
@@ -295,6 +321,7 @@ def retain(
     commits: CommitRecords | None = None,
     ceiling: int | None = None,
     committed: Committed | None = None,
+    batches: OpenBatches | None = None,
 ) -> GcPlan:
     """Apply retention to ``store``: the call the Trainer makes every N steps and each Relay on its mirror.
 
@@ -311,9 +338,16 @@ def retain(
     ``trust``, ``commits`` and ``ceiling`` (the Trainer's head, from its
     fenced record or its own memory) as there; ``committed``: those of the
     run's origin, for a mirror (a Relay's clean-up).
+
+    ``batches``: which steps the ledger holds, whose results stay (default:
+    ``held`` when it answers that too; None: old results are kept).
+    ``force`` also removes old results of open batches, and checkpoint
+    objects of attempts whose step is not behind the head.
     """
     if grace_s < 0:
         raise ConfigError(f"the grace must be >= 0 seconds, got {grace_s}")
+    if batches is None and isinstance(held, OpenBatches):
+        batches = held
     held_now = _held_set(held)  # before anything else: never delete blind
     lin = read_lineage(store, trust, commits, ceiling, committed=committed)
     now = time.time()
@@ -329,12 +363,13 @@ def retain(
             plan.temp_files.append(key)
         else:
             plan.young_temp_files += 1
-    for key in store.list(RESULTS_PREFIX):
-        a = age(key)
-        if a is not None and a >= grace_s:
-            plan.results.append(key)
-        else:
-            plan.young_results += 1
+    # Everything below is read before anything is deleted; an error (Redis or the store away) propagates.
+    sweep = results_to_remove(store.list(RESULTS_PREFIX), age, grace_s, batches, force)
+    plan.results, plan.young_results = sweep.remove, sweep.young
+    plan.results_for_open_batches, plan.results_unasked = sweep.open_batches, sweep.unasked
+    head = lin.committed.head if lin.committed is not None else None
+    ckpt = checkpoint_orphans(store, age, grace_s, head, force)
+    plan.checkpoint_orphans, plan.young_checkpoint_objects, plan.unreadable_checkpoints = ckpt.remove, ckpt.young, ckpt.unreadable
     plan.dry_run = dry_run
     keys = plan.keys(lin)
     if say is not None:
@@ -359,6 +394,23 @@ def _report(plan: GcPlan, grace_s: float, say: Callable[[str], None]) -> None:
         say(f"{verb} {len(plan.temp_files)} temporary file(s) older than {grace_s:.0f}s")
     if plan.results:
         say(f"{verb} {len(plan.results)} result object(s) older than {grace_s:.0f}s (results/: read, or never settled)")
+    if plan.results_for_open_batches:
+        say(
+            f"keeping {plan.results_for_open_batches} result object(s) older than {grace_s:.0f}s: a batch the ledger holds may still read them"
+        )
+    if plan.results_unasked:
+        say(
+            f"keeping {plan.results_unasked} result object(s) older than {grace_s:.0f}s: no ledger was asked which batches are "
+            "open (--redis URL --run NAME; --force removes them)"
+        )
+    if plan.checkpoint_orphans:
+        say(f"{verb} {len(plan.checkpoint_orphans)} checkpoint object(s) no record lists (attempts that were never committed)")
+    if plan.young_checkpoint_objects:
+        say(f"keeping {plan.young_checkpoint_objects} uncommitted checkpoint object(s): their attempt may still be uploading or commit")
+    if plan.unreadable_checkpoints:
+        say(
+            f"keeping {len(plan.unreadable_checkpoints)} checkpoint folder(s) whose record cannot be read: {plan.unreadable_checkpoints[:5]}"
+        )
     if plan.kept_for_held:
         say(
             f"keeping {len(plan.kept_for_held)} version(s) that live Actors still need (or live Relays mirror): "

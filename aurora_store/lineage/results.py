@@ -16,9 +16,17 @@ ledger. The Trainer (``workers/trainer/results.py``) takes a reference only
 for a key under the prefix of the Actor that settled it
 (:func:`check_reference`), reads at most ``bytes`` bytes of it
 (:func:`read_referenced`) and compares their sha256 with the reference's;
-anything else is a bad payload. Weight readers never look under
-``results/`` (like ``eval/``), and retention removes what is left there
-past its grace (:func:`aurora_store.lineage.gc.retain`).
+anything else is a bad payload. A reference settled for step ``b`` must
+name a key under ``results/<actor>/s<b>/``: so the step in a key is the
+only batch that may ever read it, which is what retention decides by.
+
+Weight readers never look under ``results/`` (like ``eval/``). Retention
+(:func:`aurora_store.lineage.gc.retain`, :func:`results_to_remove`) removes
+what is left there past its grace, but never an object of a step the ledger
+still holds (open, or closing): a batch open for longer than the grace, or
+one a resumed Trainer reopens, still reads its results. Which steps those
+are only the running system knows (:class:`OpenBatches`); without an answer
+nothing is removed.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ import json
 import re
 import secrets
 import urllib.parse
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from aurora_store.errors import AuroraError, ObjectNotFound
 from aurora_store.storage import Store
@@ -37,14 +47,18 @@ __all__ = [
     "DEFAULT_INLINE_MAX_BYTES",
     "MAX_REFERENCE_BYTES",
     "RESULTS_PREFIX",
+    "OpenBatches",
     "ResultRef",
     "ResultRefused",
+    "ResultsSweep",
     "check_reference",
     "parse_reference",
     "read_referenced",
     "reference_payload",
     "result_key",
+    "result_step",
     "results_prefix",
+    "results_to_remove",
     "write_result",
 ]
 
@@ -59,6 +73,7 @@ MAX_REFERENCE_BYTES = 4096
 
 _REF_FIELD = "result_ref"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_STEP_DIR = re.compile(r"s(\d{8})")
 
 
 class ResultRefused(AuroraError, ValueError):
@@ -97,7 +112,25 @@ def result_key(actor: str, step: int, token: int, nonce: str | None = None) -> s
     The nonce keeps keys apart when a step is issued again after Redis lost it
     (tokens start over) and makes them unguessable.
     """
-    return f"{results_prefix(actor)}s{int(step):08d}/{int(token)}-{nonce or secrets.token_hex(8)}.json"
+    return f"{results_prefix(actor)}{_step_dir(step)}/{int(token)}-{nonce or secrets.token_hex(8)}.json"
+
+
+def _step_dir(step: int) -> str:
+    return f"s{int(step):08d}"
+
+
+def result_step(key: str) -> int | None:
+    """The step a key under ``results/`` was written for (``results/<actor>/s<step>/...``), None for any other name.
+
+    Keys are named by Actors (untrusted): the name only tells which batch
+    could read the object (:func:`check_reference` takes nothing else), never
+    that one will.
+    """
+    parts = key.split("/")
+    if len(parts) < 4 or parts[0] != RESULTS_PREFIX.rstrip("/"):
+        return None
+    m = _STEP_DIR.fullmatch(parts[2])
+    return int(m.group(1)) if m else None
 
 
 def reference_payload(key: str, data: bytes) -> bytes:
@@ -143,18 +176,23 @@ def parse_reference(payload: bytes) -> ResultRef | None:
     return ResultRef(key, size, digest)
 
 
-def check_reference(ref: ResultRef, actor: str, max_bytes: int) -> None:
-    """Refuse a reference outside ``actor``'s own prefix, or larger than ``max_bytes``.
+def check_reference(ref: ResultRef, actor: str, max_bytes: int, step: int | None = None) -> None:
+    """Refuse a reference outside ``actor``'s own prefix (with ``step``: outside its folder for that step),
+    or larger than ``max_bytes``.
 
     Why: every Actor's credential can write Redis, and each Actor can write
     only its own folder; a reference to another Actor's folder (or anywhere
     else in the run root) would let one Actor have another's result, or the
-    Trainer's own objects, read as its rollout.
+    Trainer's own objects, read as its rollout. The step folder binds an
+    object to the one batch that may read it, so retention can tell which
+    objects an open batch still needs (:func:`results_to_remove`).
     """
     prefix = results_prefix(actor)
     rest = ref.key[len(prefix) :]
     if not ref.key.startswith(prefix) or not rest or any(part in ("", ".", "..") for part in rest.split("/")):
         raise ResultRefused("foreign_key", f"{ref.key[:120]!r} is not under {prefix!r}, the folder of the Actor that settled it")
+    if step is not None and not (rest.startswith(_step_dir(step) + "/") and len(rest) > len(_step_dir(step)) + 1):
+        raise ResultRefused("wrong_step", f"{ref.key[:120]!r} is not under {prefix + _step_dir(step)!r}, the folder of step {step}")
     if ref.size > max_bytes:
         raise ResultRefused("too_large", f"{ref.key[:120]!r} says {ref.size} bytes, more than the {max_bytes} a result may hold")
 
@@ -179,3 +217,76 @@ def read_referenced(store: Store, ref: ResultRef) -> bytes:
     if hashlib.sha256(data).hexdigest() != ref.sha256:
         raise ResultRefused("hash_mismatch", f"{ref.key[:120]!r}: its sha256 differs from the reference's")
     return data
+
+
+@runtime_checkable
+class OpenBatches(Protocol):
+    """Which steps the ledger still holds: their batches may still read their results.
+
+    Why: an Actor's result object is read when its batch closes, which may be
+    long after it was written (a batch waiting on slow Actors, a Trainer that
+    died and resumes later, reopening the batches the ledger kept). Only the
+    coordination layer knows which steps are open
+    (:class:`aurora_store.coordination.retention.LedgerOpenBatches`). An answer
+    may only make retention keep more: a step named open that is not costs
+    its bytes until the next round.
+    """
+
+    def open_batches(self, steps: Collection[int]) -> frozenset[int]:
+        """Those of ``steps`` the ledger still holds (open, or sealed and not yet dropped). Raises when it cannot tell."""
+        ...
+
+
+@dataclass(slots=True)
+class ResultsSweep:
+    """What retention does with the objects under ``results/``."""
+
+    remove: list[str] = field(default_factory=list)
+    """Older than the grace, of no step the ledger holds (or removed by force)."""
+    young: int = 0
+    """Younger than the grace: perhaps not settled yet."""
+    open_batches: int = 0
+    """Older than the grace, kept: a step the ledger holds may still read them."""
+    unasked: int = 0
+    """Older than the grace, kept: no ledger was asked which steps are open."""
+
+
+def results_to_remove(
+    keys: Iterable[str],
+    age: Callable[[str], float | None],
+    grace_s: float,
+    batches: OpenBatches | None,
+    force: bool = False,
+) -> ResultsSweep:
+    """Which of ``keys`` (under ``results/``) retention removes: those older than ``grace_s`` that no open batch may read.
+
+    ``batches`` is asked once, about the steps of the old keys only, before
+    anything is removed; its error propagates (Redis away: nothing is removed
+    this round). None: nobody can tell, so every old key is kept (counted in
+    ``unasked``). ``force`` removes every old key whatever the ledger says (an
+    operator who knows the run is over). A key that names no step can be read
+    by no batch (:func:`check_reference`) and goes once old.
+    """
+    out = ResultsSweep()
+    old: list[tuple[str, int | None]] = []
+    for key in keys:
+        a = age(key)
+        if a is None or a < grace_s:
+            out.young += 1
+        else:
+            old.append((key, result_step(key)))
+    if force:
+        out.remove = [k for k, _ in old]
+        return out
+    steps = {s for _, s in old if s is not None}
+    if batches is None:
+        out.unasked = sum(s is not None for _, s in old)
+        out.remove = [k for k, s in old if s is None]
+        return out
+    held = batches.open_batches(frozenset(steps)) if steps else frozenset()
+    for key, s in old:
+        if s is not None and s in held:
+            out.open_batches += 1
+        else:
+            out.remove.append(key)
+    return out

@@ -111,35 +111,63 @@ def vllm_activation(store_url: str, storage_options: dict[str, Any] | None = Non
         engine.close()
 
 
+#: ``--activation-shape`` choices: Qwen3-0.6B, and a Qwen3-MoE small enough for vLLM's CPU build here
+#: (12 layers of 32 experts, 8 active, hidden 512, expert intermediate 192 as Qwen3-30B-A3B-mini's:
+#: about 155 M parameters, 1,263 checkpoint tensors; vLLM prepacks every expert after loading).
+ACTIVATION_SHAPES = ("qwen3-0.6b", "qwen3-moe-mini")
+
+
+def activation_shape(name: str) -> Any:
+    """The synthetic shape ``--activation-shape`` names."""
+    from aurora_tools.synthetic.shapes import QWEN3_0_6B, Qwen3MoeShape
+
+    if name == "qwen3-moe-mini":
+        return Qwen3MoeShape(
+            vocab=32768, hidden=512, layers=12, moe_intermediate=192, experts=32, active=8, heads=8, kv_heads=2, head_dim=64
+        )
+    return QWEN3_0_6B
+
+
 def synthetic_run(root: str, shape: Any, versions: int = 3, lr: float = 2e-7, seed: int = 0) -> str:
-    """A run of random Qwen3-shaped weights taking Adam-sized steps (about 1% of elements change
-    per step at lr 2e-7, as in RL post-training), published to ``file://root``; returns its URL."""
-    from transformers import Qwen3Config
+    """A run of random Qwen3-shaped (or Qwen3-MoE-shaped) weights taking Adam-sized steps (about 1% of
+    elements change per step at lr 2e-7, as in RL post-training), published to ``file://root``; returns its URL."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
     from aurora_store.codec.extract import extract, fuse_weights, plan_of
     from aurora_store.lineage.publish import PublishConfig, publish_delta, publish_snapshot
     from aurora_store.storage import open_store
-    from aurora_tools.synthetic.shapes import MasterWeights, make_weights
+    from aurora_tools.synthetic.shapes import MasterWeights, Qwen3MoeShape, make_weights
     from workers.common import write_model_description
     from workers.tokenizer import CharTokenizer
 
     url = f"file://{os.path.abspath(root)}"
     store = open_store(url)
-    cfg = Qwen3Config(
+    common = dict(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
         num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim,
         tie_word_embeddings=shape.tied,
         max_position_embeddings=512,
-        architectures=["Qwen3ForCausalLM"],
     )
+    moe = isinstance(shape, Qwen3MoeShape)
+    if moe:
+        cfg: Any = Qwen3MoeConfig(
+            **common,
+            moe_intermediate_size=shape.moe_intermediate,
+            num_experts=shape.experts,
+            num_experts_per_tok=shape.active,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            architectures=["Qwen3MoeForCausalLM"],
+        )
+    else:
+        cfg = Qwen3Config(**common, intermediate_size=shape.intermediate, architectures=["Qwen3ForCausalLM"])
     write_model_description(store, cfg.to_json_string(), CharTokenizer().to_json())
     base = make_weights(shape, seed=seed)
-    plan = plan_of(base, tied=False)
+    plan = plan_of(base, tied=False, family="qwen3_moe" if moe else None)
     pub = PublishConfig()
     state = publish_snapshot(store, "activation", 0, fuse_weights(base, plan), None, pub).state
     master = MasterWeights(base, seed=seed)
@@ -185,7 +213,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--activation-shape",
         default=None,
-        choices=("qwen3-0.6b",),
+        choices=ACTIVATION_SHAPES,
         help="with --engine vllm: also time delta vs reload activation on random weights of this shape (about 1%% of elements change per delta)",
     )
 
@@ -314,12 +342,10 @@ def main(args: argparse.Namespace) -> int:
         act = vllm_activation(f"file://{os.path.join(workdirs['aurora'] or '', 'store')}")
         out.update(act)
         if args.activation_shape:
-            from aurora_tools.synthetic.shapes import QWEN3_0_6B
-
             if not args.json:
                 print(f"the same on a {args.activation_shape}-shaped model (random weights, sparse steps) ...", flush=True)
             with tempfile.TemporaryDirectory(prefix="aurora-bench-activation-") as d:
-                out[f"activation_{args.activation_shape}"] = vllm_activation(synthetic_run(d, QWEN3_0_6B))
+                out[f"activation_{args.activation_shape}"] = vllm_activation(synthetic_run(d, activation_shape(args.activation_shape)))
     if args.json:
         print(json.dumps(out))
         return 0

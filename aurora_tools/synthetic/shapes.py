@@ -1,7 +1,8 @@
 """Synthetic models and RL-like updates, for the demo, tests and benchmarks.
 
 No weights can be downloaded here, so benchmarks use a Qwen3-*shaped* state
-dict (Hugging Face names and shapes, random bf16 values) and an update that
+dict (Hugging Face names and shapes, random bf16 values; dense Qwen3 or
+Qwen3-MoE, :class:`Qwen3MoeShape`) and an update that
 behaves like RL post-training: fp32 master weights, an Adam-sized step (lr
 about 1e-6, the per-element step size of Adam after its first steps is about
 lr), cast back to bf16. Only elements whose master weight crosses a bf16
@@ -24,10 +25,19 @@ import torch
 
 __all__ = [
     "Qwen3Shape",
+    "Qwen3MoeShape",
+    "Shape",
     "QWEN3_TINY",
     "QWEN3_0_6B",
     "QWEN3_1_7B",
+    "QWEN3_MOE_TINY",
+    "QWEN3_30B_A3B",
+    "QWEN3_30B_A3B_MINI",
+    "NAMED_SHAPES",
     "qwen3_shapes",
+    "qwen3_moe_shapes",
+    "param_shapes",
+    "shape_named",
     "shape_for_params",
     "make_weights",
     "MasterWeights",
@@ -57,6 +67,11 @@ class Qwen3Shape:
     @property
     def params(self) -> int:
         return sum(_numel(s) for s in qwen3_shapes(self).values())
+
+    @property
+    def hf_tensors(self) -> int:
+        """How many tensors a Hugging Face checkpoint of these weights holds."""
+        return len(qwen3_shapes(self))
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -94,6 +109,109 @@ def qwen3_shapes(s: Qwen3Shape) -> dict[str, tuple[int, ...]]:
     if not s.tied:
         out["lm_head.weight"] = (s.vocab, s.hidden)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen3MoeShape:
+    """The dimensions of a Qwen3-MoE decoder: every layer's MLP is ``experts`` routed experts
+    (``decoder_sparse_step`` 1, no dense layers, no shared expert), ``active`` of them per token."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    moe_intermediate: int
+    experts: int
+    active: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool = False
+
+    @property
+    def params(self) -> int:
+        return sum(_numel(s) for s in qwen3_moe_shapes(self).values())
+
+    @property
+    def hf_tensors(self) -> int:
+        """How many tensors a Hugging Face checkpoint of these weights holds (experts one by one: 3 x E per layer)."""
+        return len(qwen3_moe_shapes(self, packed=False))
+
+
+#: Either kind of model.
+Shape = Qwen3Shape | Qwen3MoeShape
+
+#: Qwen3-30B-A3B's published dimensions (30.5 B parameters; Qwen/Qwen3-30B-A3B's config.json and
+#: transformers' Qwen3MoeConfig, whose defaults are its values but for 24 layers): 48 layers, 128
+#: experts of intermediate size 768, 8 active, hidden 2048, 32 query heads and 4 KV heads of 128,
+#: vocab 151936, untied. Too large for this machine: the reference :data:`QWEN3_30B_A3B_MINI` is cut from.
+QWEN3_30B_A3B = Qwen3MoeShape(
+    vocab=151936, hidden=2048, layers=48, moe_intermediate=768, experts=128, active=8, heads=32, kv_heads=4, head_dim=128
+)
+#: Qwen3-30B-A3B's structure (layers, experts, active experts, heads, head size, vocab) with hidden
+#: and expert intermediate sizes divided by 4: about 2.2 B parameters, 4.4 GB in bf16, the same
+#: 18,867 checkpoint tensors (what an apply that goes tensor by tensor pays for).
+QWEN3_30B_A3B_MINI = dataclasses.replace(QWEN3_30B_A3B, hidden=512, moe_intermediate=192)
+#: A few hundred thousand parameters, 8 experts: unit tests (head size 32, which vLLM's CPU attention takes).
+QWEN3_MOE_TINY = Qwen3MoeShape(vocab=512, hidden=64, layers=2, moe_intermediate=32, experts=8, active=2, heads=4, kv_heads=2, head_dim=32)
+
+#: The shapes benchmarks take by name (``--shape``).
+NAMED_SHAPES: dict[str, Shape] = {
+    "qwen3-tiny": QWEN3_TINY,
+    "qwen3-0.6b": QWEN3_0_6B,
+    "qwen3-1.7b": QWEN3_1_7B,
+    "qwen3-moe-tiny": QWEN3_MOE_TINY,
+    "qwen3-30b-a3b-mini": QWEN3_30B_A3B_MINI,
+}
+
+
+def shape_named(name: str) -> Shape:
+    """The shape called ``name`` in :data:`NAMED_SHAPES` (ValueError, one line, naming the choices)."""
+    try:
+        return NAMED_SHAPES[name]
+    except KeyError:
+        raise ValueError(f"unknown shape {name!r}: one of {', '.join(NAMED_SHAPES)}") from None
+
+
+def qwen3_moe_shapes(s: Qwen3MoeShape, packed: bool = True) -> dict[str, tuple[int, ...]]:
+    """Hugging Face parameter names and shapes of a Qwen3-MoE model.
+
+    ``packed``: as transformers 5 holds the experts in memory, per layer
+    ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (each expert's gate rows, then
+    its up rows) and ``mlp.experts.down_proj`` ``[E, H, I]`` (FORMAT.md §2's
+    ``w13_weight`` and ``w2_weight`` layouts). Otherwise as a checkpoint names
+    them, ``mlp.experts.{e}.gate_proj.weight`` ``[I, H]``, ``up_proj`` and
+    ``down_proj`` ``[H, I]`` for every expert. The router is ``mlp.gate.weight`` ``[E, H]``.
+    """
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab, s.hidden)}
+    i_, h = s.moe_intermediate, s.hidden
+    for i in range(s.layers):
+        p = f"model.layers.{i}"
+        out[f"{p}.input_layernorm.weight"] = (h,)
+        out[f"{p}.self_attn.q_proj.weight"] = (s.heads * s.head_dim, h)
+        out[f"{p}.self_attn.k_proj.weight"] = (s.kv_heads * s.head_dim, h)
+        out[f"{p}.self_attn.v_proj.weight"] = (s.kv_heads * s.head_dim, h)
+        out[f"{p}.self_attn.o_proj.weight"] = (h, s.heads * s.head_dim)
+        out[f"{p}.self_attn.q_norm.weight"] = (s.head_dim,)
+        out[f"{p}.self_attn.k_norm.weight"] = (s.head_dim,)
+        out[f"{p}.post_attention_layernorm.weight"] = (h,)
+        out[f"{p}.mlp.gate.weight"] = (s.experts, h)
+        if packed:
+            out[f"{p}.mlp.experts.gate_up_proj"] = (s.experts, 2 * i_, h)
+            out[f"{p}.mlp.experts.down_proj"] = (s.experts, h, i_)
+        else:
+            for e in range(s.experts):
+                out[f"{p}.mlp.experts.{e}.gate_proj.weight"] = (i_, h)
+                out[f"{p}.mlp.experts.{e}.up_proj.weight"] = (i_, h)
+                out[f"{p}.mlp.experts.{e}.down_proj.weight"] = (h, i_)
+    out["model.norm.weight"] = (s.hidden,)
+    if not s.tied:
+        out["lm_head.weight"] = (s.vocab, s.hidden)
+    return out
+
+
+def param_shapes(s: Shape, packed: bool = True) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of either kind of model (``packed``: see :func:`qwen3_moe_shapes`)."""
+    return qwen3_moe_shapes(s, packed) if isinstance(s, Qwen3MoeShape) else qwen3_shapes(s)
 
 
 def shape_for_params(params: float) -> Qwen3Shape:
@@ -142,12 +260,20 @@ def _chunks(n: int) -> range:
     return range(0, n, _CHUNK)
 
 
-def make_weights(s: Qwen3Shape, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Random weights: N(0, 0.02) matrices, norms near 1."""
+def make_weights(s: Shape, seed: int = 0, dtype: torch.dtype = torch.bfloat16, packed: bool = True) -> dict[str, torch.Tensor]:
+    """Random weights: N(0, 0.02) matrices, norms near 1.
+
+    A Qwen3-MoE shape's experts come packed (as transformers 5 holds them);
+    with ``packed=False`` the same values under a checkpoint's per-expert
+    names, each its own tensor (cut from the packed ones, so both forms of
+    one seed are the same weights).
+    """
+    if not packed and isinstance(s, Qwen3MoeShape):
+        return _per_expert(make_weights(s, seed, dtype), s)
     g = torch.Generator().manual_seed(seed)
     buf = torch.empty(_CHUNK)
     out: dict[str, torch.Tensor] = {}
-    for name, shape in qwen3_shapes(s).items():
+    for name, shape in param_shapes(s).items():
         t = torch.empty(shape, dtype=dtype)
         flat = t.view(-1)
         for lo in _chunks(flat.numel()):
@@ -159,6 +285,24 @@ def make_weights(s: Qwen3Shape, seed: int = 0, dtype: torch.dtype = torch.bfloat
                 torch.randn(hi - lo, generator=g, out=x).mul_(0.02)
             flat[lo:hi].copy_(x)
         out[name] = t
+    return out
+
+
+def _per_expert(w: dict[str, torch.Tensor], s: Qwen3MoeShape) -> dict[str, torch.Tensor]:
+    """``w`` with each layer's packed experts replaced by per-expert copies (checkpoint names and order)."""
+    out: dict[str, torch.Tensor] = {}
+    n = s.moe_intermediate
+    for name in qwen3_moe_shapes(s, packed=False):
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = w[name]
+            continue
+        e, proj = int(tail.split(".")[0]), tail.split(".")[1]
+        if proj == "down_proj":
+            out[name] = w[f"{head}.mlp.experts.down_proj"][e].clone()
+        else:
+            rows = slice(0, n) if proj == "gate_proj" else slice(n, 2 * n)
+            out[name] = w[f"{head}.mlp.experts.gate_up_proj"][e, rows].clone()
     return out
 
 

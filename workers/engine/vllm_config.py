@@ -42,6 +42,10 @@ class VLLMConfig:
 
     tensor_parallel_size: int = field(default=1, metadata={"env": "AURORA_VLLM_TP"})
     """Ranks the model is split over (env ``AURORA_VLLM_TP``)."""
+    expert_parallel: bool = field(default=False, metadata={"env": "AURORA_VLLM_EP"})
+    """Mixture-of-experts layers split by expert over the ``tensor_parallel_size`` ranks instead of
+    by intermediate block (vLLM's ``enable_expert_parallel``; env ``AURORA_VLLM_EP``). vLLM 0.32's
+    CPU build loads so but crashes generating; meant for GPUs."""
     dtype: str = "bfloat16"
     """Weights and compute dtype; deltas are cut in bf16 (env ``AURORA_VLLM_DTYPE``)."""
     max_model_len: int | None = None

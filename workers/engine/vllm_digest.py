@@ -1,6 +1,8 @@
 """The weights digest inside vLLM's workers, off the Actor's safe point (FORMAT.md §4.1).
 
-Runs in the worker processes (imported by :mod:`workers.engine.vllm_worker`).
+Runs in the worker processes (imported by :mod:`workers.engine.vllm_worker`). The
+tensors hashed are FORMAT.md §2's: fused experts as the Trainer holds them, unpadded
+and unpacked from vLLM's kernel layout (``Held.whole``, ``Held.whole_at``).
 
 - tp=1: the rank holds every whole tensor, so :func:`start` hands the hash
   to a background thread of the worker and returns at once: the model

@@ -7,7 +7,10 @@ through ``LLM.collective_rpc`` and the methods of
 :class:`workers.engine.vllm_worker.AuroraWorkerExtension`, which vLLM mixes into
 its workers. Deltas are written into the fused parameters vLLM generates
 with (``qkv_proj``, ``gate_up_proj``: FORMAT.md §2 names), in place, between
-two model steps; no reload, no second copy of the weights.
+two model steps; no reload, no second copy of the weights. Mixture-of-experts
+layers too: their ``w13_weight``/``w2_weight`` are reached through vLLM's
+padding and kernel packing (:mod:`workers.engine.vllm_moe`), split by
+intermediate block (tensor parallelism) or by expert (``expert_parallel``).
 
 Two ways in, both checked against the whole model before a single write:
 
@@ -94,6 +97,7 @@ class VLLMEngine:
         self._plan: FusionPlan | None = None
         self._version: int | None = None
         self._vocab = 0
+        self._family: str | None = None
         self.worker_pids: list[int] = []
         self.start_s = 0.0
         """Seconds vLLM took to start (:meth:`load`)."""
@@ -140,6 +144,7 @@ class VLLMEngine:
                     load_format="dummy",
                     dtype=self.config.dtype,
                     tensor_parallel_size=self.config.tensor_parallel_size,
+                    enable_expert_parallel=self.config.expert_parallel,
                     max_model_len=self.config.max_model_len,
                     kv_cache_memory_bytes=self.config.kv_cache_mib << 20,
                     gpu_memory_utilization=self.config.gpu_memory_utilization,
@@ -154,6 +159,7 @@ class VLLMEngine:
             self._plan = FusionPlan.from_specs(self._specs)
             self.worker_pids = [int(a["pid"]) for a in attached]
             self._vocab = int(cfg_dict["vocab_size"])
+            self._family = cfg_dict.get("model_type")
             self._version = version
 
     def close(self) -> None:
@@ -348,11 +354,11 @@ class VLLMEngine:
                 return None if out["digest"] is None else str(out["digest"])
             time.sleep(self.config.stage_poll_s)
 
-    def probe(self) -> list[dict[str, Any]]:
-        """Per rank: pid, resident bytes, parameter storage addresses, staged versions."""
+    def probe(self, raw: bool = False) -> list[dict[str, Any]]:
+        """Per rank: pid, resident bytes, parameter storage addresses, staged versions (``raw``: each tensor's sha256 as held)."""
         with self._lock:
             self._need()
-            return self._call_all("aurora_probe")
+            return self._call_all("aurora_probe", raw)
 
     def reload_seconds(self, store: Store, storage_options: Mapping[str, Any] | None = None, streams: int = DEFAULT_STREAMS) -> float:
         """Benchmark baseline: seconds for vLLM's own ``load_weights`` of the held version, whole."""
@@ -449,7 +455,8 @@ class VLLMEngine:
         if self._specs.keys() <= tensors.keys():
             out = {n: tensors[n] for n in self._specs}
         else:
-            plan = FusionPlan.from_specs({n: spec_of(t, n) for n, t in tensors.items()}, tied_lm_head=TIED_HEAD not in self._specs)
+            specs = {n: spec_of(t, n) for n, t in tensors.items()}
+            plan = FusionPlan.from_specs(specs, tied_lm_head=TIED_HEAD not in self._specs, family=self._family)
             if plan.specs().keys() != self._specs.keys():
                 lack = sorted(self._specs.keys() - plan.specs().keys())
                 raise ModelMismatchError(

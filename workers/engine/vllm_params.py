@@ -1,6 +1,10 @@
 """What one vLLM worker holds: the model's own parameters under fused names, their shard layouts,
 and the whole-model view the Trainer's digest is taken over.
 
+Fused experts are held under FORMAT.md §2's names (``…experts.w13_weight``, not vLLM's
+``…experts.routed_experts.w13_weight``) with a layout that maps through vLLM's padding and
+packing (:mod:`workers.engine.vllm_moe`); the whole-model view unpads and unpacks them.
+
 Also the one change Aurora makes to vLLM inside a worker: on CPU, linear
 layers keep multiplying by their live ``weight`` tensors
 (:func:`keep_cpu_linear_on_live_weights`), so deltas written in place reach
@@ -17,6 +21,7 @@ from typing import Any
 import torch
 
 from aurora_store.apply.tp import (
+    AnyLayout,
     ShardedWeights,
     ShardLayout,
     assemble,
@@ -33,6 +38,7 @@ from aurora_store.errors import ConfigError, ModelMismatchError
 from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import Manifest
 from aurora_store.storage import Store, open_store
+from workers.engine import vllm_moe
 
 __all__ = ["Held", "keep_cpu_linear_on_live_weights"]
 
@@ -129,8 +135,8 @@ class Held:
 
     def __init__(self, model: torch.nn.Module) -> None:
         tensors: dict[str, torch.Tensor] = {}
-        builders: dict[str, Callable[[int], ShardLayout]] = {}
-        layouts: dict[str, ShardLayout] = {}
+        builders: dict[str, Callable[[int], AnyLayout]] = {}
+        layouts: dict[str, AnyLayout] = {}
         dtypes: dict[str, str] = {}
         from vllm.distributed import (
             get_tensor_model_parallel_rank,
@@ -140,10 +146,16 @@ class Held:
         self.tp = int(get_tensor_model_parallel_world_size())
         self.rank = int(get_tensor_model_parallel_rank())
         # named_parameters() lists a shared tensor once: a tied head is the embedding.
-        for name, p in model.named_parameters():
-            mod_name, _, pname = name.rpartition(".")
+        for vname, p in model.named_parameters():
+            mod_name, _, pname = vname.rpartition(".")
             module = model.get_submodule(mod_name)
-            build = _layout_builder(module, pname, p.data)
+            build: Callable[[int], AnyLayout]
+            if vllm_moe.is_routed_experts(module):
+                # Fused experts: FORMAT.md §2 names them one module up; vLLM pads and packs them (vllm_moe).
+                name = vllm_moe.format_name(vname)
+                build = vllm_moe.expert_builder(module, pname, p.data, name.rpartition(".")[0], self.rank)
+            else:
+                name, build = vname, _layout_builder(module, pname, p.data)
             lay = build(self.rank)
             if tuple(p.shape) != lay.local_shape or not p.data.is_contiguous():
                 raise ModelMismatchError(
@@ -193,7 +205,7 @@ class Held:
         """
         local, lay = self.sink.tensors[name], self.sink.layouts[name]
         if self.tp == 1:
-            return local.reshape(-1)[: lay.held].view(lay.global_shape)
+            return _whole_of(local, lay)
         import torch.distributed as dist
         from vllm.distributed import get_tp_group
 
@@ -232,8 +244,7 @@ class _WholeView(Mapping[str, torch.Tensor]):
         local = h.sink.tensors[name]
         lay = h.sink.layouts[name]
         if h.tp == 1:
-            n = lay.held
-            return local.reshape(-1)[:n].view(lay.global_shape)
+            return _whole_of(local, lay)
         from vllm.distributed import get_tp_group
 
         # Every rank calls this in the same (sorted) order: all_gather is collective.
@@ -246,6 +257,13 @@ class _WholeView(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.held.sink.tensors)
+
+
+def _whole_of(local: torch.Tensor, lay: AnyLayout) -> torch.Tensor:
+    """The whole parameter from a single rank's tensor: a view where it is a prefix, else unpadded and unpacked."""
+    if isinstance(lay, ShardLayout):
+        return local.reshape(-1)[: lay.held].view(lay.global_shape)
+    return local.view(lay.global_shape) if lay.is_prefix else assemble([(lay, local)])
 
 
 def _check_live_gemms(model: torch.nn.Module) -> None:

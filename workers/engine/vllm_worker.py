@@ -28,6 +28,7 @@ imports it in the worker before it loads the model.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import threading
@@ -40,13 +41,13 @@ import torch
 from aurora_store.apply.prepare import prepare_delta, prepare_part
 from aurora_store.apply.prepared_delta import PreparedDelta, layout_of_shards, parts_of
 from aurora_store.apply.sink import apply_delta, weights_digest
-from aurora_store.codec.extract import spec_of
+from aurora_store.codec.extract import bits_view, spec_of
 from aurora_store.errors import ChainError, ConfigError, IntegrityError, ModelMismatchError
 from aurora_store.format.checkpoint import StagedDelta
 from aurora_store.format.manifest import Manifest
 from aurora_store.lineage.fetch import ManifestReader, bound_index, fetch_delta, fetch_snapshot
 from aurora_store.lineage.plan import plan_chain, scan_versions
-from workers.engine import vllm_digest
+from workers.engine import vllm_digest, vllm_moe
 from workers.engine.vllm_config import VLLM_PREPARE
 from workers.engine.vllm_params import Held, keep_cpu_linear_on_live_weights
 from workers.engine.vllm_wire import decode_entries, encode_entries, reply
@@ -296,18 +297,25 @@ class AuroraWorkerExtension:
         """Tensor parallelism: each whole tensor gathered to rank 0 and hashed there; rank 0's digest, None elsewhere."""
         return reply(lambda: vllm_digest.gathered(self._aurora_held(), expected))
 
-    def aurora_probe(self) -> dict[str, Any]:
-        """Process id, resident memory and every parameter's storage address (tests, benchmarks)."""
+    def aurora_probe(self, raw: bool = False) -> dict[str, Any]:
+        """Process id, resident memory and every parameter's storage address (tests, benchmarks).
+
+        ``raw``: also the sha256 of each tensor's bytes as this rank holds them (padded and packed
+        where vLLM pads and packs): what a test compares with vLLM's own load of the same version.
+        """
 
         def go() -> dict[str, Any]:
             h = self._aurora_held()
-            return {
+            out = {
                 "pid": os.getpid(),
                 "rss": _rss_bytes(),
                 "ptrs": {n: t.data_ptr() for n, t in h.sink.tensors.items()},
                 "version": h.version,
                 "staged": sorted(h.staging),
             }
+            if raw:
+                out["raw"] = {n: hashlib.sha256(bits_view(t).cpu().numpy().tobytes()).hexdigest() for n, t in h.sink.tensors.items()}
+            return out
 
         return reply(go)
 
@@ -317,8 +325,10 @@ class AuroraWorkerExtension:
         This is how weights usually reach a running vLLM in RL: the whole
         model in Hugging Face names, through each layer's weight loader. The
         weights are read from the store and split into Hugging Face names
-        before the clock starts; only ``load_weights`` is timed. The held
-        version is unchanged afterwards (it reloads the version held).
+        before the clock starts; only ``load_weights`` is timed, with what a
+        correct load of packed experts adds (vllm_moe.reload_packed: vLLM pads
+        and prepacks them again, as at start). The held version is unchanged
+        afterwards (it reloads the version held).
         """
 
         def go() -> float:
@@ -329,9 +339,11 @@ class AuroraWorkerExtension:
 
             tensors, _ = materialize(h.store(url, options), version, streams)
             model = self.get_model()  # type: ignore[attr-defined]
-            hf = list(_hf_named(model, tensors))
+            family = getattr(getattr(self, "vllm_config", None), "model_config", None)
+            family = getattr(getattr(family, "hf_config", None), "model_type", None)
+            hf = list(vllm_moe.hf_named(model, tensors, family))
             t0 = time.perf_counter()
-            model.load_weights(iter(hf))
+            vllm_moe.reload_packed(model, hf)  # model.load_weights, experts padded and packed again
             _sync()
             return time.perf_counter() - t0
 
@@ -432,27 +444,6 @@ def _writing(h: Held) -> Iterator[None]:
         yield
     finally:
         h.writes += 1
-
-
-def _hf_named(model: torch.nn.Module, fused: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Fused whole tensors back under Hugging Face names (q/k/v, gate/up), as checkpoints name them."""
-    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-
-    for name, t in fused.items():
-        mod_name, _, pname = name.rpartition(".")
-        m: Any = model.get_submodule(mod_name)
-        pre = mod_name.rpartition(".")[0]
-        if isinstance(m, QKVParallelLinear):
-            q = m.total_num_heads * m.head_size
-            k = m.total_num_kv_heads * m.head_size
-            for part, lo, hi in (("q", 0, q), ("k", q, q + k), ("v", q + k, t.shape[0])):
-                yield f"{pre}.{part}_proj.{pname}", t[lo:hi]
-        elif isinstance(m, MergedColumnParallelLinear) and name.endswith("gate_up_proj.weight"):
-            g = m.output_sizes[0]
-            yield f"{pre}.gate_proj.{pname}", t[:g]
-            yield f"{pre}.up_proj.{pname}", t[g:]
-        else:
-            yield name, t
 
 
 def _exit_with(pid: int, period_s: float = 1.0) -> None:

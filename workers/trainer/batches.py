@@ -158,6 +158,7 @@ class BatchBook:
 
     def wait(self, b: int) -> None:
         """Collect batch ``b`` until it may close (all results, or its deadline), then close it."""
+        reader = self.results
         while True:
             try:
                 collect_batch(
@@ -179,12 +180,13 @@ class BatchBook:
                     epoch=self.records.epoch,
                     prompts=[pid for pid, _ in self.prompts[b]],
                     state=self.states.get(self.gen_of[b]),
+                    on_collect=(lambda r: reader.prefetch(b, r)) if reader is not None else None,
                 )
             except _Reissued:
                 continue
-            if self.results is not None:
-                # The batch is closed and dropped from the ledger: its references are read now, in parallel.
-                self.results.resolve(b, self.collected[b])
+            if reader is not None:
+                # The batch is closed: its references, read ahead as they settled, are in place now (any left, read now).
+                reader.resolve(b, self.collected[b])
             return
 
     def update_tau(self, gen_tok: Mapping[str, int], gen_s: Mapping[str, float]) -> None:

@@ -260,6 +260,7 @@ def collect_batch(
     epoch: int | None = None,
     prompts: Collection[str] | None = None,
     state: str | None = None,
+    on_collect: Callable[[AcceptedResult], None] | None = None,
 ) -> BatchClose:
     """Read batch ``b``'s results into ``collected`` until it may close, then close it.
 
@@ -288,6 +289,8 @@ def collect_batch(
     and the batch's ``state`` (None skips it). Anything else, malformed
     included, is counted once in ``counts.ignored``, logged (rate-limited),
     taken out of the ledger and its prompt offered again: never fatal.
+    ``on_collect(result)``: called for each result as it is collected (the
+    Trainer starts reading a result written to the store then).
     """
     t0 = clock.monotonic()
     floor = min_results(need, batch_deadline_s, min_batch_fraction)
@@ -319,6 +322,8 @@ def collect_batch(
             else:
                 collected[r.prompt] = r
                 completion_ms.append(max(1, r.settled_ms - r.leased_ms))
+                if on_collect is not None:
+                    on_collect(r)
             if why and _ignore(counts, b, r.prompt, why, f"{r.actor}|{r.token}", clock):
                 counts.accepted_wrong_version += why == "wrong_version"
                 refused.append((r.prompt, f"{r.actor}|{r.token}", why != "unknown_prompt"))

@@ -327,6 +327,13 @@ def _fault_json(run: ChaosRun, rec: FaultRecord, now: float) -> dict[str, Any]:
     if not rec.injected or rec.error:
         out["outcome"] = rec.error or "not injected"
         return out
+    if rec.t_lifted < rec.t_start:
+        # The bench ended (its timeout, an abort) inside the fault: nothing was lifted, so nothing happened
+        # "after" it; judged from an unset lift time, every line the victim ever wrote would read as late
+        # (an old Trainer that was never woken reported as publishing after waking).
+        successors = "; ".join(_successor_note(inc) for inc in rec.successors)
+        out["outcome"] = "not lifted: the bench ended during the fault" + (f"; {successors}" if successors else "")
+        return out
     after = sorted((v, t) for v, (t, _, _) in f.versions.items() if v > rec.head_lifted)
     said: list[str] = []
     if after:

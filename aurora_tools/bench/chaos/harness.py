@@ -267,6 +267,10 @@ class ChaosRun:
         ]
         if self._has("trainer", "--checkpoint-every"):
             args += ["--checkpoint-every", str(c.checkpoint_every)]
+        if self._has("trainer", "--digest-every"):
+            # Every version carries its weights digest: Actors verify (and log the digest of) only versions
+            # that carry one, and ``bit_identical`` needs an Actor digest per activation to compare.
+            args += ["--digest-every", "1"]
         if resume:
             args.append("--resume")  # passed even when missing: the report then says the resume failed
         env = {"AURORA_SEGMENT_MIB": repr(c.trainer_segment_kib / 1024), **self._redis_env()}

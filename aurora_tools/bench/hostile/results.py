@@ -6,9 +6,11 @@ Each case runs the real Trainer over :class:`~aurora_tools.bench.hostile.ledger.
 with an Actor that holds its leases honestly (its own credential, its own
 secret) but settles hostile references: to an object planted in another
 Actor's folder, to one of the Trainer's own objects, to its own object with
-other bytes than the hash it settled, to a giant. Refused: the Trainer
-finishes its steps and hands the workload no byte of :data:`MARK`; the
-planted giant is never read past the size the reference records.
+other bytes than the hash it settled, to its own object filed under another
+step, to an object larger than a result may be (its reference honest about
+it). Refused: the Trainer finishes its steps and hands the workload no byte
+of :data:`MARK` (nothing settled is trained on); the tampered object is
+never read past the size its reference records, the oversized one not at all.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def _run(ctx: Context, name: str, settle: Settle) -> dict[str, Any]:
     return out
 
 
-def _judge(res: Result, out: dict[str, Any], what: str) -> None:
+def _judge(res: Result, out: dict[str, Any], what: str, reason: str) -> None:
+    """Refused: every step ran, nothing planted reached the workload, and the reader refused for ``reason``."""
     work: Recorder = out["work"]
     absorbed = [p for p in work.payloads if MARK in p]
     reader = out["trainer"].batches.results
@@ -75,6 +78,8 @@ def _judge(res: Result, out: dict[str, Any], what: str) -> None:
         res.outcome, res.how = "failed", f"the Trainer finished {len(out['logs'] or [])} of {STEPS} steps"
     elif not refused:
         res.outcome, res.how = "failed", "nothing was refused, yet nothing planted was absorbed: the case did not run"
+    elif reason not in refused:
+        res.outcome, res.how = "failed", f"refused {refused}, never for {reason}: not the check this case is about"
     else:
         res.outcome, res.how = "refused", f"{what}; {STEPS} steps, refused {refused}"
 
@@ -94,7 +99,7 @@ def _other_actors_folder(ctx: Context, res: Result) -> None:
         store.put(key, MARK)
         return _ref(key, MARK)
 
-    _judge(res, _run(ctx, "results-foreign", settle), "a reference into results/victim/ settled by a0")
+    _judge(res, _run(ctx, "results-foreign", settle), "a reference into results/victim/ settled by a0", "foreign_key")
 
 
 def _trainer_object(ctx: Context, res: Result) -> None:
@@ -109,7 +114,7 @@ def _trainer_object(ctx: Context, res: Result) -> None:
             return _ref("metrics/planted.json", data)
         return _ref("model/config.json", data)
 
-    _judge(res, _run(ctx, "results-trainer-object", settle), "a reference outside results/")
+    _judge(res, _run(ctx, "results-trainer-object", settle), "a reference outside results/", "foreign_key")
 
 
 def _tampered(ctx: Context, res: Result) -> None:
@@ -122,7 +127,33 @@ def _tampered(ctx: Context, res: Result) -> None:
         store.put(key, MARK + honest[len(MARK) :] + b"x" * (4 << 20), mode="overwrite")  # other bytes, far larger
         return _ref(key, honest)
 
-    _judge(res, _run(ctx, "results-tampered", settle), "a0's own object with other bytes than it settled")
+    _judge(res, _run(ctx, "results-tampered", settle), "a0's own object with other bytes than it settled", "hash_mismatch")
+
+
+def _oversized(ctx: Context, res: Result) -> None:
+    """The Actor's own object of 1 MiB, far more than a result of this run may hold; its reference says so, hash and all."""
+    from aurora_store.lineage.results import result_key
+
+    def settle(store: Any, actor: str, step: int, token: int) -> bytes:
+        key = result_key(actor, step, token)
+        data = MARK + b"x" * ((1 << 20) - len(MARK))
+        store.put(key, data)
+        return _ref(key, data)
+
+    _judge(res, _run(ctx, "results-oversized", settle), "a0's own object, larger than a result may be", "too_large")
+
+
+def _another_step(ctx: Context, res: Result) -> None:
+    """The Actor's own object, honest bytes and hash, filed under a step other than the one settled
+    (a batch's object read by another, or kept by retention for the wrong batch)."""
+    from aurora_store.lineage.results import result_key
+
+    def settle(store: Any, actor: str, step: int, token: int) -> bytes:
+        key = result_key(actor, step + 1000, token)
+        store.put(key, MARK)
+        return _ref(key, MARK)
+
+    _judge(res, _run(ctx, "results-another-step", settle), "a0's own object under another step's folder", "wrong_step")
 
 
 def _valid(ctx: Context, res: Result) -> None:
@@ -147,5 +178,7 @@ RESULTS_CASES = [
     Case("results:reference-into-another-actors-folder", "ledger", "refuse", _other_actors_folder, quick=True),
     Case("results:reference-to-a-trainer-object", "ledger", "refuse", _trainer_object),
     Case("results:tampered-own-object", "ledger", "refuse", _tampered),
+    Case("results:oversized-own-object", "ledger", "refuse", _oversized),
+    Case("results:own-object-of-another-step", "ledger", "refuse", _another_step),
     Case("valid:results-through-the-store-absorbed", "control", "accept", _valid),
 ]

@@ -1,4 +1,4 @@
-"""Attacks on a Trainer's run root (issue 24): a planted checkpoint, a planted next version.
+"""Attacks on a Trainer's run root (issues 24, 25): a planted checkpoint, a tampered checkpoint part, a planted next version.
 
 Each case clones the bench's one tiny Trainer run (:mod:`aurora_tools.bench.hostile.runs`),
 plants what a writer without the signing key could, and runs the real
@@ -109,6 +109,68 @@ def _planted_checkpoint(ctx: Context, res: Result) -> None:
     res.how = f"v{head} follows the real checkpoint (mean change {moved:.4f}); exit {r.rc}"
 
 
+def _tampered_part(ctx: Context, res: Result) -> None:
+    """The newest real checkpoint's parts edited in place: SHIFT added to every model tensor's bytes, the record left as it
+    was (its sizes and sha256 now wrong). Resume must not load it: it takes the older checkpoint, or stops in one line."""
+    import json
+
+    import numpy as np
+
+    from aurora_store.lineage.fetch import read_manifest
+    from aurora_store.lineage.materialize import materialize
+    from aurora_store.storage import open_store
+    from workers.trainer.checkpoint import checkpoint_folder, checkpoint_key, list_checkpoints
+
+    run = clone_run(ctx, "tampered-checkpoint-part")
+    store = open_store(run["url"])
+    step = max(list_checkpoints(store))
+    rec = json.loads(store.get(checkpoint_key(step)))
+    np_types = {"float32": np.float32, "float64": np.float64}
+    edits: dict[str, bytearray] = {}
+    for name, t in rec["tensors"].items():
+        if not name.startswith("model.") or t["dtype"] not in np_types:
+            continue
+        size = np.dtype(np_types[t["dtype"]]).itemsize
+        for c in t["chunks"]:
+            path = run["dir"] / checkpoint_folder(step) / c["object"]
+            buf = edits.setdefault(str(path), bytearray(path.read_bytes()))
+            n = int(np.prod(c["sizes"]))
+            view = np.frombuffer(buf, dtype=np_types[t["dtype"]], count=n, offset=c["at"])
+            buf[c["at"] : c["at"] + n * size] = (view + SHIFT).astype(np_types[t["dtype"]]).tobytes()
+    for path, buf in edits.items():
+        Path(path).write_bytes(bytes(buf))
+    if not edits:
+        res.outcome, res.how = "failed", f"checkpoint {step} holds no float model tensor to tamper with"
+        return
+    r = resume(run, STEPS + 1, run["dir"].parent / "trainer.log")
+    res.traceback = r.traceback
+    head = STEPS + 1
+    try:
+        m = read_manifest(store, "delta", head)
+    except Exception:  # noqa: BLE001 - no next version: the Trainer published nothing
+        m = None
+    named = f"step-{step:08d}" in r.log and "unusable" in r.log
+    if r.traceback:
+        res.outcome, res.how = "traceback", "the resumed Trainer wrote a traceback"
+    elif m is None:
+        if r.rc != 0 and len(r.error_lines) == 1:
+            res.outcome, res.how = "refused", f"resume stopped, nothing published: {_short(r.error_lines[0])[:110]}"
+        else:
+            res.outcome, res.how = "failed", f"exit {r.rc}, no v{head}: {_short((r.error_lines or [r.log.strip()[-150:]])[-1])}"
+    elif (moved := _moved(materialize(store, head)[0], materialize(store, STEPS)[0])) > SHIFT / 4:
+        res.outcome, res.applied = "applied", True
+        res.how = f"v{head} moved every weight by {moved:.2f} on average: trained from the tampered part"
+    elif m.base_version != STEPS or m.base_state != read_manifest(store, "delta", STEPS).state:
+        res.outcome, res.how = "failed", f"v{head} is not built on the real head v{STEPS}"
+    elif not named:
+        res.outcome, res.how = "failed", f"v{head} published, but the log never names checkpoint {step} unusable: was it read?"
+    else:
+        res.outcome = "refused"
+        res.how = (
+            f"checkpoint {step} refused by its parts' sha256, resumed from an older one; v{head} on v{STEPS} (mean change {moved:.4f})"
+        )
+
+
 def _planted_next_version(ctx: Context, res: Result) -> None:
     """A well-formed delta manifest at v{H+1} on the head's state, planted (no segments, no signature):
     in a signed run, the resumed Trainer must neither adopt it as its head nor report a fence."""
@@ -173,8 +235,78 @@ def _valid_resume(ctx: Context, res: Result) -> None:
         res.how = f"exit {r.rc}: {_short((r.error_lines or [r.log.strip()[-150:]])[-1])}"
 
 
+def _gc_then_resume(ctx: Context, res: Result) -> None:
+    """Control: what a Trainer killed mid-upload leaves (parts of an attempt beside a committed record, and a folder whose
+    record never landed, as old as the grace) is removed by ``aurora gc``; every committed checkpoint's objects stay,
+    and the run resumes and publishes its next version on the real head."""
+    import json
+    import shutil
+
+    from aurora_store.lineage.fetch import read_manifest
+    from aurora_store.storage import open_store
+    from aurora_tools.bench.hostile.cases import cli
+    from workers.trainer.checkpoint import checkpoint_folder, checkpoint_key, list_checkpoints
+
+    run = clone_run(ctx, "gc-then-resume")
+    store = open_store(run["url"])
+    steps = list_checkpoints(store)
+    if len(steps) < 3:
+        res.outcome, res.how = "failed", f"the shared run holds checkpoints {steps}, the case needs 3"
+        return
+    newest, killed = steps[-1], steps[0]
+    root = run["dir"]
+    # Beside the newest committed checkpoint: a second attempt's parts (the same bytes under another attempt).
+    rec = json.loads(store.get(checkpoint_key(newest)))
+    attempt = rec["objects"][0]["key"].split("/", 1)[0]
+    shutil.copytree(root / checkpoint_folder(newest) / attempt, root / checkpoint_folder(newest) / "killed-attempt")
+    # The oldest: its record never landed (the Trainer was killed before it); a later version is committed.
+    (root / checkpoint_key(killed)).unlink()
+    dead = {k for k in store.list(checkpoint_folder(killed))} | {
+        k for k in store.list(checkpoint_folder(newest)) if "/killed-attempt/" in k
+    }
+    kept = {k for s in steps[1:] for k in store.list(checkpoint_folder(s)) if "/killed-attempt/" not in k}
+    g = cli(
+        [
+            "gc",
+            run["url"],
+            "--keep-snapshots",
+            "8",
+            "--grace-s",
+            "0",
+            "--apply",
+            "--redis",
+            run["redis"],
+            "--run",
+            run["run"],
+        ]
+    )  # no --trust-key: the clone's versions are signed for the shared run's name, so none would count under this one
+    left = set(store.list("checkpoints/"))
+    if g.rc != 0 or g.traceback:
+        res.traceback = g.traceback
+        res.outcome, res.how = "failed", f"aurora gc exit {g.rc}: {_short((g.error_lines or [g.err.strip()[-150:]])[-1])}"
+        return
+    if left & dead or kept - left:
+        res.outcome = "failed"
+        res.how = f"gc left {len(left & dead)} dead part(s) and removed {len(kept - left)} committed object(s)"
+        return
+    r = resume(run, STEPS + 1, run["dir"].parent / "trainer.log")
+    res.traceback = r.traceback
+    try:
+        ok = read_manifest(store, "delta", STEPS + 1).base_state == read_manifest(store, "delta", STEPS).state
+    except Exception:  # noqa: BLE001 - judged below
+        ok = False
+    if r.rc == 0 and ok and not r.traceback:
+        res.outcome = "accepted"
+        res.how = f"gc removed {len(dead)} uncommitted part(s), kept {len(kept)} committed object(s); resumed, v{STEPS + 1} on v{STEPS}"
+    else:
+        res.outcome = "traceback" if r.traceback else "failed"
+        res.how = f"resume after gc: exit {r.rc}: {_short((r.error_lines or [r.log.strip()[-150:]])[-1])}"
+
+
 TRAINER_CASES = [
     Case("trainer:planted-checkpoint", "trainer", "refuse", _planted_checkpoint),
+    Case("trainer:tampered-checkpoint-part", "trainer", "refuse", _tampered_part),
     Case("trainer:planted-next-version", "trainer", "refuse", _planted_next_version),
     Case("valid:trainer-resumes", "control", "accept", _valid_resume),
+    Case("valid:gc-removes-killed-checkpoint-parts-and-resume-works", "control", "accept", _gc_then_resume),
 ]
