@@ -1,4 +1,4 @@
-"""``aurora bench codec|transfer|ledger|e2e|wan|chaos|hostile|activate|trainer|verl``: each benchmark prints a table, or one JSON object.
+"""``aurora bench codec|transfer|ledger|e2e|wan|chaos|hostile|activate|trainer|verl|fp8``: each benchmark prints a table, or one JSON object.
 
 Each benchmark declares its own options (``add_*_arguments`` import it, so
 :mod:`aurora_tools.cli.main` calls them only for the benchmark being run),
@@ -30,6 +30,8 @@ __all__ = [
     "cmd_bench_trainer",
     "add_verl_arguments",
     "cmd_bench_verl",
+    "add_fp8_arguments",
+    "cmd_bench_fp8",
 ]
 
 
@@ -155,5 +157,17 @@ def add_verl_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench_verl(args: argparse.Namespace) -> int:
     from aurora_tools.bench.verl import main
+
+    return main(args)
+
+
+def add_fp8_arguments(p: argparse.ArgumentParser) -> None:
+    from aurora_tools.bench.fp8 import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_bench_fp8(args: argparse.Namespace) -> int:
+    from aurora_tools.bench.fp8 import main
 
     return main(args)

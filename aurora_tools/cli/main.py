@@ -234,6 +234,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     bv = bench.add_parser("verl", help="Aurora as verl's checkpoint engine across an emulated WAN link (run it with .venv-verl's python)")
     later.fill(("bench", "verl"), bv, bench_cmds.add_verl_arguments)
     bv.set_defaults(func=bench_cmds.cmd_bench_verl)
+    bf8 = bench.add_parser("fp8", help="FP8 serving copies of a bf16 chain: what a step changes, what requantizing costs")
+    later.fill(("bench", "fp8"), bf8, bench_cmds.add_fp8_arguments)
+    bf8.set_defaults(func=bench_cmds.cmd_bench_fp8)
     return ap
 
 
