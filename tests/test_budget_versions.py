@@ -20,11 +20,12 @@ import torch
 
 from workers.model import hf_weights, logprobs, pack_completions, tiny_qwen3
 from workers.trainer import grpo
+from workers.trainer import held as held_module
 from workers.trainer.behaviour import BehaviourModel, versions_device
 from workers.trainer.config import TrainerConfig
 from workers.trainer.fsdp import SINGLE, GrpoBatch
 from workers.trainer.grpo import Rollouts, grpo_batch
-from workers.trainer.held import HeldWeights, Undo
+from workers.trainer.held import HeldWeights, Undo, bf16_version
 from workers.trainer.policy import GrpoPolicy
 from workers.trainer.versions import VersionPublisher
 
@@ -94,6 +95,37 @@ def test_holding_the_same_version_again_keeps_the_undos_and_a_gap_drops_them() -
     assert list(held) == [0, 1]
     held.hold(5, v1)
     assert list(held) == [5]
+
+
+def test_a_version_made_in_one_process_is_the_bf16_rounding_laid_out_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    master = tiny_qwen3(40, seed=2, dtype=torch.float32, hidden=64, intermediate=192)
+    named = list(master.named_parameters(remove_duplicate=False))
+    block = 48 << 10
+    monkeypatch.setattr(held_module, "VERSION_BLOCK_BYTES", block)
+    v = bf16_version(named)
+    assert set(v) == {n for n, _ in named}
+    for name, p in named:
+        assert v[name].is_contiguous() and torch.equal(v[name].view(torch.int16), p.detach().to(torch.bfloat16).view(torch.int16)), name
+    assert v["lm_head.weight"] is v["model.embed_tokens.weight"]  # tied: one copy, as in the model
+    storages: dict[int, list[torch.Tensor]] = {}
+    for t in {id(t): t for t in v.values()}.values():
+        storages.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    # Several tensors share each block; a block is larger than the limit only when one tensor is.
+    assert 1 < len(storages) < len({id(t) for t in v.values()})
+    for ts in storages.values():
+        nbytes = ts[0].untyped_storage().nbytes()
+        assert nbytes <= block or (len(ts) == 1 and ts[0].numel() * 2 > block // 2)
+    # Where the versions go (a resumed run's, or versions_on): a device of their own.
+    assert all(t.device.type == "meta" for t in bf16_version(named, "meta").values())
+
+
+def test_a_dense_undo_keeps_only_its_own_tensor_not_the_block_it_was_cut_from() -> None:
+    old = bf16_version([("a", torch.randn(64, 64)), ("b", torch.randn(32))])
+    new = {"a": (old["a"].float() + 1).to(torch.bfloat16), "b": old["b"].clone()}
+    u = Undo.between(old["a"], new["a"])
+    assert u.index is None and torch.equal(u.old, old["a"])
+    assert u.old.untyped_storage().nbytes() == u.old.numel() * 2  # a copy of its own, not a view into the block
+    assert Undo.between(old["b"], new["b"]).nbytes == 0  # nothing changed: nothing kept
 
 
 def test_an_undo_refuses_versions_of_another_shape() -> None:
@@ -265,6 +297,9 @@ def test_the_policy_holds_no_fp32_behaviour_model_and_one_full_bf16_version() ->
         vp.hold(1, "s1", pol.weights())
         vp.held.forget_before(1 - cfg.max_lag)
         assert list(vp.held) == [0, 1]
+        # Published: the master (4), AdamW's moments (8), the new version and the one its batch still needs (2 + 2).
+        published = _tensor_bytes(pol.model, pol.behavior, pol.reference, pol.opt, pol.evaluator, vp.held)
+        assert published <= 16 * params * 1.01, published / params
         # Batch 1 was generated on v0 (one step behind): its behaviour log-probs are v0's exactly.
         view = vp.behaviour(0, 2 - cfg.max_lag)
         assert list(vp.held) == [1]  # what rebuilds v0 now lives only as long as the view

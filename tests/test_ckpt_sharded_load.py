@@ -4,9 +4,9 @@ bit-identical right after loading; the versions published after differ only by t
 reductions, which the test measures in bf16 units in the last place and prints.
 
 The checkpoint is written the Trainer's way (:class:`~workers.trainer.ckpt_async.Checkpointer`:
-planned, written in the background from the live tensors, the optimizer's step held until the
-write is done, the record committed by rank 0) to a file store, and read back through the store
-with the sizes and hashes of its record.
+planned, copied from the live tensors into each rank's spool in the background, the optimizer's
+step held until that copy is done, uploaded from the spool, the record committed by rank 0) to a
+file store, and read back through the store with the sizes and hashes of its record.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def _bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: _full(p).to(torch.bfloat16) for n, p in model.named_parameters()}
 
 
-def _save(store_url: str, model: torch.nn.Module, opt: torch.optim.Optimizer, ctx: DistContext) -> None:
-    """The Trainer's way: begin (plan, upload in the background); the next step's optimizer.step() holds."""
+def _save(store_url: str, model: torch.nn.Module, opt: torch.optim.Optimizer, ctx: DistContext) -> Checkpointer:
+    """The Trainer's way: begin (plan, spool and upload in the background); the next step's optimizer.step()
+    holds until the tensors are spooled; the record is committed once every rank's upload is done."""
     store = open_store(store_url)
     ck = Checkpointer(store, checkpoint_folder, ctx.rank, ctx.sharded)
     ck.attach(opt)
@@ -98,6 +99,7 @@ def _save(store_url: str, model: torch.nn.Module, opt: torch.optim.Optimizer, ct
         commit_checkpoint(store, Checkpoint(SAVED_AT, 1, meta={"optimizer": meta}), objects, layout, world=ctx.world)
 
     ck.begin(SAVED_AT, "attempt", tensors, commit if ctx.leader else None)
+    return ck
 
 
 def _load(store_url: str, model: torch.nn.Module, opt: torch.optim.Optimizer, ctx: DistContext) -> None:
@@ -115,17 +117,20 @@ def _run(ctx: DistContext, store_url: str, out: str, mode: str) -> None:
     torch.manual_seed(0)
     model, opt = _setup(ctx)
     result: dict[str, Any] = {"versions": []}
+    ck: Checkpointer | None = None
     if mode == "save":
         for s in range(SAVED_AT):
             _train(model, opt, ctx, s)
         result["saved"] = _everything(model, opt)
-        _save(store_url, model, opt, ctx)
+        ck = _save(store_url, model, opt, ctx)
     else:
         _load(store_url, model, opt, ctx)
         result["loaded"] = _everything(model, opt)
     for s in range(SAVED_AT, SAVED_AT + AFTER):
         _train(model, opt, ctx, s)
         result["versions"].append(_bf16(model))
+    if ck is not None:
+        ck.finish()  # the run's end: a record not committed at a hold is committed now (Trainer.run does the same)
     if ctx.leader:
         torch.save(result, out)
 

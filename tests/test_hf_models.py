@@ -115,7 +115,10 @@ def test_unsupported_or_incomplete_directories_are_refused_by_name(tmp_path: Pat
     cfg = json.loads((gpt / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (gpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=r"model family 'gpt2' is not supported \(supported: llama, qwen2, qwen3, mistral, qwen2_moe, qwen3_moe, mixtral\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model family 'gpt2' is not supported \(supported: llama, qwen2, qwen3, mistral, qwen2_moe, qwen3_moe, mixtral\)",
+    ):
         read_model_dir(gpt)
     nosafe = tmp_path / "nosafe"
     shutil.copytree(d, nosafe)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
+from aurora_store.api.weights import family_of
 from aurora_store.codec.extract import fuse_weights, plan_of
 from aurora_store.codec.fusion import EMBED, TIED_HEAD, FusionPlan
 from aurora_store.errors import ModelMismatchError
@@ -164,18 +165,27 @@ def is_tied(weights: Mapping[str, torch.Tensor]) -> bool:
     return tied
 
 
-def fusion_plan_for(weights: Mapping[str, torch.Tensor] | torch.nn.Module, tied: bool | None = None) -> FusionPlan:
+def fusion_plan_for(
+    weights: Mapping[str, torch.Tensor] | torch.nn.Module, tied: bool | None = None, family: str | None = None
+) -> FusionPlan:
     """The fused view (FORMAT.md §2) of a Hugging Face model or its :func:`hf_weights`.
 
     ``tied=None`` reads tying from storage sharing (:func:`is_tied`); pass it
     explicitly for copies of the weights (``clone()`` unties them), or build
-    the plan once from the model and reuse it. The plan itself is
-    :func:`aurora_store.codec.extract.plan_of`'s.
+    the plan once from the model and reuse it. ``family`` (``model_type``)
+    names the expert prefix of mixture-of-experts models (Mixtral's experts sit
+    under ``block_sparse_moe.`` in FORMAT, under ``mlp.`` in transformers'
+    modules); from a module it is read from its config when not given. The
+    plan itself is :func:`aurora_store.codec.extract.plan_of`'s.
     """
-    w = hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights
+    if isinstance(weights, torch.nn.Module):
+        family = family or family_of(weights)
+        w: Mapping[str, torch.Tensor] = hf_weights(weights)
+    else:
+        w = weights
     if tied is None:
         tied = is_tied(w)
-    return plan_of(w, tied=tied)
+    return plan_of(w, tied=tied, family=family)
 
 
 def fused_weights(weights: Mapping[str, torch.Tensor], plan: FusionPlan | None = None) -> dict[str, torch.Tensor]:
@@ -235,6 +245,7 @@ def logprobs(
     reduction: Literal["sum", "mean", "none"] = "sum",
     micro_batch: int = 0,
     chunk_tokens: int | None = None,
+    router_aux: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Log-probabilities of the completion tokens under ``model``, differentiable.
 
@@ -252,6 +263,10 @@ def logprobs(
     without gradients (with gradients, every micro-batch's graph would be
     kept until the caller's backward: micro-batch the backward instead, as
     :func:`workers.trainer.fsdp.grpo_epochs` does).
+
+    ``router_aux``: a mixture-of-experts model is asked for its router's auxiliary
+    (load-balancing) loss as it defines it (``output_router_logits``), one tensor
+    appended per forward, from the same pass as the log-probabilities.
     """
     if input_ids.shape != attention_mask.shape or input_ids.shape != completion_mask.shape:
         raise ValueError(
@@ -264,7 +279,9 @@ def logprobs(
     rows = int(input_ids.shape[0])
     step = micro_batch if 0 < micro_batch < rows else rows
     parts = [
-        _token_logprobs(model, input_ids[lo : lo + step], attention_mask[lo : lo + step], completion_mask[lo : lo + step], chunk_tokens)
+        _token_logprobs(
+            model, input_ids[lo : lo + step], attention_mask[lo : lo + step], completion_mask[lo : lo + step], chunk_tokens, router_aux
+        )
         for lo in range(0, rows, step)
     ]
     tok = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -308,13 +325,21 @@ LOGITS_CHUNK_BYTES = 64 << 20
 
 
 def _token_logprobs(
-    model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, comp: torch.Tensor, chunk_tokens: int | None
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    comp: torch.Tensor,
+    chunk_tokens: int | None,
+    router_aux: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """[B, T] per-token log-probabilities of one micro-batch, 0 outside the completion (see :func:`logprobs`)."""
     position_ids = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    extra = {"output_router_logits": True} if router_aux is not None else {}
     head = _output_head(model)
     if head is None:  # not a Hugging Face causal LM: the plain computation
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False).logits[:, :-1].float()
+        out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False, **extra)
+        _keep_aux(out, router_aux)
+        logits = out.logits[:, :-1].float()
         tok = logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
         return torch.nn.functional.pad(tok * comp[:, 1:].to(tok.dtype), (1, 0))
     # The head runs inside the model's forward (where a sharded model's weights are
@@ -323,12 +348,23 @@ def _token_logprobs(
     setter = getattr(model, "set_output_embeddings")  # noqa: B009 - the Hugging Face API, checked by _output_head
     setter(chunked)
     try:
-        out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False)
+        out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False, **extra)
     finally:
         setter(head)
+    _keep_aux(out, router_aux)
     tok = out.logits
     assert isinstance(tok, torch.Tensor) and tok.shape == ids.shape
     return tok
+
+
+def _keep_aux(out: object, router_aux: list[torch.Tensor] | None) -> None:
+    """Append a forward's router auxiliary loss to ``router_aux`` (when asked for one)."""
+    if router_aux is None:
+        return
+    aux = getattr(out, "aux_loss", None)
+    if not isinstance(aux, torch.Tensor):
+        raise TypeError(f"{type(out).__name__}: the model returned no router auxiliary loss (aux_loss): not a mixture-of-experts model")
+    router_aux.append(aux)
 
 
 def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:

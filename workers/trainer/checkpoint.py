@@ -52,6 +52,7 @@ from aurora_store.format.signing import Signer, TrustKeys
 from aurora_store.lineage.binding import manifest_weights_digest
 from aurora_store.storage import Store
 from workers.trainer.ckpt_store import PART_BYTES, ObjectEntry, StoreReader, StoreWriter, parse_layout
+from workers.trainer.optim_state import load_optimizer, make_optimizer_state, optimizer_tensors
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -69,6 +70,7 @@ __all__ = [
     "load_into",
     "load_latest_checkpoint",
     "load_optimizer",
+    "make_optimizer_state",
     "optimizer_tensors",
     "prune_checkpoints",
     "read_checkpoint",
@@ -458,30 +460,3 @@ def prune_checkpoints(store: Store, keep: int, binding: Binding, trust: TrustKey
             if key != checkpoint_key(step):
                 store.delete(key)
     return gone
-
-
-def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """An optimizer's state as (tensors, JSON): per-parameter tensors by ``opt.<i>.<name>``,
-    non-tensor values and the parameter groups in the JSON part."""
-    sd = opt.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for idx, st in sd["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"opt.{idx}.{k}"] = v
-            else:
-                scalars.setdefault(str(idx), {})[k] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def load_optimizer(opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
-    """Restore what :func:`optimizer_tensors` saved."""
-    state: dict[int, dict[str, Any]] = {}
-    for name, t in tensors.items():
-        if name.startswith("opt."):
-            _, idx, k = name.split(".", 2)
-            state.setdefault(int(idx), {})[k] = t
-    for idx, kv in (meta.get("scalars") or {}).items():
-        state.setdefault(int(idx), {}).update(kv)
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})

@@ -1,50 +1,73 @@
 """Checkpoints written while training goes on: every rank its own part, the record once all are in.
 
 Why: a checkpoint of a large model is gigabytes per rank, and waiting for its
-upload would stop the step. A staging copy would cost as much memory as the
-shard itself, and on a machine without separate device memory there is none
-to spare; so the objects are written from the *live* tensors (master weights,
+upload would stop the step. A staging copy in memory would cost as much as
+the shard itself, and on a machine without separate device memory there is
+none to spare; so the bytes are read from the *live* tensors (master weights,
 optimizer state) by a background thread while the next batch is collected and
 its forward and backward passes run, and ``optimizer.step()`` (the first
-thing that changes those tensors) is held until the write is done
+thing that changes those tensors) is held until they have been read
 (:meth:`Checkpointer.attach` registers the hold as a step pre-hook).
+
+Read into what: a store takes as long as it takes (about 50 MB/s into
+``rclone serve s3`` on a loaded machine, a minute for a 200 M model's 2.4 GB),
+longer than a forward and backward pass. So each rank first copies its
+tensors into a local *spool* file, at memory speed once the file's pages are
+cached, and the hold waits for that copy only; the upload then reads the
+spool, one part at a time, in the background, while training goes on. The
+spool is one file per :class:`Checkpointer`, in the temporary folder
+(``TMPDIR``), unlinked as soon as it is made (it goes with the process,
+killed or not) and overwritten in place by every checkpoint, so its pages
+stay cached: it takes as much disk (and page cache, which is not the
+process's memory) as the rank's part of a checkpoint, 12 bytes per parameter
+with AdamW. Where the folder's free space would fall below
+:data:`SPOOL_RESERVE_BYTES`, or the file cannot be written, the checkpoint is
+uploaded from the live tensors and the hold waits for the upload instead.
 
 A checkpoint goes in three moves, each at the same point on every rank:
 
 1. :meth:`Checkpointer.begin` (the Trainer's checkpoint call, every rank after
    the version's gather): DCP plans the save (which rank writes which chunk;
-   a few small collectives) and each rank starts its upload thread;
-2. the uploads run (no collective: each rank writes only its own objects);
-3. :meth:`Checkpointer.finish` (the hold before the next ``optimizer.step()``,
-   the next checkpoint, or the end of the run): each rank waits for its
-   thread, rank 0 gathers every rank's objects (sizes, SHA-256) and commits
-   the record, which lists them all.
+   a few small collectives) and each rank starts its thread (spool, upload);
+2. the hold before each ``optimizer.step()`` (:meth:`Checkpointer.hold`): each
+   rank waits until its tensors are read; when every rank's upload is done
+   (one small collective to ask), rank 0 gathers every rank's objects (sizes,
+   SHA-256) and commits the record, which lists them all. One process commits
+   from its thread as soon as its upload is done (nothing to gather), and the
+   hold only passes on an error of that commit;
+3. :meth:`Checkpointer.finish` (the next checkpoint, or the end of the run):
+   the same, waiting for the uploads.
 
 :attr:`Checkpointer.wait_s` accumulates the time the training loop waited
-for checkpoints (planning, and any upload not done by the hold).
+for checkpoints (planning, the hold, committing the record).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from aurora_store.storage import Store
 from workers.trainer.ckpt_store import PART_BYTES, ObjectEntry, StoreWriter
 
-__all__ = ["Checkpointer", "Commit"]
+__all__ = ["SPOOL_RESERVE_BYTES", "Checkpointer", "Commit"]
 
 log = logging.getLogger("aurora.trainer")
 
 Commit = Callable[[list[ObjectEntry], Mapping[str, Any]], None]
 """Rank 0's last move: commit the record over every rank's objects and the chunks' layout."""
+
+SPOOL_RESERVE_BYTES = 1 << 30
+"""Free space the spool leaves in its folder (else the checkpoint is uploaded from the live tensors)."""
 
 
 @dataclass(slots=True)
@@ -52,9 +75,19 @@ class _Pending:
     step: int
     writer: StoreWriter
     commit: Commit | None
-    thread: threading.Thread
+    read: threading.Event = field(default_factory=threading.Event)
+    """Set once the live tensors have been read (spooled, or uploaded): they may change."""
+    thread: threading.Thread | None = None
     objects: list[ObjectEntry] = field(default_factory=list)
     error: str | None = None
+    """Why this rank's part was not written (the checkpoint is then not committed)."""
+    failure: Exception | None = None
+    """What the commit raised on the thread (one process): raised again on the training loop's thread."""
+    spooled: bool = False
+
+    @property
+    def uploaded(self) -> bool:
+        return self.thread is not None and not self.thread.is_alive()
 
 
 class Checkpointer:
@@ -62,24 +95,35 @@ class Checkpointer:
 
     ``folder_of(step)``: the checkpoint's folder in ``store``; ``sharded``:
     whether a process group spans the ranks (then every call is collective).
+    ``spool_dir``: the spool's folder (``""``: the temporary folder; None: no spool).
     """
 
-    def __init__(self, store: Store, folder_of: Callable[[int], str], rank: int = 0, sharded: bool = False) -> None:
+    def __init__(
+        self,
+        store: Store,
+        folder_of: Callable[[int], str],
+        rank: int = 0,
+        sharded: bool = False,
+        spool_dir: str | None = "",
+    ) -> None:
         self.store = store
         self.folder_of = folder_of
         self.rank = rank
         self.sharded = sharded
         self.part_bytes = PART_BYTES
+        self.spool_dir = spool_dir
         self.wait_s = 0.0
         """Seconds the training loop waited for checkpoints so far (``aurora bench trainer``'s ``checkpoint_wait_s``)."""
         self.pending: _Pending | None = None
+        self._spool: IO[bytes] | None = None
+        self._said_no_spool = False
         self._hooked: set[int] = set()
 
     def attach(self, opt: torch.optim.Optimizer) -> None:
-        """Hold ``opt.step()`` until a checkpoint being written is complete (once per optimizer)."""
+        """Hold ``opt.step()`` until a checkpoint being written has read the tensors (once per optimizer)."""
         if id(opt) not in self._hooked:
             self._hooked.add(id(opt))
-            opt.register_step_pre_hook(lambda *_: self.finish())
+            opt.register_step_pre_hook(lambda *_: self.hold())
 
     def begin(self, step: int, attempt: str, state: Mapping[str, torch.Tensor], commit: Commit | None) -> None:
         """Start the checkpoint before ``step`` from ``state`` (name -> live tensor or DTensor shard).
@@ -95,18 +139,50 @@ class Checkpointer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
             dcp.save(dict(state), storage_writer=writer, no_dist=not self.sharded)
-        pending = _Pending(step, writer, commit, threading.Thread(target=lambda: None))
-
-        def upload() -> None:
-            try:
-                pending.objects = writer.upload()
-            except Exception as e:  # noqa: BLE001 - reported by finish(), on rank 0 for every rank
-                pending.error = f"rank {self.rank}: {type(e).__name__}: {str(e)[:300]}"
-
-        pending.thread = threading.Thread(target=upload, name=f"checkpoint-{step}", daemon=True)
+        pending = _Pending(step, writer, commit)
+        spool = self._spool_for(writer.nbytes)
+        pending.thread = threading.Thread(target=self._write, args=(pending, spool), name=f"checkpoint-{step}", daemon=True)
         pending.thread.start()
         self.pending = pending
         self.wait_s += time.perf_counter() - t0
+
+    def _write(self, pending: _Pending, spool: int | None) -> None:
+        """The checkpoint's thread: spool the tensors (then they may change), upload the parts."""
+        try:
+            if spool is not None:
+                try:
+                    pending.writer.spool(spool)
+                    pending.spooled = True
+                except OSError as e:
+                    log.warning("checkpoint before step %d: the spool failed (%s); uploading from the live tensors", pending.step, e)
+                    spool = None
+                else:
+                    pending.read.set()
+            pending.objects = pending.writer.upload(spool=spool)
+        except Exception as e:  # noqa: BLE001 - reported by the commit, on rank 0 for every rank
+            pending.error = f"rank {self.rank}: {type(e).__name__}: {str(e)[:300]}"
+        finally:
+            pending.read.set()
+        if not self.sharded:
+            # Nothing to gather: committed now, off the training loop (the record is the checkpoint's last write).
+            try:
+                self._commit(pending, [(pending.objects, pending.error)])
+            except Exception as e:  # noqa: BLE001 - raised again by _settle on the training loop's thread
+                pending.failure = e
+
+    def hold(self) -> None:
+        """Before ``optimizer.step()``: wait until the checkpoint being written has read the tensors;
+        commit it if every rank's upload is done (else a later hold, or :meth:`finish`, does)."""
+        pending = self.pending
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            pending.read.wait()
+            if self._everywhere(pending.uploaded):
+                self._settle(pending)
+        finally:
+            self.wait_s += time.perf_counter() - t0
 
     def finish(self) -> None:
         """Wait for the checkpoint being written, then (rank 0) commit its record; nothing when none is."""
@@ -114,24 +190,83 @@ class Checkpointer:
         if pending is None:
             return
         t0 = time.perf_counter()
-        self.pending = None
-        pending.thread.join()
-        mine = (pending.objects, pending.error)
-        every: list[Any] = [mine]
-        if self.sharded:
-            import torch.distributed as dist
-
-            every = [None] * dist.get_world_size() if self.rank == 0 else []
-            dist.gather_object(mine, every if self.rank == 0 else None, dst=0)
         try:
-            if self.rank != 0 or pending.commit is None:
-                return
-            errors = [e for _, e in every if e]
-            if errors:
-                log.warning("checkpoint before step %d not written (the run goes on without it): %s", pending.step, "; ".join(errors))
-                return
-            layout = pending.writer.layout
-            assert layout is not None
-            pending.commit([o for objs, _ in every for o in objs], layout)
+            self._settle(pending)
         finally:
             self.wait_s += time.perf_counter() - t0
+
+    def _everywhere(self, mine: bool) -> bool:
+        """Whether ``mine`` holds on every rank (a collective when sharded)."""
+        if not self.sharded:
+            return mine
+        import torch.distributed as dist
+
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return all(every)
+
+    def _settle(self, pending: _Pending) -> None:
+        """Wait for this rank's thread; rank 0 commits the record over every rank's objects (one
+        process: its thread did; what that commit raised is raised here)."""
+        self.pending = None
+        assert pending.thread is not None
+        pending.thread.join()
+        if not self.sharded:
+            if pending.failure is not None:
+                raise pending.failure
+            return
+        import torch.distributed as dist
+
+        mine = (pending.objects, pending.error)
+        every: list[Any] = [None] * dist.get_world_size() if self.rank == 0 else []
+        dist.gather_object(mine, every if self.rank == 0 else None, dst=0)
+        self._commit(pending, every)
+
+    def _commit(self, pending: _Pending, every: list[Any]) -> None:
+        """Rank 0: commit the record over every rank's ``(objects, error)``, or say why not."""
+        if self.rank != 0 or pending.commit is None:
+            return
+        errors = [e for _, e in every if e]
+        if errors:
+            log.warning("checkpoint before step %d not written (the run goes on without it): %s", pending.step, "; ".join(errors))
+            return
+        layout = pending.writer.layout
+        assert layout is not None
+        pending.commit([o for objs, _ in every for o in objs], layout)
+
+    def _spool_for(self, nbytes: int) -> int | None:
+        """The spool's file descriptor, grown to ``nbytes`` if the folder has room; None: no spool."""
+        if self.spool_dir is None or not nbytes:
+            return None
+        try:
+            if self._spool is None:
+                self._spool = tempfile.TemporaryFile(prefix="aurora-checkpoint-spool-", dir=self.spool_dir or None)  # noqa: SIM115 - kept open: the next checkpoint reuses its pages
+            fd = self._spool.fileno()
+            grow = nbytes - os.fstat(fd).st_size
+            fs = os.fstatvfs(fd)
+            if grow > 0 and fs.f_bavail * fs.f_frsize - grow < SPOOL_RESERVE_BYTES:
+                raise OSError(f"{grow} more bytes would leave less than {SPOOL_RESERVE_BYTES >> 20} MiB free")
+        except OSError as e:
+            if not self._said_no_spool:
+                self._said_no_spool = True
+                where = self.spool_dir or tempfile.gettempdir()
+                log.warning("checkpoint spool in %s: %s; this checkpoint is uploaded from the live tensors (the step waits)", where, e)
+            return None
+        return fd
+
+    @property
+    def spool_bytes(self) -> int:
+        """Disk the spool takes (0: none): the largest of this rank's checkpoints so far."""
+        if self._spool is None:
+            return 0
+        try:
+            return os.fstat(self._spool.fileno()).st_size
+        except OSError:
+            return 0
+
+    def close(self) -> None:
+        """Finish the checkpoint being written; drop the spool (its disk is freed)."""
+        self.finish()
+        if self._spool is not None:
+            self._spool.close()
+            self._spool = None

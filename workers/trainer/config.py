@@ -68,6 +68,19 @@ class TrainerConfig:
     """Passes over each batch (the ratio moves away from 1 after the first)."""
     kl_coef: float = option(0.0, metavar="C", help="weight of the KL to the reference model, 0: none kept")
     """Weight of the KL to the warm-started reference (0: no reference kept)."""
+    router_aux_loss_coef: float | None = option(
+        None,
+        metavar="C",
+        help="weight of a mixture-of-experts model's router load-balancing loss (0: off)",
+        default_text="the model config's router_aux_loss_coef",
+    )
+    """Weight of the router's auxiliary (load-balancing) loss of a mixture-of-experts model, as
+    the model defines it (transformers' ``aux_loss`` with ``output_router_logits``), added to the
+    GRPO loss of every forward pass in proportion to its completion tokens. Like transformers, the
+    loss is taken over one forward's tokens, so its value (unlike the GRPO term's) depends on how
+    a batch is split into passes (``micro_batch``) and ranks. None (the default): the model
+    config's ``router_aux_loss_coef``; 0: the loss is not computed. Refused (> 0) for a model
+    without a router."""
     snapshot_every: int = option(10, metavar="N", help="a full snapshot every N versions, for late joiners")
     """Write a full snapshot every N versions (late joiners start there)."""
     digest_every: int = option(
@@ -276,6 +289,9 @@ class TrainerConfig:
             raise ConfigError(
                 f"micro_batch must be >= 0 and versions_on auto, device or host (got {self.micro_batch}, {self.versions_on!r})"
             )
+        coef = self.router_aux_loss_coef
+        if coef is not None and not 0 <= coef < float("inf"):
+            raise ConfigError(f"router_aux_loss_coef must be a finite number >= 0, got {coef}")
         if self.commit_via not in COMMIT_VIA:
             raise ConfigError(f"commit_via must be one of {', '.join(COMMIT_VIA)}, got {self.commit_via!r}")
         self._check_recovery_knobs()
@@ -296,11 +312,15 @@ class TrainerConfig:
             raise ConfigError(f"outage_budget_s must be > 0, got {self.outage_budget_s}")
 
     def make_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        """The ``torch.optim`` optimizer this config names, over ``params`` (no weight decay)."""
+        """The ``torch.optim`` optimizer this config names, over ``params`` (no weight decay).
+
+        AdamW is torch's fused one: its step makes no temporaries, where the per-tensor loop
+        holds two of the largest parameter's size (the embedding: a byte per parameter at 200 M).
+        """
         import torch
 
         if self.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
+            return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0, fused=True)
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
 
     def publish_config(self, **overrides: Any) -> PublishConfig:

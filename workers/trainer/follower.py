@@ -16,15 +16,15 @@ import torch
 from aurora_store.errors import IntegrityError, ManifestError, ObjectNotFound
 from aurora_store.storage import Store
 from workers.model import logprobs, tiny_qwen3
-from workers.pretrained import load_pretrained, read_model_dir
+from workers.pretrained import build_empty, read_model_dir
 from workers.tokenizer import CharTokenizer
 from workers.trainer.checkpoint import checkpoint_folder, checkpoint_shapes, load_into, load_optimizer
 from workers.trainer.ckpt_async import Checkpointer
 from workers.trainer.config import TrainerConfig
 from workers.trainer.fsdp import DistContext, broadcast_module, exchange, gather_bf16, grpo_epochs, shard_model
-from workers.trainer.sharding import hear, optimizer_targets, rank_state
+from workers.trainer.sharding import hear, load_hf_shards, materialize_sharded, optimizer_targets, params_on_meta, rank_state
 
-__all__ = ["follow"]
+__all__ = ["build_sharded", "follow"]
 
 
 def follow(cfg: TrainerConfig, ctx: DistContext, store: Store | None = None) -> int:
@@ -33,9 +33,9 @@ def follow(cfg: TrainerConfig, ctx: DistContext, store: Store | None = None) -> 
 
     Returns the number of updates taken part in. Each step mirrors rank 0's
     collectives in order (:mod:`~workers.trainer.sharding`): a fresh run builds
-    the model like rank 0 and takes its warm-started weights (a broadcast); a
-    resumed one loads each candidate checkpoint rank 0 names, from ``store``
-    (the run root), reading only the objects its shard needs.
+    the model like rank 0 (:func:`build_sharded`); a resumed one loads each
+    candidate checkpoint rank 0 names, from ``store`` (the run root), reading
+    only the objects its shard needs.
     """
     if ctx.leader:
         raise ValueError("rank 0 runs the Trainer, not follow()")
@@ -43,32 +43,10 @@ def follow(cfg: TrainerConfig, ctx: DistContext, store: Store | None = None) -> 
     opt: torch.optim.Optimizer | None = None
     ckpt = Checkpointer(store, checkpoint_folder, ctx.rank, True) if store is not None else None
 
-    def build(fresh: bool) -> tuple[Any, torch.optim.Optimizer]:
-        """Rank 0's model, sharded as GrpoPolicy.prepare_training shards it."""
-        if cfg.model:
-            m = load_pretrained(read_model_dir(cfg.model).path, torch.float32)
-        else:
-            m = tiny_qwen3(
-                CharTokenizer().vocab_size,
-                seed=cfg.seed,
-                dtype=torch.float32,
-                head_dim=cfg.head_dim,
-                hidden=cfg.tiny_hidden,
-                intermediate=cfg.tiny_intermediate,
-            )
-        torch.nn.Module.to(m, ctx.device)
-        m.train()
-        broadcast_module(m)
-        shard_model(m, ctx)
-        o = cfg.make_optimizer(m.parameters())
-        if ckpt is not None:
-            ckpt.attach(o)
-        return m, o
-
     msg = hear(ctx)
     while msg[0] == "load":  # rank 0 tries checkpoints newest first until one makes its version's weights
         if model is None:
-            model, opt = build(False)
+            model, opt = build_sharded(cfg, ctx, fresh=False, ckpt=ckpt)
         assert opt is not None and store is not None
         _, step, rec = msg
         try:
@@ -83,7 +61,7 @@ def follow(cfg: TrainerConfig, ctx: DistContext, store: Store | None = None) -> 
     if msg[0] == "stop":
         return 0
     if msg[0] == "fresh":
-        model, opt = build(True)
+        model, opt = build_sharded(cfg, ctx, fresh=True, ckpt=ckpt)
         gather_bf16(list(model.named_parameters(remove_duplicate=False)), ctx)  # v0
         if not _follow_checkpoint(hear(ctx), model, opt, ckpt):
             return 0
@@ -102,6 +80,40 @@ def follow(cfg: TrainerConfig, ctx: DistContext, store: Store | None = None) -> 
         gather_bf16(params, ctx)
         if not _follow_checkpoint(hear(ctx), model, opt, ckpt):
             return updates
+
+
+def build_sharded(cfg: TrainerConfig, ctx: DistContext, fresh: bool, ckpt: Checkpointer | None = None) -> tuple[Any, torch.optim.Optimizer]:
+    """A rank > 0's model and optimizer, sharded as :meth:`GrpoPolicy.prepare_training
+    <workers.trainer.policy.GrpoPolicy.prepare_training>` shards rank 0's (the same collectives, in order).
+
+    ``--model``: built on the meta device, only this rank's shard allocated, its values read from the
+    model's files (``fresh``) or from the checkpoint that follows; no rank holds the whole model at
+    any time. The built-in model: built whole, then rank 0's (warm-started) weights (a broadcast).
+    ``ckpt``: holds the optimizer's step while a checkpoint is written.
+    """
+    if cfg.model:
+        path = read_model_dir(cfg.model).path
+        with params_on_meta():
+            m = build_empty(path, torch.float32)
+        m.train()
+        materialize_sharded(m, ctx, (lambda mm: load_hf_shards(mm, path)) if fresh else None)
+    else:
+        m = tiny_qwen3(
+            CharTokenizer().vocab_size,
+            seed=cfg.seed,
+            dtype=torch.float32,
+            head_dim=cfg.head_dim,
+            hidden=cfg.tiny_hidden,
+            intermediate=cfg.tiny_intermediate,
+        )
+        torch.nn.Module.to(m, ctx.device)
+        m.train()
+        broadcast_module(m)
+        shard_model(m, ctx)
+    o = cfg.make_optimizer(m.parameters())
+    if ckpt is not None:
+        ckpt.attach(o)
+    return m, o
 
 
 def _follow_checkpoint(msg: tuple[Any, ...], model: Any, opt: torch.optim.Optimizer, ckpt: Checkpointer | None) -> bool:

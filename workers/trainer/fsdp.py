@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from aurora_store.api.weights import gather_bf16 as gather_bf16_api
 __all__ = [
     "DistContext",
     "GrpoBatch",
+    "abandon",
     "broadcast_module",
     "exchange",
     "gather_bf16",
@@ -115,7 +116,44 @@ def leave(ctx: DistContext) -> None:
         dist.destroy_process_group()
 
 
-def exit_process(rc: int = 0) -> None:
+def abandon(rank: int, error: BaseException) -> NoReturn:
+    """End a rank whose work raised: say why in one line now, then exit without another collective.
+
+    Why not :func:`leave`: the other ranks may sit in a collective this rank will
+    never join (rank 1 in a version's gather while rank 0 failed before it), and
+    a barrier does not match one: both would wait for good, and the error would
+    be printed only after that barrier. Exiting closes this rank's connections,
+    so a peer's pending collective fails at once ("Connection closed by peer")
+    and that rank ends the same way; whoever started the ranks (``--nproc``'s
+    parent, torchrun) stops any rank left waiting outside a collective.
+    The line is the command line's own (``aurora: error: ...``), the rank named;
+    a bug's traceback goes to the debug log, as there.
+    """
+    import logging
+    import sys
+
+    from aurora_store.errors import AuroraError
+    from aurora_store.redact import redact_text
+
+    if isinstance(error, KeyboardInterrupt):
+        print(f"aurora: trainer rank {rank}: interrupted", file=sys.stderr)
+        exit_process(130)
+    if isinstance(error, SystemExit):
+        code = error.code if isinstance(error.code, int) else 1
+        if not isinstance(error.code, int) and error.code is not None:
+            print(f"aurora: error: trainer rank {rank}: {redact_text(str(error.code))}", file=sys.stderr)
+        exit_process(code)
+    said = next((ln.strip() for ln in str(error).splitlines() if ln.strip()), type(error).__name__)
+    if isinstance(error, (AuroraError, OSError, ValueError)):
+        line = redact_text(said)
+    else:  # a bug, or a peer that went away under a collective (gloo says so in its message)
+        logging.getLogger("aurora.trainer").debug("trainer rank %d ended with an unexpected error", rank, exc_info=error)
+        line = f"unexpected {type(error).__name__}: {redact_text(said)}"
+    print(f"aurora: error: trainer rank {rank}: {line}", file=sys.stderr)
+    exit_process(1)
+
+
+def exit_process(rc: int = 0) -> NoReturn:
     """End a spawned rank now: flush what it printed and logged, then ``os._exit``.
 
     After the work is done and the group left, a rank's interpreter teardown
@@ -144,7 +182,14 @@ def broadcast_module(model: torch.nn.Module, src: int = 0) -> None:
 
 
 def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
-    """``fully_shard`` each decoder layer, then the root (embedding, norm and a tied head stay together)."""
+    """``fully_shard`` each decoder layer, an untied embedding and head each on their own, then the root.
+
+    What a rank holds beyond its shards is the unit being gathered (and, in the
+    backward pass, its unsharded gradient): the embedding and an untied head
+    are the largest tensors of a model (a quarter of a 0.2 B one), so each is a
+    unit of its own, gathered only while it runs. A tied head is the
+    embedding's parameter: the two stay in the root's unit.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -154,8 +199,21 @@ def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
         raise TypeError(f"{type(model).__name__}: expected a causal LM with model.layers to shard")
     for layer in layers:
         fully_shard(layer, mesh=mesh)
+    embed, head = _embeddings(model)
+    if embed is not None and head is not None and embed.weight is not head.weight:
+        fully_shard(embed, mesh=mesh)
+        fully_shard(head, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _embeddings(model: torch.nn.Module) -> tuple[Any, Any]:
+    """The input embedding and output head modules (Hugging Face's accessors), None where there is none."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    embed = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    ok = all(isinstance(getattr(m, "weight", None), torch.nn.Parameter) for m in (embed, head))
+    return (embed, head) if ok else (None, None)
 
 
 def gather_bf16(
@@ -198,6 +256,8 @@ class GrpoBatch:
     """Rows per forward and backward pass on each rank (gradients accumulate); 0: all of a rank's rows at once."""
     checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
+    router_aux_coef: float = 0.0
+    """Weight of a mixture-of-experts model's router auxiliary loss (0: not computed)."""
 
     def rows(self, idx: Sequence[int], device: torch.device) -> GrpoBatch:
         sel = torch.tensor(list(idx), dtype=torch.long)
@@ -214,6 +274,7 @@ class GrpoBatch:
             pick(self.ref) if self.ref is not None else None,
             self.micro_batch,
             self.checkpointing,
+            self.router_aux_coef,
         )
 
     def to(self, device: torch.device | str) -> GrpoBatch:
@@ -313,7 +374,8 @@ def _grpo_pass(
     old = mine.old[lo:hi, :width]
     mask = comp.float()
     a = mine.advantages[lo:hi, None]
-    new = logprobs(model, ids, attn, comp, reduction="none")
+    aux: list[torch.Tensor] | None = [] if mine.router_aux_coef > 0 else None
+    new = logprobs(model, ids, attn, comp, reduction="none", **({"router_aux": aux} if aux is not None else {}))
     ratio = torch.exp(new - old)
     obj = torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
     loss = -(obj * mask).sum()
@@ -321,4 +383,8 @@ def _grpo_pass(
         # k3 estimator of KL(pi || ref), per token
         d = mine.ref[lo:hi, :width] - new
         loss = loss + kl_coef * ((torch.exp(d) - d - 1) * mask).sum()
+    if aux:
+        # The router's loss is a mean over the pass's tokens: weighted by its completion tokens, the
+        # passes (and ranks) of a batch add up to the batch's token-weighted mean, as the GRPO term does.
+        loss = loss + mine.router_aux_coef * torch.stack(aux).sum() * mask.sum()
     (loss * scale).backward()

@@ -20,16 +20,32 @@ compacted before the backward pass; the peak holds one full version.
 
 Views of older versions (:meth:`HeldWeights.view`) are built one tensor at a
 time, when read; they are read-only (a tensor may be the held one itself).
+
+A version made in one process (:func:`bf16_version`) is laid out in blocks of
+about :data:`VERSION_BLOCK_BYTES`, each tensor a view into its block. Why: a
+version lives about two steps and is freed whole (as the undo the behaviour
+pass let go of), while the next backward pass allocates the gradients; tensor
+by tensor, the freed version leaves holes of bf16 sizes scattered through the
+heap that float32 gradients (twice the size) do not fit in, and the C
+allocator keeps them: about one more version's worth of resident memory. A
+freed block is a hole the gradients fit in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HeldWeights", "Undo", "VersionView"]
+__all__ = ["VERSION_BLOCK_BYTES", "HeldWeights", "Undo", "VersionView", "bf16_version"]
+
+VERSION_BLOCK_BYTES = 16 << 20
+"""Bytes of one block of a version's tensors (a tensor larger than this is a block of its own).
+
+Below glibc's largest mmap threshold (32 MiB): a block comes from the heap and goes back to it,
+never back to the system (which a later block would have to fault in again, page by page)."""
+_ALIGN_ELEMENTS = 32  # 64 bytes of bf16: each view starts on a cache line
 
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -62,6 +78,8 @@ class Undo:
         n = a.numel()
         idx_size = 4 if n < 2**31 else 8
         if nnz * (idx_size + new.element_size()) >= n * new.element_size():
+            if old.untyped_storage().nbytes() > old.numel() * old.element_size():
+                old = old.clone()  # a view into a version's block would keep the whole block alive
             return Undo(None, old)  # dense: the old tensor is no bigger than its changed positions
         index = changed.nonzero().view(-1)
         del changed
@@ -234,3 +252,53 @@ def _aliases(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
     for n, t in weights.items():
         out[n] = first.setdefault((t.device, t.data_ptr(), tuple(t.shape)), n)
     return out
+
+
+def bf16_version(named: Iterable[tuple[str, torch.Tensor]], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """The bf16 rounding of each named tensor (one process: nothing is gathered), on ``device``
+    (default: where each tensor is), laid out in blocks of about :data:`VERSION_BLOCK_BYTES`
+    (see the module's docstring); tied names (one tensor twice) share one copy, as in the model.
+    Each tensor is a contiguous view; the rounding is ``Tensor.to(torch.bfloat16)``'s."""
+    unique: list[torch.Tensor] = []
+    first: dict[tuple[torch.device, int, tuple[int, ...]], int] = {}
+    names: list[tuple[str, int]] = []
+    for name, t in named:
+        key = (t.device, t.data_ptr(), tuple(t.shape))
+        if key not in first:
+            first[key] = len(unique)
+            unique.append(t.detach())
+        names.append((name, first[key]))
+    copies: list[torch.Tensor] = [torch.empty(0)] * len(unique)
+    block: list[int] = []
+    used = 0
+    for i, t in enumerate(unique):
+        n = _padded(t)
+        if block and (used + n > VERSION_BLOCK_BYTES // 2 or _where(t, device) != _where(unique[block[0]], device)):
+            _fill(block, unique, copies, device)
+            block, used = [], 0
+        block.append(i)
+        used += n
+    if block:
+        _fill(block, unique, copies, device)
+    return {name: copies[i] for name, i in names}
+
+
+def _padded(t: torch.Tensor) -> int:
+    return -(-t.numel() // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS
+
+
+def _where(t: torch.Tensor, device: torch.device | str | None) -> torch.device:
+    return torch.device(device) if device is not None else t.device
+
+
+def _fill(group: list[int], unique: list[torch.Tensor], copies: list[torch.Tensor], device: torch.device | str | None) -> None:
+    """One block for the tensors ``group`` indexes: each rounded into its view."""
+    sizes = [_padded(unique[i]) for i in group]
+    block = torch.empty(sum(sizes), dtype=torch.bfloat16, device=_where(unique[group[0]], device))
+    at = 0
+    for i, size in zip(group, sizes, strict=True):
+        src = unique[i]
+        view = block[at : at + src.numel()].view(src.shape)
+        view.copy_(src)
+        copies[i] = view
+        at += size

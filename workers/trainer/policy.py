@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
+from aurora_store.api.weights import family_of
 from aurora_store.codec.fusion import FusionPlan
 from aurora_store.coordination.ledger import AcceptedResult
 from aurora_store.errors import ConfigError
 from aurora_store.storage import Store
 from workers.common import write_model_description
 from workers.model import PASS_TOKENS, fusion_plan_for, hf_weights, is_tied, logprobs, pass_tokens, tiny_qwen3, warm_start
-from workers.pretrained import ModelDir, load_pretrained, read_model_dir
+from workers.pretrained import ModelDir, build_empty, load_pretrained, read_model_dir
 from workers.task import Problem, RewardRunner, Task, make_task
 from workers.tokenizer import CharTokenizer, HFTokenizer
 from workers.trainer.behaviour import BehaviourModel, versions_device
@@ -43,6 +44,8 @@ from workers.trainer.fsdp import (
     shard_model,
 )
 from workers.trainer.grpo import Rollouts, grpo_batch, read_rollouts
+from workers.trainer.held import bf16_version
+from workers.trainer.router_loss import router_aux_coef
 from workers.trainer.scheduling import Prompts, batch_prompts
 from workers.trainer.sharding import (
     is_meta,
@@ -50,7 +53,9 @@ from workers.trainer.sharding import (
     materialize_module,
     materialize_sharded,
     optimizer_targets,
+    params_on_meta,
     rank_state,
+    tied_by_identity,
 )
 from workers.trainer.sources import FirstVersion
 
@@ -105,6 +110,8 @@ class GrpoPolicy:
         self.evaluator: Evaluator | None = None
         self.restoring = False
         """Whether the model is being built for a resume (its weights then come from the checkpoint)."""
+        self.router_aux_coef = 0.0
+        """Weight of a mixture-of-experts model's router auxiliary loss (:mod:`~workers.trainer.router_loss`)."""
 
     @property
     def family(self) -> str:
@@ -116,9 +123,13 @@ class GrpoPolicy:
         """The fp32 master: ``--model``'s checkpoint (its tokenizer with it), or the built-in tiny Qwen3."""
         md = self.model_dir
         if md is not None:
-            # (A sharded rank could build it on the meta device and read only its shard:
-            # workers.trainer.sharding.params_on_meta / materialize_sharded / load_hf_shards; not wired in yet.)
-            self.model = load_pretrained(md.path, torch.float32)
+            if self.ctx.sharded:
+                # On the meta device: each rank allocates and reads only its own shard (_shard), so no
+                # rank ever holds the whole model in fp32, not even while it loads.
+                with params_on_meta():
+                    self.model = build_empty(md.path, torch.float32)
+            else:
+                self.model = load_pretrained(md.path, torch.float32)
             self.tokenizer = HFTokenizer.from_dir(md.path, model_vocab=int(self.model.config.vocab_size))
             log.info(
                 "model: %s (%s, %.1f M parameters), tokenizer of %d ids%s",
@@ -143,17 +154,18 @@ class GrpoPolicy:
     def prepare_training(self) -> None:
         """After the master weights are final: the behaviour copy, sharding, the optimizer, the plan."""
         self.model.train()
+        self.router_aux_coef = router_aux_coef(self.model, self.cfg.router_aux_loss_coef)
         # The module behaviour log-probs and evaluations run on: bf16 as the Actors run it, with no
         # weights of its own (the version's held tensors are lent to it while it computes).
         self.behavior = BehaviourModel(self.model, self.ctx.device)
-        tied = is_tied(hf_weights(self.model))
+        tied = tied_by_identity(self.model) if is_meta(self.model) else is_tied(hf_weights(self.model))
         if self.ctx.sharded:
             self._shard()
         self.opt = self.cfg.make_optimizer(self.model.parameters())
         self.followers_joined = self.ctx.sharded
         # The plan describes what is shipped: the bf16 weights (the fp32 master is the Trainer's own).
         # (Built from the behaviour module's meta tensors: shapes and dtypes only, nothing allocated.)
-        self.plan = fusion_plan_for(hf_weights(self.behavior.module), tied=tied)
+        self.plan = fusion_plan_for(hf_weights(self.behavior.module), tied=tied, family=family_of(self.model))
 
     def _shard(self) -> None:
         """FSDP2 over the ranks. A model built on the meta device (``--model``) gets only this rank's
@@ -197,9 +209,13 @@ class GrpoPolicy:
         return versions_device(self.cfg.versions_on, self.ctx.device, self.params, world=self.ctx.world)
 
     def bf16_weights(self) -> dict[str, torch.Tensor]:
-        """The bf16 rounding of the master weights, where :meth:`versions_device` says (gathered one parameter at a time when sharded)."""
+        """The bf16 rounding of the master weights, where :meth:`versions_device` says (gathered one parameter
+        at a time when sharded; in one process, in blocks: :func:`~workers.trainer.held.bf16_version`)."""
         dev = self.versions_device() or self.ctx.device
-        return gather_bf16(list(self.model.named_parameters(remove_duplicate=False)), DistContext(self.ctx.rank, self.ctx.world, dev))
+        named = list(self.model.named_parameters(remove_duplicate=False))
+        if not self.ctx.sharded:
+            return bf16_version(named, dev)
+        return gather_bf16(named, DistContext(self.ctx.rank, self.ctx.world, dev))
 
     def _write_model_description(self, store: Store) -> Any:
         """``model/`` in the run root: what an Actor builds the model and its tokenizer from (FORMAT.md §1)."""
@@ -259,6 +275,7 @@ class GrpoPolicy:
             release()  # an older version's rebuilt tensors are not needed for the backward pass
         if batch is not None:
             batch.checkpointing = self.cfg.activation_checkpointing
+            batch.router_aux_coef = self.router_aux_coef
         if self.ctx.sharded:
             exchange(("train", batch.to("cpu")) if batch is not None else ("skip", None), self.ctx)
         if batch is not None:
@@ -317,9 +334,12 @@ class GrpoPolicy:
         if "rng.torch" in state:
             torch.set_rng_state(state["rng.torch"])
 
-    def close(self) -> None:
+    def close(self, release: bool = True) -> None:
         """Stop the reward runner; release the other ranks (only once they wait for messages:
-        before that they wait in another collective and a message would not match it)."""
+        before that they wait in another collective and a message would not match it).
+
+        ``release`` False (the run failed): no message is sent, as the other ranks may be
+        inside any collective; they end when this rank's process does (:func:`~workers.trainer.fsdp.abandon`)."""
         self.rewards.close()
-        if self.followers_joined:
+        if self.followers_joined and release:
             exchange(("stop", None), self.ctx)

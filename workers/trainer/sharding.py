@@ -8,7 +8,9 @@ point every rank reaches in the same order, so the collectives that follow it
 
 Messages (tuples, first item the kind):
 
-- ``("fresh",)``: build the model as rank 0 does (it broadcasts its weights);
+- ``("fresh",)``: build the model as rank 0 does: ``--model`` on the meta device, each rank then
+  reading only its own shard from the model's files; the built-in one whole, taking rank 0's
+  (warm-started) weights by a broadcast;
 - ``("load", step, record)``: load the checkpoint before ``step`` (its record
   already checked by rank 0) into this rank's shard, then join the gather that
   checks its weights; followed by another ``load``, or ``("resumed",)``;
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from workers.trainer.checkpoint import optimizer_tensors
+from workers.trainer.checkpoint import make_optimizer_state, optimizer_tensors
 from workers.trainer.fsdp import DistContext
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "params_on_meta",
     "rank_state",
     "tell",
+    "tied_by_identity",
 ]
 
 
@@ -64,10 +67,15 @@ def hear(ctx: DistContext) -> tuple[Any, ...]:
 def rank_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's part of a checkpoint: the master weights (``model.<name>``, DTensor shards when
     sharded) and the optimizer's tensors (``opt.<index>.<name>``), live (no copy); the optimizer's
-    non-tensor state as JSON."""
+    non-tensor state as JSON.
+
+    An Adam optimizer's state is made first if it is still empty (the checkpoint before step 0):
+    every rank calls this at the same checkpoint, so every rank's part names the same tensors
+    (DCP plans the save over all of them; a rank without the moments would leave holes)."""
     tensors = {f"model.{n}": p.detach() for n, p in model.state_dict().items()}
     meta: dict[str, Any] = {}
     if opt is not None:
+        make_optimizer_state(opt)
         opt_t, meta = optimizer_tensors(opt)
         tensors.update({n: t.detach() for n, t in opt_t.items()})
     return tensors, meta
@@ -112,6 +120,30 @@ def is_meta(model: torch.nn.Module) -> bool:
     return any(p.device.type == "meta" for p in model.parameters())
 
 
+def tied_by_identity(model: torch.nn.Module) -> bool:
+    """Whether ``lm_head.weight`` is the embedding's parameter, read from the parameters' identity.
+
+    :func:`workers.model.is_tied` compares storages, which meta tensors do not
+    have (every one reads as address 0); the module's own parameter objects say
+    the same thing before anything is allocated. Any other parameter under two
+    names is refused, as there: a delta would reach its elements twice.
+    """
+    from aurora_store.codec.fusion import EMBED, TIED_HEAD
+    from aurora_store.errors import ModelMismatchError
+
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    tied = False
+    for group in names.values():
+        if len(group) == 1:
+            continue
+        if sorted(group) != sorted((TIED_HEAD, EMBED)):
+            raise ModelMismatchError(f"{group[1]} is the parameter {group[0]}; only {TIED_HEAD} may alias {EMBED}")
+        tied = True
+    return tied
+
+
 def materialize_sharded(model: torch.nn.Module, ctx: DistContext, load: Callable[[torch.nn.Module], None] | None) -> None:
     """Shard a meta-device ``model`` (FSDP2), allocate only this rank's shard on its device, keep its
     buffers, then ``load`` the shard's values (None: a checkpoint load follows)."""
@@ -141,34 +173,24 @@ def materialize_module(module: torch.nn.Module, device: torch.device) -> torch.n
 
 def load_hf_shards(model: torch.nn.Module, path: str) -> None:
     """Fill this rank's shard of every parameter from a Hugging Face directory's safetensors files,
-    reading only its rows (``safe_open(...).get_slice``); a parameter the files lack must be tied."""
-    import glob
-    import os
-
-    from safetensors import safe_open
+    reading only its rows (``safe_open(...).get_slice``; packed experts from the per-expert tensors
+    checkpoints save, :class:`~workers.trainer.hf_rows.CheckpointRows`); a parameter the files lack must be tied."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from aurora_store.errors import ConfigError
+    from workers.trainer.hf_rows import CheckpointRows
 
-    where: dict[str, str] = {}
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        with safe_open(f, framework="pt") as sf:
-            for k in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
-                where.setdefault(k, f)
-    with torch.no_grad():
+    with torch.no_grad(), CheckpointRows(path, model) as saved:
         for name, p in model.named_parameters():
-            if name not in where:
-                raise ConfigError(f"--model {path}: no tensor {name!r} in its safetensors files")
-            with safe_open(where[name], framework="pt") as sf:
-                view = sf.get_slice(name)
-                if isinstance(p, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                    local = p.to_local()
-                    rows = view[offset[0] : offset[0] + shape[0]] if shape[0] else None
-                else:
-                    local, rows = p, view[:]
-                if rows is not None:
-                    if tuple(rows.shape) != tuple(local.shape):
-                        raise ConfigError(f"--model {path}: {name} holds {list(rows.shape)}, this rank's shard is {list(local.shape)}")
-                    local.copy_(rows.to(local.dtype))
+            full = tuple(p.shape)
+            if isinstance(p, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                local = p.to_local()
+                rows = saved.rows(name, offset[0], offset[0] + shape[0], full) if shape[0] else None
+            else:
+                local, rows = p, saved.rows(name, 0, full[0], full)
+            if rows is not None:
+                if tuple(rows.shape) != tuple(local.shape):
+                    raise ConfigError(f"--model {path}: {name} holds {list(rows.shape)}, this rank's shard is {list(local.shape)}")
+                local.copy_(rows)  # converted as it is copied: no second copy of the rows in the shard's dtype

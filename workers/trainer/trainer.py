@@ -63,6 +63,7 @@ from workers.trainer.fsdp import (
     SINGLE,
     DistContext,
 )
+from workers.trainer.malloc import tune_allocator
 from workers.trainer.policy import GrpoPolicy
 from workers.trainer.sources import StepSource, WeightsSource
 from workers.trainer.step_metrics import save_step_metrics
@@ -134,6 +135,7 @@ class Trainer:
     ) -> None:
         if not ctx.leader:
             raise ValueError("the Trainer runs on rank 0; other ranks run follow()")
+        tune_allocator()  # before the model is built (workers.trainer.malloc: what glibc keeps beyond what is live)
         if (steps is None) != (weights is None):
             raise ValueError("a workload gives both a step source and a weights source (or neither: GRPO)")
         self.ep = ep
@@ -424,7 +426,7 @@ class Trainer:
             raise
         finally:
             if self.grpo is not None:
-                self.grpo.close()
+                self.grpo.close(release=clean)  # after a failure no message: the other ranks may be mid-collective
             if clean:
                 # The checkpoint still being written is committed (the other ranks, told to stop, finish theirs).
                 self.bootstrap.checkpointer.finish()
