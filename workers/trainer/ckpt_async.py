@@ -12,17 +12,14 @@ thing that changes those tensors) is held until they have been read
 Read into what: a store takes as long as it takes (about 50 MB/s into
 ``rclone serve s3`` on a loaded machine, a minute for a 200 M model's 2.4 GB),
 longer than a forward and backward pass. So each rank first copies its
-tensors into a local *spool* file, at memory speed once the file's pages are
-cached, and the hold waits for that copy only; the upload then reads the
-spool, one part at a time, in the background, while training goes on. The
-spool is one file per :class:`Checkpointer`, in the temporary folder
-(``TMPDIR``), unlinked as soon as it is made (it goes with the process,
-killed or not) and overwritten in place by every checkpoint, so its pages
-stay cached: it takes as much disk (and page cache, which is not the
-process's memory) as the rank's part of a checkpoint, 12 bytes per parameter
-with AdamW. Where the folder's free space would fall below
-:data:`SPOOL_RESERVE_BYTES`, or the file cannot be written, the checkpoint is
-uploaded from the live tensors and the hold waits for the upload instead.
+tensors into a local :class:`~workers.trainer.spool.Spool`, at memory speed
+once the file's pages are cached, and the hold waits for that copy only; the
+upload then reads the spool, one part at a time, in the background, while
+training goes on. The spool takes as much disk (and page cache, which is not
+the process's memory) as the rank's part of a checkpoint, 12 bytes per
+parameter with AdamW; without room for it, or when it cannot be written, the
+checkpoint is uploaded from the live tensors and the hold waits for the
+upload instead.
 
 A checkpoint goes in three moves, each at the same point on every rank:
 
@@ -45,29 +42,25 @@ for checkpoints (planning, the hold, committing the record).
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from aurora_store.storage import Store
 from workers.trainer.ckpt_store import PART_BYTES, ObjectEntry, StoreWriter
+from workers.trainer.spool import Spool
 
-__all__ = ["SPOOL_RESERVE_BYTES", "Checkpointer", "Commit"]
+__all__ = ["Checkpointer", "Commit"]
 
 log = logging.getLogger("aurora.trainer")
 
 Commit = Callable[[list[ObjectEntry], Mapping[str, Any]], None]
 """Rank 0's last move: commit the record over every rank's objects and the chunks' layout."""
-
-SPOOL_RESERVE_BYTES = 1 << 30
-"""Free space the spool leaves in its folder (else the checkpoint is uploaded from the live tensors)."""
 
 
 @dataclass(slots=True)
@@ -111,12 +104,10 @@ class Checkpointer:
         self.rank = rank
         self.sharded = sharded
         self.part_bytes = PART_BYTES
-        self.spool_dir = spool_dir
+        self.spool = Spool(spool_dir, "checkpoint")
         self.wait_s = 0.0
         """Seconds the training loop waited for checkpoints so far (``aurora bench trainer``'s ``checkpoint_wait_s``)."""
         self.pending: _Pending | None = None
-        self._spool: IO[bytes] | None = None
-        self._said_no_spool = False
         self._hooked: set[int] = set()
 
     def attach(self, opt: torch.optim.Optimizer) -> None:
@@ -140,7 +131,7 @@ class Checkpointer:
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
             dcp.save(dict(state), storage_writer=writer, no_dist=not self.sharded)
         pending = _Pending(step, writer, commit)
-        spool = self._spool_for(writer.nbytes)
+        spool = self.spool.fd(writer.nbytes)
         pending.thread = threading.Thread(target=self._write, args=(pending, spool), name=f"checkpoint-{step}", daemon=True)
         pending.thread.start()
         self.pending = pending
@@ -234,39 +225,12 @@ class Checkpointer:
         assert layout is not None
         pending.commit([o for objs, _ in every for o in objs], layout)
 
-    def _spool_for(self, nbytes: int) -> int | None:
-        """The spool's file descriptor, grown to ``nbytes`` if the folder has room; None: no spool."""
-        if self.spool_dir is None or not nbytes:
-            return None
-        try:
-            if self._spool is None:
-                self._spool = tempfile.TemporaryFile(prefix="aurora-checkpoint-spool-", dir=self.spool_dir or None)  # noqa: SIM115 - kept open: the next checkpoint reuses its pages
-            fd = self._spool.fileno()
-            grow = nbytes - os.fstat(fd).st_size
-            fs = os.fstatvfs(fd)
-            if grow > 0 and fs.f_bavail * fs.f_frsize - grow < SPOOL_RESERVE_BYTES:
-                raise OSError(f"{grow} more bytes would leave less than {SPOOL_RESERVE_BYTES >> 20} MiB free")
-        except OSError as e:
-            if not self._said_no_spool:
-                self._said_no_spool = True
-                where = self.spool_dir or tempfile.gettempdir()
-                log.warning("checkpoint spool in %s: %s; this checkpoint is uploaded from the live tensors (the step waits)", where, e)
-            return None
-        return fd
-
     @property
     def spool_bytes(self) -> int:
         """Disk the spool takes (0: none): the largest of this rank's checkpoints so far."""
-        if self._spool is None:
-            return 0
-        try:
-            return os.fstat(self._spool.fileno()).st_size
-        except OSError:
-            return 0
+        return self.spool.nbytes
 
     def close(self) -> None:
         """Finish the checkpoint being written; drop the spool (its disk is freed)."""
         self.finish()
-        if self._spool is not None:
-            self._spool.close()
-            self._spool = None
+        self.spool.close()

@@ -49,6 +49,7 @@ from torch.futures import Future
 
 from aurora_store.errors import IntegrityError, ManifestError
 from aurora_store.storage import Store
+from workers.trainer.spool import write_at
 
 __all__ = ["DTYPES", "ObjectEntry", "StoreReader", "StoreWriter", "parse_layout"]
 
@@ -189,9 +190,9 @@ class StoreWriter(StorageWriter):
             end = 0
             for at, t in items:
                 if at > end:
-                    _write_all(fd, bytes(at - end), base + end)
+                    write_at(fd, bytes(at - end), base + end)
                 data = _raw(t)
-                _write_all(fd, data, base + at)
+                write_at(fd, data, base + at)
                 end = at + len(data)
 
     def upload(self, stopped: Callable[[], bool] = lambda: False, spool: int | None = None) -> list[ObjectEntry]:
@@ -230,13 +231,6 @@ def _raw(t: torch.Tensor) -> memoryview:
     if not flat.numel():
         return memoryview(b"")
     return flat.view(torch.uint8).numpy().data.cast("B")
-
-
-def _write_all(fd: int, data: memoryview | bytes, at: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, at)
-        view, at = view[n:], at + n
 
 
 def _read_all(fd: int, size: int, at: int) -> bytes:

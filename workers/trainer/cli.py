@@ -32,7 +32,7 @@ RANK_GRACE_S = 10.0
 """After a rank of ``--nproc`` fails: how long the others get to end by themselves, then after SIGTERM."""
 MMAP_THRESHOLD = 4 << 20
 """A sharded rank's host allocations of at least this many bytes are mapped on their own, and
-unmapped when freed (:func:`_pin_mmap_threshold`)."""
+unmapped when freed (:func:`_tune_rank_allocator`)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -158,7 +158,7 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
         return 0
     ctx = init_from_env()
     if ctx.sharded:
-        _pin_mmap_threshold()
+        _tune_rank_allocator()
     try:
         rc = _run(args, storage_options, ctx)
     except BaseException as e:
@@ -169,28 +169,33 @@ def main(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
     return rc
 
 
-def _pin_mmap_threshold() -> None:
-    """Pin glibc's mmap threshold at :data:`MMAP_THRESHOLD` (nothing where the C library has no ``mallopt``).
+def _tune_rank_allocator() -> None:
+    """Every rank of a sharded Trainer: the Trainer's allocator settings (:mod:`workers.trainer.malloc`,
+    made once per process: the Trainer's own call on rank 0 then changes nothing), then glibc's mmap
+    threshold pinned lower, at :data:`MMAP_THRESHOLD` (nothing where the C library has no ``mallopt``).
 
-    Why: glibc raises the threshold each time it frees a mapped block, up to
-    32 MB, and from then on serves a rank's per-layer buffers (gathered
-    parameters, their gradients before the reduce-scatter, activations, bf16
-    copies) from its heap, which fragments and keeps the freed pages. Measured
-    on a 0.2 B-parameter model over two gloo ranks, three GRPO updates: each
-    rank's peak resident memory was 1.2-1.4 GB (6-7 bytes per parameter) lower
-    with the threshold pinned at 1 or 4 MB, its steady memory 1.2-1.7 GB lower.
-    The price is a page fault per page of each large allocation: the update's
-    CPU time went from about 13 to 18 s on that machine's CPU (a GPU rank's
-    tensors are not the C library's to place).
+    Why lower on a rank: FSDP's per-layer buffers (a layer's gathered parameters, its gradients
+    before the reduce-scatter, each a few tens of MB) under a high threshold come from the heap,
+    which they fragment. Measured on a 0.2 B-parameter model (28 MB layers) over two gloo ranks,
+    three GRPO updates, each rank's peak resident memory: 4.0-4.3 GB with glibc's defaults,
+    4.5-4.7 GB with one arena and a 32 MB threshold, 2.8-3.1 GB at 16 MB, 2.7-2.8 GB at 1 or 4 MB
+    (about 7 bytes per parameter less than the defaults). The price is a page fault per page of each
+    mapped block: the update's CPU time went from 12-13 s to about 17 s on that machine's CPU (a GPU
+    rank's tensors are not the C library's to place). A threshold the environment sets
+    (``MALLOC_MMAP_THRESHOLD_``) is left as it is.
     """
     import ctypes
 
+    from workers.trainer.malloc import tune_allocator
+
+    if not tune_allocator() or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD: also turns off the raising
+    mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (also keeps glibc from raising it)
 
 
 def _run(args: argparse.Namespace, storage_options: Mapping[str, Any], ctx: DistContext) -> int:
