@@ -68,7 +68,7 @@ CRASH = 6
 @pytest.mark.parametrize(
     "crash",
     [
-        pytest.param(None, id="mid-batch"),
+        pytest.param(None, id="mid-batch", marks=pytest.mark.long),  # the slowest; mid-publish keeps a resume in CI
         pytest.param("segment", id="mid-publish"),
         pytest.param("manifest", id="after-manifest", marks=pytest.mark.long),
         pytest.param("closed", id="after-close", marks=pytest.mark.long),
