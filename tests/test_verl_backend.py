@@ -9,6 +9,9 @@ replica A receives all three from origin, replica B joins after the first
 and reads through its region's mirror, kept by a real Relay process. Every
 version must reach both bit for bit. The delta B takes from the mirror is
 deleted at origin first, so the mirror is the only place B can have read it.
+A second process (tests/verl_moe_worker.py) does the same, without the
+mirror, for a tiny Qwen3-MoE and Mixtral sent as verl's FSDP engine yields
+them (one tensor per expert), and sends updates that must publish nothing.
 
 The Hugging Face names a replica yields come from the run's manifests
 (:func:`~aurora_store.integrations.hf_layout.hf_layout`); that part needs no
@@ -29,10 +32,12 @@ import pytest
 
 from aurora_store.codec.entries import ParamSpec
 from aurora_store.codec.extract import plan_of
+from aurora_store.codec.fusion import FusionPlan
 from aurora_store.errors import ConfigError
 from aurora_store.format.manifest import manifest_key, version_dir
-from aurora_store.integrations.hf_layout import hf_layout
+from aurora_store.integrations.hf_layout import checkpoint_module, hf_layout
 from aurora_store.lineage.fetch import read_manifest
+from aurora_store.lineage.plan import scan_versions
 from aurora_store.storage import open_store
 from aurora_store.testing.servers import RedisServer, S3Server
 from aurora_store.testing.wait import wait_until
@@ -74,6 +79,67 @@ def test_hf_layout_splits_a_qkv_bias_like_its_weight() -> None:
     assert hf_layout(fused) == specs
 
 
+def _experts(
+    w13: tuple[int, ...] = (4, 16, 8), w2: tuple[int, ...] | None = (4, 8, 8), router: tuple[int, ...] = (4, 8)
+) -> dict[str, ParamSpec]:
+    """One Qwen-style experts layer under the format's names (E=4, I=8, H=8 unless told)."""
+    out = {"m.layers.0.mlp.gate.weight": ParamSpec(router, "bfloat16"), "m.layers.0.mlp.experts.w13_weight": ParamSpec(w13, "bfloat16")}
+    if w2 is not None:
+        out["m.layers.0.mlp.experts.w2_weight"] = ParamSpec(w2, "bfloat16")
+    return out
+
+
+def _per_expert(mod: str, names: tuple[str, str, str], e_: int = 3, i_: int = 8, h_: int = 16) -> dict[str, ParamSpec]:
+    """A checkpoint's experts layer: one tensor per expert and projection, and the router."""
+    gate, up, down = names
+    out = {f"model.layers.0.{mod}.gate.weight": ParamSpec((e_, h_), "bfloat16")}
+    for e in range(e_):
+        out[f"model.layers.0.{mod}.experts.{e}.{gate}.weight"] = ParamSpec((i_, h_), "bfloat16")
+        out[f"model.layers.0.{mod}.experts.{e}.{up}.weight"] = ParamSpec((i_, h_), "bfloat16")
+        out[f"model.layers.0.{mod}.experts.{e}.{down}.weight"] = ParamSpec((h_, i_), "bfloat16")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("family", "mod", "names"),
+    [("qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj")), ("mixtral", "block_sparse_moe", ("w1", "w3", "w2"))],
+)
+def test_hf_layout_gives_experts_back_per_expert_under_the_checkpoint_names(family: str, mod: str, names: tuple[str, str, str]) -> None:
+    ckpt = _per_expert(mod, names)
+    fused = FusionPlan.from_specs(ckpt, family=family).specs()
+    assert fused[f"model.layers.0.{mod}.experts.w13_weight"] == ParamSpec((3, 16, 16), "bfloat16")
+    assert fused[f"model.layers.0.{mod}.experts.w2_weight"] == ParamSpec((3, 16, 8), "bfloat16")
+    assert hf_layout(fused) == ckpt
+    # transformers 5 holds Mixtral's experts (packed) and router under mlp: the same format names, the same names back.
+    packed = {
+        "model.layers.0.mlp.gate.weight": ParamSpec((3, 16), "bfloat16"),
+        "model.layers.0.mlp.experts.gate_up_proj": ParamSpec((3, 16, 16), "bfloat16"),
+        "model.layers.0.mlp.experts.down_proj": ParamSpec((3, 16, 8), "bfloat16"),
+    }
+    assert hf_layout(FusionPlan.from_specs(packed, family=family).specs()) == ckpt
+
+
+def test_hf_layout_gives_a_qwen2_moe_shared_expert_back_beside_the_routed_ones() -> None:
+    ckpt = _per_expert("mlp", ("gate_proj", "up_proj", "down_proj"))
+    ckpt |= {f"model.layers.0.mlp.shared_expert.{p}_proj.weight": ParamSpec((24, 16), "bfloat16") for p in ("gate", "up")}
+    ckpt |= {"model.layers.0.mlp.shared_expert.down_proj.weight": ParamSpec((16, 24), "bfloat16")}
+    ckpt |= {"model.layers.0.mlp.shared_expert_gate.weight": ParamSpec((1, 16), "bfloat16")}
+    fused = FusionPlan.from_specs(ckpt, family="qwen2_moe").specs()
+    assert fused["model.layers.0.mlp.shared_expert.gate_up_proj.weight"] == ParamSpec((48, 16), "bfloat16")
+    assert hf_layout(fused) == ckpt
+
+
+def test_checkpoint_module_moves_mixtrals_experts_out_of_mlp_and_nothing_else() -> None:
+    in_memory = ["model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.down_proj"]
+    in_memory += ["model.layers.0.self_attn.o_proj.weight", "model.layers.0.block_sparse_moe.gate.weight"]
+    assert checkpoint_module(in_memory, "mixtral") == {
+        "model.layers.0.mlp.experts.3.gate_proj.weight": "model.layers.0.block_sparse_moe.experts.3.gate_proj.weight",
+        "model.layers.0.mlp.gate.weight": "model.layers.0.block_sparse_moe.gate.weight",
+        "model.layers.0.mlp.experts.down_proj": "model.layers.0.block_sparse_moe.experts.down_proj",
+    }
+    assert checkpoint_module(in_memory, "qwen3_moe") == {} and checkpoint_module(in_memory, None) == {}
+
+
 @pytest.mark.parametrize(
     ("fused", "says"),
     [
@@ -86,7 +152,12 @@ def test_hf_layout_splits_a_qkv_bias_like_its_weight() -> None:
             "cannot split",
         ),
         ({"m.layers.0.mlp.gate_up_proj.weight": ParamSpec((33, 8), "bfloat16")}, "gate and up"),
-        ({"m.layers.0.mlp.experts.w13_weight": ParamSpec((4, 16, 8), "bfloat16")}, "mixture-of-experts"),
+        ({"m.layers.0.mlp.experts.w13_weight": ParamSpec((4, 16), "bfloat16")}, "into its experts"),
+        ({"m.layers.0.mlp.experts.w13_weight": ParamSpec((1 << 20, 16, 8), "bfloat16")}, "into its experts"),
+        (_experts(w13=(4, 15, 8)), "do not map back"),
+        (_experts(w2=(4, 8, 6)), "do not map back"),
+        (_experts(router=(5, 8)), "do not map back"),
+        (_experts(w13=(4, 16, 8), w2=None), "do not map back"),
         ({"m.norm.weight": ParamSpec((8,), "float32")}, "bfloat16"),
     ],
 )
@@ -248,3 +319,49 @@ def test_a_trainer_reaches_two_replicas_bit_identical_one_late_through_a_relay_m
                 w.stop()
         relay.terminate()
         relay.wait(timeout=30)
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_moe_models_reach_replicas_per_expert_bit_identical_and_a_bad_layer_publishes_nothing(
+    redis_server: RedisServer, run_name: str, tmp_path: Path
+) -> None:
+    """Qwen3-MoE and Mixtral through verl's registry (tests/verl_moe_worker.py): the trainer yields what verl's FSDP
+    engine does (transformers 5's packed experts unpacked per expert by verl's own code), replicas yield checkpoint names."""
+    if not VERL_PYTHON.exists():
+        pytest.skip("no .venv-verl: `make venv-verl` makes it (`make test` does)")
+    root = f"file://{tmp_path}/runs"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AURORA_")} | {"AURORA_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    argv = [
+        str(VERL_PYTHON),
+        str(REPO / "tests" / "verl_moe_worker.py"),
+        json.dumps({"root": root, "run": run_name, "redis": redis_server.url}),
+    ]
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=REPLY_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(result) == {"qwen3_moe", "mixtral"}
+    expert0 = {
+        "qwen3_moe": "model.layers.1.mlp.experts.0.gate_proj.weight",
+        "mixtral": "model.layers.1.block_sparse_moe.experts.0.w1.weight",
+    }
+    for family, r in result.items():
+        assert r["packed"], family  # the trainer's model holds its experts packed: verl's unpacking ran
+        paths = [s["paths"] for s in r["steps"]]
+        assert paths == [{"a": ["snapshot", 0]}, {"a": ["deltas", 1], "b": ["snapshot", 1]}, {"a": ["deltas", 2], "b": ["deltas", 2]}]
+        for step, s in enumerate(r["steps"]):
+            assert s["metrics"]["aurora/version"] == step
+            assert expert0[family] in s["sent"] and "model.layers.1.mlp.experts.gate_up_proj" not in s["sent"]
+            for replica, got in s["got"].items():
+                assert got == s["sent"], (family, step, replica)  # names, shapes and bf16 bits: the trainer's, per expert
+        assert 0 < r["steps"][1]["metrics"]["aurora/density"] < 0.2
+    missing, mixed = result["qwen3_moe"]["errors"]
+    (both,) = result["mixtral"]["errors"]
+    for err, says in (
+        (missing, "expert 1 of 4 has no down projection"),
+        (mixed, "more than one form"),
+        (both, "model.layers.0.block_sparse_moe.gate.weight is also named under mlp"),
+    ):
+        assert err["error"] == "ModelMismatchError" and says in err["message"] and "nothing was published" in err["message"], err
+        assert "\n" not in err["message"]
+    assert scan_versions(open_store(f"{root}/qwen3_moe")).latest == 2 and scan_versions(open_store(f"{root}/mixtral")).latest == 2

@@ -35,8 +35,19 @@ Choices, and why:
   silently dropped update.
 - A replica yields Hugging Face names, full tensors, recovered from the
   run's own snapshot manifest (fused names and shapes, FORMAT.md §2): no
-  model config to pass, nothing to keep in step. Mixture-of-experts runs are
-  refused for now.
+  model config to pass, nothing to keep in step.
+- Mixture-of-experts models: the trainer's generator may name experts one
+  tensor per expert (what verl's FSDP engine yields: it unpacks transformers
+  5's packed experts, ``verl/workers/engine/fsdp/utils.py:unfuse_moe_params``)
+  or packed (``…experts.gate_up_proj``); the Publisher stacks them into the
+  format's ``w13_weight`` / ``w2_weight``. Every update is checked first: a
+  layer with an expert missing, or with two forms, is one error and nothing
+  is published. A replica yields one tensor per expert under the
+  checkpoint's names, which vLLM's ``load_weights`` takes (verl's vLLM
+  adapter calls it: ``verl/workers/rollout/vllm_rollout/utils.py``).
+  Mixtral needs ``model_type: mixtral``: transformers 5 holds its experts
+  under ``mlp`` (as Qwen's), the checkpoint and the format under
+  ``block_sparse_moe``, and names alone cannot tell the two apart.
 - ``receive_weights(global_steps=k)`` waits until a version published for
   step ``k`` or later is committed (the step is in its manifest's
   ``producer``), so a replica called before the trainer has published waits,
@@ -73,10 +84,11 @@ except ImportError as e:  # one clear line, not verl's import chain
 from aurora_store.api import Follower, Publisher, Updated
 from aurora_store.api.weights import leader
 from aurora_store.codec.entries import ParamSpec
+from aurora_store.codec.experts import plan_experts
 from aurora_store.codec.fusion import EMBED, TIED_HEAD
 from aurora_store.credentials import REDIS_URL_ENV, resolve_redis_url
-from aurora_store.errors import AuroraError, ConfigError, VersionNotFound
-from aurora_store.integrations.hf_layout import hf_layout
+from aurora_store.errors import AuroraError, ConfigError, ModelMismatchError, VersionNotFound
+from aurora_store.integrations.hf_layout import checkpoint_module, hf_layout
 from aurora_store.lineage.fetch import read_manifest
 from aurora_store.lineage.plan import scan_versions
 from aurora_store.options import sign_key_path, trust_key_paths
@@ -112,8 +124,9 @@ class AuroraCheckpointEngine(CheckpointEngineWithCache):
     (fsspec, no credentials), ``snapshot_every``, ``commit_via``,
     ``outage_budget_s``, ``device`` (where the trainer's bf16 copies and a
     replica's weights live: ``cpu``, or null for where verl's tensors are),
-    ``tied`` (null: detect), ``timeout_s`` (a replica's wait for a version;
-    null: no limit).
+    ``tied`` (null: detect), ``model_type`` (the trainer's config's; needed
+    for Mixtral, see the module's docstring), ``timeout_s`` (a replica's
+    wait for a version; null: no limit).
     """
 
     wire_format = "named_tensors"
@@ -136,6 +149,7 @@ class AuroraCheckpointEngine(CheckpointEngineWithCache):
         outage_budget_s: float | None = None,
         device: str | None = "cpu",
         tied: bool | None = None,
+        model_type: str | None = None,
         timeout_s: float | None = None,
         poll_s: float = 1.0,
         **unknown: Any,
@@ -158,6 +172,7 @@ class AuroraCheckpointEngine(CheckpointEngineWithCache):
         self.mirror = mirror if mirror is not None else os.environ.get(MIRROR_ENV) or None
         self.device = torch.device(device) if device is not None else None
         self.tied = tied
+        self.model_type = model_type
         self.timeout_s = timeout_s
         self._storage_options = _no_secrets("storage_options", storage_options)
         self._mirror_options = _no_secrets("mirror_options", mirror_options) if mirror is not None else _env_options(MIRROR_OPTIONS_ENV)
@@ -230,6 +245,7 @@ class AuroraCheckpointEngine(CheckpointEngineWithCache):
             # Always a copy: a generator may hand out views of buffers it reuses for the next tensor.
             new[name] = t.detach().to(device=self.device or t.device, dtype=torch.bfloat16, copy=True)
         self._tie(new, global_steps)
+        new = self._experts_checked(new, global_steps)
         pub = self._publisher_or_open()
         try:
             p = await asyncio.to_thread(pub.publish, new, step=global_steps, owned=True)
@@ -265,6 +281,19 @@ class AuroraCheckpointEngine(CheckpointEngineWithCache):
                 f"update): an untied model starts a new run root with engine_kwargs.aurora.tied: false"
             )
         new[TIED_HEAD] = embed
+
+    def _experts_checked(self, new: dict[str, torch.Tensor], step: int | None) -> dict[str, torch.Tensor]:
+        """``new`` under checkpoint modules (Mixtral's experts out of ``mlp``), its experts checked before anything is written."""
+        moved = checkpoint_module(list(new), self.model_type)
+        out = {moved.get(n, n): t for n, t in new.items()} if moved else new
+        try:
+            if len(out) != len(new):
+                both = sorted(m for m in moved.values() if m in new)
+                raise ModelMismatchError(f"{both[0]} is also named under mlp (transformers 5's module for {self.model_type}'s experts)")
+            plan_experts({n: ParamSpec(tuple(t.shape), "bfloat16") for n, t in out.items()}, self.model_type)
+        except ModelMismatchError as e:
+            raise ModelMismatchError(f"aurora send_weights, step {step}: {e}; nothing was published") from None
+        return out
 
     def _publisher_or_open(self) -> Publisher:
         if self._publisher is None:

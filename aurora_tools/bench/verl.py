@@ -19,6 +19,11 @@ memory) and Redis through it. After version 0, each measured step moves
   where they are version 0 (a snapshot), from ``send_weights`` to the replica's last tensor;
 - ``bit_identical``: every version the replica yielded equals the trainer's bf16 tensors.
 
+``--shape`` takes a named shape instead of ``--params``; a mixture-of-experts
+one (``qwen3-moe-tiny``, ``qwen3-30b-a3b-mini``) is sent one tensor per
+expert, as verl's FSDP engine yields it, and the replica must yield the same
+names back.
+
 Of several measured steps the fastest (send + receive) is reported: on a
 shared machine, slower ones measure the neighbours. Needs verl: run it in
 ``.venv-verl`` (``make venv-verl``): ``.venv-verl/bin/python -m aurora_tools.cli
@@ -54,9 +59,13 @@ REPLY_TIMEOUT_S = 1800.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from aurora_tools.synthetic.shapes import NAMED_SHAPES
     from aurora_tools.synthetic.workload import DEFAULT_DENSITY
 
     p.add_argument("--params", type=float, default=DEFAULT_PARAMS, help=f"model size in parameters (default {DEFAULT_PARAMS:g})")
+    p.add_argument(
+        "--shape", choices=sorted(NAMED_SHAPES), default=None, help="a named shape instead of --params (MoE ones: experts sent one by one)"
+    )
     p.add_argument("--density", type=float, default=DEFAULT_DENSITY, help=f"elements one step changes (default {DEFAULT_DENSITY})")
     p.add_argument("--measure", type=int, default=2, help="steps measured after version 0 (default 2; the fastest is reported)")
     p.add_argument("--gbps", type=float, default=1.0, help="the link's rate in Gbit/s (default 1, the WAN benchmark's headline)")
@@ -172,7 +181,7 @@ def _send(engine: Any, weights: Mapping[str, torch.Tensor], step: int) -> tuple[
 
 def run_benchmark(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     from aurora_store.testing.servers import RcloneS3Server, RedisServer
-    from aurora_tools.synthetic.shapes import shape_for_params
+    from aurora_tools.synthetic.shapes import Qwen3MoeShape, make_weights, shape_for_params, shape_named
     from aurora_tools.synthetic.workload import base_weights, sparse_update
     from aurora_tools.wan.netns import WanTestbed
     from aurora_tools.wan.profile import LinkProfile
@@ -181,7 +190,7 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         raise SystemExit(f"aurora bench verl: --measure {args.measure} must be >= 1 and --density {args.density} in (0, 1)")
     t_start = time.perf_counter()
     _engine({"store": "file:///nonexistent/verl-check"}).close()  # fail here, not after the servers, when verl is missing
-    shape = shape_for_params(args.params)
+    shape = shape_named(args.shape) if args.shape else shape_for_params(args.params)
     with ExitStack() as stack:
         workdir = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="aurora-bench-verl-"))
         os.makedirs(workdir, exist_ok=True)
@@ -213,7 +222,8 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         argv = [sys.executable, "-m", "aurora_tools.bench.verl", "--receiver"]
         proc = tb.popen("r1", argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
         replica = _Replica(proc, log_path)
-        weights = base_weights(shape)
+        # A mixture-of-experts model as verl's FSDP engine yields it: one tensor per expert and projection.
+        weights = make_weights(shape, packed=False) if isinstance(shape, Qwen3MoeShape) else base_weights(shape)
         runs = {"delta": f"verl-{uuid.uuid4().hex[:8]}", "full": f"verl-full-{uuid.uuid4().hex[:8]}"}
 
         # Version 0 (a snapshot: the replica's first fetch of the whole model), then the measured deltas.
