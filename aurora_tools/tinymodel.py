@@ -3,7 +3,8 @@
 Nothing can be downloaded here, so :func:`make_model_dir` builds what a
 user would bring: a ``save_pretrained`` directory of a tiny Qwen3, Qwen2,
 Llama or Mistral, or a mixture-of-experts Qwen3-MoE, Qwen2-MoE (with its
-shared expert) or Mixtral (random bf16 weights, safetensors; the experts
+shared expert), Mixtral or GLM-4-MoE (DeepSeek-style: a dense first layer,
+shared experts, a float32 router bias) (random bf16 weights, safetensors; the experts
 saved one by one, as transformers writes them), with a byte-level BPE tokenizer trained
 on the spot by the ``tokenizers`` library, a chat template in the family's
 own style and a generation config naming its stop tokens.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["FAMILY_STYLES", "MOE_SPECS", "TinySpec", "make_model_dir", "supervise", "write_gsm8k_jsonl", "write_math_jsonl"]
@@ -68,7 +69,7 @@ FAMILY_STYLES: dict[str, dict[str, object]] = {
 }
 
 
-FAMILY_STYLES["qwen3_moe"] = FAMILY_STYLES["qwen2_moe"] = FAMILY_STYLES["qwen3"]
+FAMILY_STYLES["qwen3_moe"] = FAMILY_STYLES["qwen2_moe"] = FAMILY_STYLES["glm4_moe"] = FAMILY_STYLES["qwen3"]
 FAMILY_STYLES["mixtral"] = FAMILY_STYLES["mistral"]
 
 
@@ -102,6 +103,9 @@ MOE_SPECS: dict[str, TinySpec] = {
     "qwen3_moe": TinySpec(experts=8, moe_intermediate=40),
     "qwen2_moe": TinySpec(experts=4, moe_intermediate=48, shared_intermediate=40),
     "mixtral": TinySpec(experts=4, moe_intermediate=64),
+    # DeepSeek-V3-style routing with standard attention: layer 0 dense (first_k_dense_replace=1), then
+    # shared experts (n_shared_experts x moe_intermediate wide) beside a sigmoid router with a float32 bias.
+    "glm4_moe": TinySpec(layers=3, experts=8, moe_intermediate=40),
 }
 """Default sizes of the mixture-of-experts families (head size 32, top-2 routing)."""
 
@@ -111,12 +115,45 @@ def _moe_config(family: str, spec: TinySpec) -> dict[str, int]:
     routing = {"num_experts_per_tok": spec.experts_per_token}
     if family == "mixtral":
         return {**routing, "num_local_experts": spec.experts, "intermediate_size": spec.moe_intermediate}
+    if family == "glm4_moe":
+        # attention_bias: GLM-4.5 has q/k/v biases; one group, so routing is plain top-k of the biased scores.
+        return {
+            **routing,
+            "n_routed_experts": spec.experts,
+            "moe_intermediate_size": spec.moe_intermediate,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "attention_bias": True,
+        }
     if family in ("qwen3_moe", "qwen2_moe"):
         moe = {**routing, "num_experts": spec.experts, "moe_intermediate_size": spec.moe_intermediate, "decoder_sparse_step": 1}
         if family == "qwen2_moe":
             moe["shared_expert_intermediate_size"] = spec.shared_intermediate
         return moe
     return {}
+
+
+def _router_biases(model: object, seed: int, keep: Mapping[str, object] | None) -> dict[str, object]:
+    """Set each ``e_score_correction_bias`` (glm4_moe) back to float32: ``keep``'s values, or seeded non-zero ones; returns them.
+
+    The bias is float32 in a checkpoint (a buffer, or a frozen parameter
+    once :mod:`workers.router_bias` loaded it) that ``.to(bfloat16)`` rounds,
+    and a model saved so would not be the one a user brings. Transformers
+    initializes it to zeros, and a zero bias routes the same as none: a copy
+    that lost it would go unnoticed, so a new model gets values a trained one could have.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    out: dict[str, object] = {}
+    for name, t in model.state_dict().items():  # type: ignore[attr-defined]
+        if name.endswith("e_score_correction_bias"):
+            owner = model.get_submodule(name.rsplit(".", 1)[0])  # type: ignore[attr-defined]
+            value = keep[name] if keep is not None else (torch.rand(t.shape, generator=gen) * 0.2 - 0.1).to(torch.float32)
+            owner.e_score_correction_bias.data = out[name] = value
+    return out
 
 
 def _corpus(seed: int) -> Iterator[str]:
@@ -216,6 +253,7 @@ def make_model_dir(out: str | os.PathLike[str], family: str = "qwen3", seed: int
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg)
     torch.nn.Module.to(model, dtype=torch.bfloat16)
+    _router_biases(model, seed, None)
     model.generation_config = GenerationConfig(
         bos_token_id=cfg.bos_token_id,
         eos_token_id=[ids[s] for s in style["stops"]],  # type: ignore[attr-defined]
@@ -243,6 +281,7 @@ def supervise(
 
     p = os.fspath(model_dir)
     model = load_pretrained(p, torch.float32).train()
+    biases = {n: b.detach().clone() for n, b in model.state_dict().items() if n.endswith("e_score_correction_bias")}
     tok = HFTokenizer.from_dir(p, model_vocab=int(model.config.vocab_size))
     rows = [(tok.render_prompt(q), tok.encode(a, eos=True)) for q, a in pairs]
     rng = random.Random(f"aurora-supervise/{seed}")
@@ -257,6 +296,7 @@ def supervise(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     torch.nn.Module.to(model, dtype=torch.bfloat16)
+    _router_biases(model, seed, biases)
     model.save_pretrained(p, safe_serialization=True)
     return float(loss.detach())
 

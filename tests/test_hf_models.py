@@ -117,7 +117,7 @@ def test_unsupported_or_incomplete_directories_are_refused_by_name(tmp_path: Pat
     (gpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
         ConfigError,
-        match=r"model family 'gpt2' is not supported \(supported: llama, qwen2, qwen3, mistral, qwen2_moe, qwen3_moe, mixtral\)",
+        match=r"model family 'gpt2' is not supported \(supported: llama, qwen2, qwen3, mistral, qwen2_moe, qwen3_moe, mixtral, glm4_moe\)",
     ):
         read_model_dir(gpt)
     nosafe = tmp_path / "nosafe"

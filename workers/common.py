@@ -186,6 +186,7 @@ def read_model_description(store: Store, used: dict[str, str] | None = None, unl
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from workers.pretrained import MAX_FILE_BYTES, check_family, tokenizer_from_files
+    from workers.router_bias import bias_as_parameter
     from workers.tokenizer import CharTokenizer
 
     listed, where = model_files_listed(store)
@@ -214,6 +215,7 @@ def read_model_description(store: Store, used: dict[str, str] | None = None, unl
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg)
+    bias_as_parameter(model)  # a DeepSeek-style router bias arrives with the weights, not from the config
     torch.nn.Module.to(model, dtype=torch.bfloat16)
     tok_raw = files.get("tokenizer.json")
     tokenizer: Any

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aurora_store.errors import ConfigError
+from workers.router_bias import bias_as_parameter
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -42,12 +43,13 @@ __all__ = [
     "tokenizer_from_files",
 ]
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
 """``model_type`` values whose projections the fusion map knows (aurora_store.codec.fusion, .experts).
 
-DeepSeek-style ``glm4_moe`` (shared experts, no MLA) has its names mapped but
-is not accepted: transformers holds its router bias ``e_score_correction_bias``
-as a buffer, which the Trainer and the engines (parameters only) would not carry."""
+DeepSeek-style ``glm4_moe`` (shared experts, standard attention, no MLA):
+transformers holds its router bias ``e_score_correction_bias`` as a buffer;
+every model built here holds it as a frozen parameter instead, so that it
+travels like the weights (:mod:`workers.router_bias`)."""
 
 DESCRIPTION_FILES = (
     "config.json",
@@ -137,7 +139,7 @@ def read_model_dir(path: str | os.PathLike[str]) -> ModelDir:
 
 
 def load_pretrained(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """The directory's causal LM in ``dtype``, offline, safetensors only, no remote code."""
+    """The directory's causal LM in ``dtype``, offline, safetensors only, no remote code; router biases as parameters (:mod:`workers.router_bias`)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -147,6 +149,7 @@ def load_pretrained(path: str | os.PathLike[str], dtype: torch.dtype = torch.flo
         model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True, use_safetensors=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"--model {p}: cannot load the model: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    bias_as_parameter(model)
     return model
 
 
@@ -164,6 +167,7 @@ def build_empty(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"--model {p}: cannot build the model: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    bias_as_parameter(model)
     return model
 
 
