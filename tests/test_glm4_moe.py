@@ -177,3 +177,18 @@ def test_an_actor_built_from_the_run_root_takes_the_bias_with_version_0(tmp_path
     held = dict(engine.model.named_parameters())
     for layer in range(1, SPEC.layers):
         assert torch.equal(held[BIAS.format(layer)].data, disk[BIAS.format(layer)].to(torch.bfloat16))
+
+
+def test_the_publisher_takes_a_users_model_with_its_router_biases(glm: str) -> None:
+    # A user's own transformers model (not built by the workers): the biases are still buffers there.
+    from transformers import AutoModelForCausalLM
+
+    from aurora_store.api.weights import named_tensors
+
+    model = AutoModelForCausalLM.from_pretrained(glm, dtype=torch.float32)
+    assert not any(n.endswith("e_score_correction_bias") for n, _ in model.named_parameters())
+    named = dict(named_tensors(model))
+    biases = {n for n in named if n.endswith("e_score_correction_bias")}
+    assert biases == {n for n, _ in model.named_buffers() if n.endswith("e_score_correction_bias")} and biases
+    for n in biases:
+        assert torch.equal(named[n], model.get_buffer(n)) and named[n].abs().sum() > 0

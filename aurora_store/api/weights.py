@@ -17,17 +17,28 @@ import torch
 from aurora_store.codec.fusion import EMBED, TIED_HEAD
 from aurora_store.errors import ConfigError
 
-__all__ = ["Tensors", "family_of", "gather_bf16", "is_distributed_rank", "leader", "named_tensors", "tied_head"]
+__all__ = ["ROUTER_BIAS", "Tensors", "family_of", "gather_bf16", "is_distributed_rank", "leader", "named_tensors", "tied_head"]
+
+ROUTER_BIAS = "e_score_correction_bias"
+"""A DeepSeek-style router's bias buffer (``…mlp.gate.e_score_correction_bias``), published with the weights."""
 
 Tensors = torch.nn.Module | Mapping[str, torch.Tensor]
 """A model, or a mapping name -> tensor (Hugging Face or fused names)."""
 
 
 def named_tensors(weights: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every parameter, tied names included; DTensors as they are (see :func:`full`)."""
+    """(name, tensor) of every parameter, tied names included, and of every DeepSeek-style router bias
+    (:data:`ROUTER_BIAS`); DTensors as they are (see :func:`full`).
+
+    Why the router biases: transformers keeps them as buffers (saved in the checkpoint, never
+    trained), and an engine that did not receive them would route tokens with zeros in their place:
+    another model. They travel like weights, under their own names."""
     if isinstance(weights, torch.nn.Module):
         for n, p in weights.named_parameters(remove_duplicate=False):
             yield n, p.data if not _is_dtensor(p) else p
+        for n, b in weights.named_buffers():
+            if n.rsplit(".", 1)[-1] == ROUTER_BIAS:
+                yield n, b
         return
     if not isinstance(weights, Mapping):
         raise ConfigError(f"expected a torch.nn.Module or a mapping of names to tensors, got {type(weights).__name__}")
