@@ -44,6 +44,7 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "momentum": (0.5, 0.25),
     "device": ("cuda:1", "cuda:2"),
     "activation": ("swap", "auto"),
+    "serve_dtype": ("fp8-block128", "bf16"),
     "dtype": ("float32", "bfloat16"),
     "index_encodings": (("leb128",), ("u32", "u64")),
     "value_modes": (("new",), ("xor",)),

@@ -26,6 +26,14 @@ same run on the same tensors:
   second copy in memory), what a full-weight reload costs in memory traffic
   alone.
 
+With ``--serve-dtype fp8-block128`` one more path runs in every rep:
+``safe_point_s_fp8``, the same prepared apply on an engine that serves an
+FP8 copy (:mod:`workers.engine.torch_fp8`), whose safe point also
+requantizes the copy (``prepare_s_fp8``, ``fp8_over_bf16`` =
+``safe_point_s_fp8 / safe_point_s``); ``exact`` then also asks that the
+copy equal the from-scratch quantization of the new weights. Its load
+quantizes the whole model, twice per rep (load, reset): minutes at 1 B.
+
 ``plain_safe_point_s`` is the path before preparation existed: ``apply`` of
 the decoded delta (checks and splitting at the safe point) and a digest that
 hashes every weight there (``plain_digest_s`` of it).
@@ -103,6 +111,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="timed runs of each path; the best is reported (default 3)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--serve-dtype",
+        choices=("bf16", "fp8-block128"),
+        default="bf16",
+        help="fp8-block128: also time the safe point of an engine serving an FP8 copy (safe_point_s_fp8)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -188,6 +202,7 @@ def measure(
     log: Callable[[str], None] | None = None,
     shape: str | None = None,
     swap_max_bytes: int = SWAP_MAX_BYTES,
+    serve_dtype: str = "bf16",
 ) -> dict[str, Any]:
     """Run the benchmark; the JSON object ``aurora bench activate --json`` prints.
 
@@ -288,6 +303,7 @@ def measure(
     kernel = compiled(_bare_kernel) if use_jit(None) else None
     inplace = engine
     swapper = None if swap_skipped else TorchEngine(_Tokens(), EngineConfig(activation="swap"))
+    fp8 = None if serve_dtype == "bf16" else TorchEngine(_Tokens(), EngineConfig(serve_dtype=serve_dtype))
     runs: dict[str, list[float]] = {
         k: []
         for k in (
@@ -301,6 +317,8 @@ def measure(
             "sw_prep",
             "sw",
             "copy",
+            "fp8_prep",
+            "fp8",
         )
     }
 
@@ -360,6 +378,13 @@ def measure(
             prep, apply_s, _, got = prepared_path()
             out.update(sw_prep=prep, sw=apply_s)
             exact_all &= got == tree_new
+        # FP8 serving: the same prepared apply, the copy requantized inside the safe point.
+        if fp8 is not None:
+            engine = fp8
+            prep, apply_s, _, got = prepared_path()
+            out.update(fp8_prep=prep, fp8=apply_s)
+            exact_all &= got == tree_new and fp8.serving_digest() == _scratch_fp8(held())
+            engine = inplace
         # A full copy of the weights (both sides' pages touched already: traffic, not page faults).
         now = held()
         t0 = clock()
@@ -370,7 +395,7 @@ def measure(
             for k, v in out.items():
                 runs[k].append(v)
     engine = inplace
-    del swapper  # the spare's memory back
+    del swapper, fp8  # the spare's and the FP8 copy's memory back
     gc.collect()
     weights = held()
     result.update(
@@ -385,8 +410,12 @@ def measure(
         swap_safe_point_s=min(runs["sw"]) if runs["sw"] else None,
         swap_prepare_s=min(runs["sw_prep"]) if runs["sw_prep"] else None,
         swap_skipped=swap_skipped,
+        safe_point_s_fp8=min(runs["fp8"]) if runs["fp8"] else None,
+        prepare_s_fp8=min(runs["fp8_prep"]) if runs["fp8_prep"] else None,
+        fp8_over_bf16=min(runs["fp8"]) / min(runs["sp"]) if runs["fp8"] and min(runs["sp"]) > 0 else None,
         full_copy_s=min(runs["copy"]),
         safe_point_runs_s=[round(x, 4) for x in runs["sp"]],
+        safe_point_runs_s_fp8=[round(x, 4) for x in runs["fp8"]] or None,
         verify_runs_s=[round(x, 4) for x in runs["verify"]],
         bare_scatter_runs_s=[round(x, 4) for x in runs["bare"]],
     )
@@ -407,6 +436,13 @@ def measure(
     return result
 
 
+def _scratch_fp8(weights: Mapping[str, torch.Tensor]) -> str:
+    """Digest of the from-scratch FP8 quantization of ``weights`` (what an FP8 engine's copy must equal)."""
+    from aurora_store.quant.weights import Fp8Weights
+
+    return Fp8Weights.of(weights).digest()
+
+
 def _table(r: Mapping[str, Any]) -> str:
     bare = r["bare_scatter_s"] or float("nan")
     rows = [
@@ -422,6 +458,8 @@ def _table(r: Mapping[str, Any]) -> str:
         ("option swap: safe point (swap)", r["swap_safe_point_s"]),
         ("option swap: prepare (copy, write, hash)", r["swap_prepare_s"]),
     ]
+    if r.get("safe_point_s_fp8") is not None:
+        rows += [("fp8 serving: safe point (apply + requantize)", r["safe_point_s_fp8"]), ("fp8 serving: prepare", r["prepare_s_fp8"])]
     out = [
         f"activation of one delta: {r['params']:,} parameters ({r['shape']}, {r['tensors_hf']:,} checkpoint tensors, "
         f"{r['tensors_engine']:,} held by the engine), {r['changed']:,} changed ({r['delta_bytes']:,} bytes), "
@@ -439,6 +477,6 @@ def _table(r: Mapping[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     log = None if args.json else (lambda m: print(m, file=sys.stderr))
-    r = measure(args.params, args.density, args.reps, args.seed, log, shape=args.shape)
+    r = measure(args.params, args.density, args.reps, args.seed, log, shape=args.shape, serve_dtype=args.serve_dtype)
     print(json.dumps(r) if args.json else _table(r))
     return 0 if r["exact"] else 1

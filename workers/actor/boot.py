@@ -123,7 +123,7 @@ class StoreBoot:
             lambda: read_model_description(c.origin, used, unlisted_ok=not listed), "read the model description"
         )
         self._model_unchecked = None if listed else used
-        engine = make_engine(c.cfg.engine, tokenizer, c.cfg.device)
+        engine = make_engine(c.cfg.engine, tokenizer, c.cfg.device, c.cfg.serve_dtype)
         engine.load(model)
         c.set_engine(engine)
 

@@ -52,7 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_declared(region, ActorConfig, ENV_PREFIX, "mirror_grace_s", "mirror_timeout_s", "relay_wait_s")
     gen = p.add_argument_group("engine and generation")
-    add_declared(gen, ActorConfig, ENV_PREFIX, "actor_id", "engine", "device", "claim", "slowdown", "seed", "result_inline_max_bytes")
+    add_declared(
+        gen, ActorConfig, ENV_PREFIX, "actor_id", "engine", "device", "serve_dtype", "claim", "slowdown", "seed", "result_inline_max_bytes"
+    )
     gen.add_argument("--join-at-version", type=int, default=None, metavar="V", help="wait until the run's head reaches V before joining")
     fetch = p.add_argument_group("fetching and recovery")
     add_trust_key_arg(fetch)
@@ -78,6 +80,10 @@ def config_from_args(args: argparse.Namespace, engine: str | None = None, enviro
     )
     if cfg.device is not None and cfg.engine != "torch":
         raise ConfigError(f"--device {cfg.device}: only the torch engine takes it (--engine {cfg.engine} places itself)")
+    if cfg.serve_dtype != "bf16" and cfg.engine != "torch":
+        from workers.engine.vllm_config import fp8_refusal
+
+        raise ConfigError(fp8_refusal(cfg.serve_dtype))  # now, not once the run's model has been read
     return cfg
 
 

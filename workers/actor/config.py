@@ -69,6 +69,14 @@ class ActorConfig:
     )
     """Device of the torch engine (``--device``: ``cpu``, ``cuda``, ``cuda:N``); None: the
     engine's own setting (env ``AURORA_ENGINE_DEVICE``, else cpu)."""
+    serve_dtype: str = option(
+        "bf16",
+        choices=("bf16", "fp8-block128"),
+        help="what generation reads: the bf16 weights, or an FP8 copy with 128x128 block scales kept current at each safe point (torch engine; docs/FP8.md)",
+    )
+    """What the engine generates from: ``bf16`` (the held weights) or ``fp8-block128`` (an FP8
+    copy requantized incrementally inside each safe point; deltas, states and digests stay bf16).
+    The vllm engine refuses ``fp8-block128`` in one line (docs/FP8.md)."""
     claim: int = option(8, metavar="N", help="prompts per generation batch (one claim)")
     """Prompts leased per claim (one generation batch)."""
     max_new_tokens: int = option(14, flag=None, help="longest completion sampled")

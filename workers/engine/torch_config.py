@@ -41,6 +41,11 @@ class EngineConfig:
     pointer swap per parameter, the spare costs a model's worth of memory); ``auto`` keeps a
     spare when, after it, as much memory as the weights is still free (decided at the first
     delta). See :mod:`workers.engine.spare`."""
+    serve_dtype: str = "bf16"
+    """What generation reads (env ``AURORA_ENGINE_SERVE_DTYPE``): ``bf16``, the held weights
+    themselves, or ``fp8-block128``, an FP8 copy with 128 x 128 block scales kept current at each
+    safe point while deltas still land in bf16 (:mod:`workers.engine.torch_fp8`; bf16 weights, on
+    cpu, activated in place)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES_BY_NAME:
@@ -55,8 +60,15 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.max_batch_rows must be >= 1, got {self.max_batch_rows}")
         if self.activation not in ("in-place", "swap", "auto"):
             raise ConfigError(f"EngineConfig.activation must be in-place, swap or auto, got {self.activation!r}")
+        if self.serve_dtype not in ("bf16", "fp8-block128"):
+            raise ConfigError(f"--serve-dtype {self.serve_dtype}: the torch engine serves bf16 or fp8-block128")
+        if self.serve_dtype != "bf16" and (self.dtype != "bfloat16" or dev.type != "cpu" or self.activation == "swap"):
+            raise ConfigError(
+                f"--serve-dtype {self.serve_dtype}: the torch engine quantizes bf16 weights held on cpu and activated in place "
+                f"(here dtype {self.dtype}, device {self.device}, activation {self.activation})"
+            )
 
     @classmethod
     def from_env(cls, prefix: str = ENV_PREFIX, **overrides: Any) -> EngineConfig:
-        """Defaults, then ``AURORA_ENGINE_DEVICE``/``_DTYPE``/``_MAX_BATCH_ROWS``, then ``overrides``."""
+        """Defaults, then ``AURORA_ENGINE_DEVICE``/``_DTYPE``/``_MAX_BATCH_ROWS``/``_SERVE_DTYPE`` …, then ``overrides``."""
         return from_env(cls, prefix, **overrides)

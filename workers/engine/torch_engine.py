@@ -11,7 +11,9 @@ while the engine generates (aurora_store.apply.prepare): checks, splitting
 over the source tensors, sorting, and the digest the weights will have. The
 safe point then writes one sorted pass per tensor, or, with
 ``EngineConfig.activation = "swap"``, only swaps in a spare copy the delta
-was written into beforehand (workers.engine.spare).
+was written into beforehand (workers.engine.spare). With ``serve_dtype``
+``fp8-block128`` generation reads an FP8 copy kept current inside the safe
+point (workers.engine.torch_fp8).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from workers.engine.protocol import Completion, Generation, TokenCodec
 from workers.engine.spare import SpareWeights, swap_fits
 from workers.engine.torch_config import DTYPES_BY_NAME, ENV_PREFIX, EngineConfig
 from workers.engine.torch_experts import engine_plan
+from workers.engine.torch_fp8 import Fp8Serving, refuse_quantized_base
 from workers.engine.torch_sampling import sample_rows
 from workers.model import hf_weights
 
@@ -76,7 +79,8 @@ class TorchEngine:
         self._digest: tuple[int, str] | None = None
         """(``_seq`` it was predicted for, digest) of the held weights: what a prepared delta said they would be."""
         self._spare: SpareWeights | None = None
-        self._swap_decided = self.config.activation != "auto"
+        self._fp8: Fp8Serving | None = None
+        self._swap_decided = self.config.activation != "auto" or self.config.serve_dtype != "bf16"  # FP8: in place
         if self.config.activation == "swap":
             self._spare = SpareWeights()
 
@@ -89,13 +93,16 @@ class TorchEngine:
         to the old parameter storage must take them again after this call.
         """
         with self._lock:
+            refuse_quantized_base(model)
             model.to(device=self.device, dtype=self.dtype)
             model.eval().requires_grad_(False)
             embedding = cast(Any, model).get_input_embeddings()
             weights = hf_weights(model)
             plan = engine_plan(model, weights)  # packed experts: one block each, under FORMAT.md §2's names
             sink = SplitWeights({n: weights[n] for p in plan for n in (b.source for b in p.blocks)}, plan)
+            fp8 = Fp8Serving.serving(model, sink.tensors, self.config.serve_dtype)
             self._seq += 2
+            self._fp8 = fp8
             self._model, self._weights, self._plan, self._sink = model, weights, plan, sink
             if self._spare is not None:
                 self._spare.forget()
@@ -125,6 +132,8 @@ class TorchEngine:
         self._need()
         assert self._sink is not None
         self._seq += 2  # the caller may write: no predicted digest or prepared spare holds past this
+        if self._fp8 is not None:
+            self._fp8.stale = True  # a write it does not see: quantized again before the next generation
         return self._sink
 
     # -- weights -----------------------------------------------------------
@@ -199,6 +208,9 @@ class TorchEngine:
         self._base_check(staged.version, staged.base_version)
         _check_entries(staged, plan.specs())
         assert self._sink is not None
+        if self._fp8 is not None:  # the FP8 copy follows the sorted writes a prepared delta holds
+            self._apply_prepared(prepare_delta(staged, plan.specs(), layout_of_plan(plan), parts=parts_of(staged, plan)))
+            return
         if self._spare is not None:
             self._spare.forget()  # a write the spare cannot replay
         self._seq += 1
@@ -227,8 +239,8 @@ class TorchEngine:
             finally:
                 spare.lock.release()
         self._seq += 1
-        try:
-            prepared.write(tensors)
+        try:  # FP8: every check before the first write, bf16 or FP8
+            prepared.write(tensors) if self._fp8 is None else self._fp8.write(prepared, tensors)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         finally:
@@ -328,6 +340,8 @@ class TorchEngine:
             with torch.no_grad():
                 for name, src in copies:
                     self._weights[name].view(-1).copy_(src)
+            if self._fp8 is not None:
+                self._fp8.refresh(self._sink.tensors)  # type: ignore[union-attr]
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         finally:
@@ -380,6 +394,11 @@ class TorchEngine:
                 return self._digest[1]
             return weights_digest(self._weights, plan)
 
+    def serving_digest(self) -> str:
+        """Digest of what generation reads: the FP8 copy's (:meth:`Fp8Serving.digest`), else :meth:`digest`."""
+        with self._lock:
+            return self.digest() if self._fp8 is None else self._fp8.digest()
+
     # -- generation --------------------------------------------------------
     def generate(
         self,
@@ -415,6 +434,8 @@ class TorchEngine:
         temperature: float,
     ) -> Generation:
         model, _ = self._need()
+        if self._fp8 is not None and self._fp8.stale:
+            self._fp8.refresh(self._sink.tensors)  # type: ignore[union-attr]
         vocab = self._vocab
         rows: list[list[int]] = []
         for i, p in enumerate(prompts):

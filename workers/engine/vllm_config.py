@@ -14,7 +14,7 @@ from typing import Any
 from aurora_store.config import Switch, from_env
 from aurora_store.errors import ConfigError
 
-__all__ = ["CPU_HEAD_SIZES", "ENV_PREFIX", "VLLM_MISSING", "VLLMConfig", "import_vllm", "spawn_env"]
+__all__ = ["CPU_HEAD_SIZES", "ENV_PREFIX", "VLLM_MISSING", "VLLMConfig", "fp8_refusal", "import_vllm", "spawn_env"]
 
 ENV_PREFIX = "AURORA_VLLM_"
 """Prefix of :class:`VLLMConfig`'s environment variables."""
@@ -34,6 +34,27 @@ def import_vllm() -> Any:
     except ImportError as e:
         raise ConfigError(f"{VLLM_MISSING} ({e})") from None
     return vllm
+
+
+def fp8_refusal(serve_dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """Why the vllm engine does not serve ``serve_dtype`` here, in one line (issue 27).
+
+    vLLM's CPU kernels for block-scaled FP8 (``quantization="fp8_per_block"``)
+    need AMX tiles; the processor's flags say whether this host has them
+    (probed, not assumed). Either way this engine does not yet keep an FP8
+    copy current inside its workers: the GPU path belongs to ``make gpu-check``.
+    """
+    try:
+        with open(cpuinfo) as f:
+            amx = any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        amx = False
+    why = (
+        "vLLM's CPU FP8 block kernels need AMX (amx_tile), which this processor lacks"
+        if not amx
+        else "this build's vllm engine does not keep an FP8 copy current in its workers yet (GPU path: make gpu-check)"
+    )
+    return f"--serve-dtype {serve_dtype}: the vllm engine cannot serve it here: {why}; use --engine torch --serve-dtype {serve_dtype}"
 
 
 @dataclass(frozen=True, slots=True)

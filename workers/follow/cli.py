@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument(
         "--out", required=True, metavar="DIR", help="symlink kept pointing at the newest complete version's Hugging Face directory"
     )
-    add_declared(what, FollowConfig, ENV_PREFIX, "until", "poll_s")
+    add_declared(what, FollowConfig, ENV_PREFIX, "until", "poll_s", "quantize")
     checks = p.add_argument_group("checks and recovery")
     add_trust_key_arg(checks)
     add_declared(checks, FollowConfig, ENV_PREFIX, "outage_budget_s")

@@ -43,8 +43,10 @@ from aurora_store.outage import (
     is_transient,
     outage_budget_s,
 )
+from aurora_store.quant import FORMATS
 from aurora_store.storage import Store, open_store
 from workers.common import MAX_MODEL_FILE_BYTES, MODEL_PREFIX, read_model_description
+from workers.follow.fp8 import Fp8Directory
 from workers.follow.switch import Marker, OutDir, utc_now
 from workers.pretrained import DESCRIPTION_FILES
 
@@ -97,6 +99,14 @@ class FollowConfig:
         help="give up (exit 1, one line) once Redis or the store has been unreachable this long",
     )
     """How long Redis or the store may stay unreachable before the follower gives up."""
+    quantize: str | None = option(
+        None,
+        env=False,
+        choices=FORMATS,
+        help="write each version's weights quantized: fp8-block128 (FP8 with 128x128 block scales; docs/FP8.md)",
+        default_text="none: bf16 as the run holds them",
+    )
+    """Write each version in this quantization format (``fp8-block128``); None: bf16."""
 
     def __post_init__(self) -> None:
         if self.poll_s <= 0:
@@ -139,7 +149,11 @@ def follow(cfg: FollowConfig, stop: threading.Event) -> int:
     relay.start()
     try:
         model, files = _skeleton(f.origin)  # the Follower's view of the store: it rides outages
-        _resume(out, f, model)
+        fp8 = Fp8Directory(cfg.quantize) if cfg.quantize else None
+        if fp8 is None:
+            _resume(out, f, model)
+        else:  # DIR holds FP8, not the bf16 truth the next delta applies to: start from the store
+            files = fp8.files(files)
         while not f.stop.is_set():
             if cfg.until is not None and f.version is not None and f.version >= cfg.until:
                 return 0
@@ -148,7 +162,7 @@ def follow(cfg: FollowConfig, stop: threading.Event) -> int:
                 v = f.wait(after=f.version)
                 if v is None:  # stopped
                     return 0
-            _one_version(out, f, model, files, v)
+            _one_version(out, f, model, files, v, fp8)
         return 0
     except Exception as e:
         if f.stop.is_set() and is_transient(e):  # stopped while riding an outage: Dependency re-raises its last error
@@ -258,15 +272,23 @@ def _resume(out: OutDir, f: Follower, model: Any) -> None:
     log.info("continuing from v%d (%s)", marker.version, path)
 
 
-def _one_version(out: OutDir, f: Follower, model: Any, files: Mapping[str, bytes], v: int) -> None:
-    """Bring the skeleton to ``v``, write its directory, switch ``DIR`` to it; one log line."""
+def _one_version(out: OutDir, f: Follower, model: Any, files: Mapping[str, bytes], v: int, fp8: Fp8Directory | None = None) -> None:
+    """Bring the skeleton to ``v``, write its directory (in FP8 with ``fp8``), switch ``DIR`` to it; one log line."""
     t0 = time.perf_counter()
     u = f.update(model, version=v)
-    digest = _digest(model)
+    digest = _digest(model)  # the marker names the bf16 version, quantized or not
     marker = Marker(u.version, u.state, digest, f.run, utc_now())
-    final = out.write(marker, lambda d: model.save_pretrained(d), files)
+
+    def save(d: str) -> None:
+        model.save_pretrained(d)
+        if fp8 is not None:
+            fp8.convert(d)
+
+    final = out.write(marker, save, files)
     out.switch(final)
     how = f"{u.deltas} delta{'s' if u.deltas != 1 else ''}" if u.path == "deltas" else f"snapshot + {u.deltas} deltas"
+    if fp8 is not None:
+        how += f", FP8 work {fp8.last.work:,} elements ({fp8.last.changed:,} changed, {fp8.last.whole_blocks:,} blocks redone)"
     log.info(
         "v%d in place: %s, %d bytes fetched, %.2f s (update %.2f s); %s -> %s",
         u.version,
