@@ -11,9 +11,15 @@ lists every object's size and SHA-256. Non-tensor state never goes through DCP.
 
 A rank's chunks are packed into parts of about ``part_bytes``
 (``<attempt>/rank-00001/part-00000.bin``, each chunk 64-byte aligned), so the
-copy a part needs in host memory is bounded by the part size (or the rank's
-largest chunk), never by the model: one part at a time, made once (joined
-from the tensors, or read from the spool). :meth:`StoreWriter.write_data`
+copy a part needs in host memory is bounded by the part size, never by the
+model: one part at a time, made once (joined from the tensors, or read from
+the spool). A chunk larger than a part is recorded as several chunks of
+whole rows along its first dimension, each at most a part (a layout DCP
+reads at any world size, as it reads the shards of several ranks). Why: the
+upload runs while the next steps train, and the store's client holds a few
+copies of the object it sends; a 32,768-row embedding's fp32 chunk (and each
+of AdamW's moments of it) was one 100 MB part, several hundred MB on top of
+the backward pass's peak. :meth:`StoreWriter.write_data`
 only lays the parts out (DCP's save returns at once); :meth:`StoreWriter.spool`
 copies the live tensors' bytes into a local file at the parts' offsets, and
 :meth:`StoreWriter.upload` writes the parts, from that file or from the live
@@ -131,20 +137,27 @@ class StoreWriter(StorageWriter):
             t = planner.resolve_data(item)
             assert isinstance(t, torch.Tensor)
             t = t.detach()
-            n = t.numel() * t.element_size()
-            if not self.parts or (size and size + n > self.part_bytes):
-                self.parts.append([])
-                self.part_sizes.append(0)
-                size = 0
-            at = size
-            self.parts[-1].append((at, t))
-            size = -(-(at + n) // _ALIGN) * _ALIGN
-            self.part_sizes[-1] = at + n
-            storage = {"object": _part_key(self.attempt, self.rank, len(self.parts) - 1), "at": at}
-            results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=storage))
+            pieces = []
+            for row, piece in _row_pieces(t, self.part_bytes):
+                n = piece.numel() * piece.element_size()
+                if not self.parts or (size and size + n > self.part_bytes):
+                    self.parts.append([])
+                    self.part_sizes.append(0)
+                    size = 0
+                at = size
+                self.parts[-1].append((at, piece))
+                size = -(-(at + n) // _ALIGN) * _ALIGN
+                self.part_sizes[-1] = at + n
+                pieces.append({"row": row, "rows": int(piece.shape[0]) if piece.dim() else 0, "object": self._key(), "at": at})
+            storage = pieces[0] if len(pieces) == 1 else {"pieces": pieces}
+            results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(), storage_data=storage))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _key(self) -> str:
+        """Key of the part being filled."""
+        return _part_key(self.attempt, self.rank, len(self.parts) - 1)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         where: dict[tuple[str, tuple[int, ...]], Any] = {}
@@ -158,7 +171,12 @@ class StoreWriter(StorageWriter):
             chunks = []
             for c in md.chunks:
                 st = where[(name, tuple(c.offsets))]
-                chunks.append({"offsets": list(c.offsets), "sizes": list(c.sizes), "object": st["object"], "at": st["at"]})
+                if "pieces" not in st:
+                    chunks.append({"offsets": list(c.offsets), "sizes": list(c.sizes), "object": st["object"], "at": st["at"]})
+                    continue
+                for p in st["pieces"]:  # a chunk larger than a part: its rows, piece by piece
+                    offsets = [c.offsets[0] + p["row"], *c.offsets[1:]]
+                    chunks.append({"offsets": offsets, "sizes": [p["rows"], *c.sizes[1:]], "object": p["object"], "at": p["at"]})
             layout[name] = {"dtype": _NAMES[md.properties.dtype], "size": list(md.size), "chunks": chunks}
         self.layout = layout
 
@@ -223,6 +241,17 @@ class StoreWriter(StorageWriter):
             pieces.append(data)
             end = at + len(data)
         return b"".join(pieces)
+
+
+def _row_pieces(t: torch.Tensor, part_bytes: int) -> list[tuple[int, torch.Tensor]]:
+    """``t`` as (first row, rows) pieces of at most ``part_bytes`` along its first dimension (at least
+    one row each); ``[(0, t)]`` when it fits in a part or has no rows to split."""
+    n = t.numel() * t.element_size()
+    if n <= part_bytes or t.dim() < 1 or t.shape[0] < 2:
+        return [(0, t)]
+    row_bytes = max(1, n // int(t.shape[0]))
+    step = max(1, part_bytes // row_bytes)
+    return [(i, t[i : i + step]) for i in range(0, int(t.shape[0]), step)]
 
 
 def _raw(t: torch.Tensor) -> memoryview:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -45,6 +45,8 @@ from workers.trainer.fsdp import (
 )
 from workers.trainer.grpo import Rollouts, grpo_batch, read_rollouts
 from workers.trainer.held import bf16_version
+from workers.trainer.malloc import trim
+from workers.trainer.park import VersionParking
 from workers.trainer.router_loss import router_aux_coef
 from workers.trainer.scheduling import Prompts, batch_prompts
 from workers.trainer.sharding import (
@@ -112,6 +114,9 @@ class GrpoPolicy:
         """Whether the model is being built for a resume (its weights then come from the checkpoint)."""
         self.router_aux_coef = 0.0
         """Weight of a mixture-of-experts model's router auxiliary loss (:mod:`~workers.trainer.router_loss`)."""
+        self.parking = VersionParking()
+        self.parkable: Callable[[], list[torch.Tensor]] = list
+        """What :attr:`parking` may park during the update (:mod:`~workers.trainer.park`; the Trainer sets it when sharded)."""
 
     @property
     def family(self) -> str:
@@ -273,13 +278,18 @@ class GrpoPolicy:
         release = getattr(behaviour, "release", None)
         if callable(release):
             release()  # an older version's rebuilt tensors are not needed for the backward pass
+        # What the behaviour pass and the older version left free in the heap goes back to the system
+        # before the backward pass (the step's peak), and the gradients after the update (workers.trainer.malloc).
+        trim()
         if batch is not None:
             batch.checkpointing = self.cfg.activation_checkpointing
             batch.router_aux_coef = self.router_aux_coef
         if self.ctx.sharded:
             exchange(("train", batch.to("cpu")) if batch is not None else ("skip", None), self.ctx)
         if batch is not None:
-            grpo_epochs(self.model, self.opt, batch, self.ctx, self.cfg.epochs, self.cfg.clip, self.cfg.kl_coef, logprobs)
+            with self.parking.parked(self.parkable()):
+                grpo_epochs(self.model, self.opt, batch, self.ctx, self.cfg.epochs, self.cfg.clip, self.cfg.kl_coef, logprobs)
+            trim()
 
     # -- evaluation, checkpoints -------------------------------------------------------
     def evaluate(self, v: int, weights: Mapping[str, torch.Tensor]) -> EvalResult:

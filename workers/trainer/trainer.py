@@ -64,6 +64,7 @@ from workers.trainer.fsdp import (
     DistContext,
 )
 from workers.trainer.malloc import tune_allocator
+from workers.trainer.park import parkable
 from workers.trainer.policy import GrpoPolicy
 from workers.trainer.sources import StepSource, WeightsSource
 from workers.trainer.step_metrics import save_step_metrics
@@ -180,6 +181,8 @@ class Trainer:
         )
         if self.grpo is not None:
             self.versions.place = self.grpo.versions_device  # a resumed run's versions go where fresh ones are
+            if ctx.sharded:  # rank 0 alone holds the whole version: parked while the update runs (workers.trainer.park)
+                self.grpo.parkable = lambda: parkable(self.versions)
         self.batches = BatchBook(
             self.ledger,
             self.records,

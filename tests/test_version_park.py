@@ -1,0 +1,48 @@
+"""Parking a version (:mod:`workers.trainer.park`): its pages leave the process while parked and
+come back bit for bit; small storages and a snapshot in flight park nothing."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from workers.trainer.park import MIN_PARK_BYTES, VersionParking, parkable
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTNEED as Linux has it")
+
+
+def _rss() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:"))
+
+
+def test_parked_pages_leave_and_come_back_bit_for_bit(tmp_path) -> None:
+    g = torch.Generator().manual_seed(0)
+    block = torch.randn(64 << 20, generator=g).to(torch.bfloat16)  # 128 MiB, two views into it
+    a, b = block[: 40 << 20].view(1024, -1), block[40 << 20 :]
+    small = torch.randn(16, generator=g).to(torch.bfloat16)
+    want = [t.clone() for t in (a, b, small)]
+    parking = VersionParking(str(tmp_path))
+    before = _rss()
+    with parking.parked([a, b, small]):
+        inside = _rss()
+        assert parking.parked_bytes > (128 << 20) - (1 << 13)  # the block once, whole pages of it
+        assert before - inside > 100 << 20, (before, inside)
+        assert torch.equal(small, want[2])  # below MIN_PARK_BYTES: never parked
+    for got, w in zip((a, b, small), want, strict=True):
+        assert torch.equal(got.view(torch.int16), w.view(torch.int16))
+    parking.close()
+
+
+def test_small_storages_and_a_snapshot_in_flight_park_nothing(tmp_path) -> None:
+    parking = VersionParking(str(tmp_path))
+    with parking.parked([torch.zeros(MIN_PARK_BYTES // 4 - 1, dtype=torch.bfloat16)]):
+        assert parking.parked_bytes == 0
+    held = SimpleNamespace(weights={"w": torch.zeros(4)})
+    assert parkable(SimpleNamespace(held=held, publisher=SimpleNamespace(snapshot_in_flight=10))) == []
+    assert len(parkable(SimpleNamespace(held=held, publisher=SimpleNamespace(snapshot_in_flight=None)))) == 1
+    with VersionParking(None).parked([torch.zeros(1 << 20)]) as _:  # no spool: nothing parked, nothing lost
+        pass
