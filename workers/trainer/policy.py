@@ -116,7 +116,7 @@ class GrpoPolicy:
         """Weight of a mixture-of-experts model's router auxiliary loss (:mod:`~workers.trainer.router_loss`)."""
         self.parking = VersionParking()
         self.parkable: Callable[[], list[torch.Tensor]] = list
-        """What :attr:`parking` may park during the update (:mod:`~workers.trainer.park`; the Trainer sets it when sharded)."""
+        """What :attr:`parking` may park during the update (:mod:`~workers.trainer.park`; set by the Trainer, which holds the version)."""
 
     @property
     def family(self) -> str:

@@ -181,8 +181,9 @@ class Trainer:
         )
         if self.grpo is not None:
             self.versions.place = self.grpo.versions_device  # a resumed run's versions go where fresh ones are
-            if ctx.sharded:  # rank 0 alone holds the whole version: parked while the update runs (workers.trainer.park)
-                self.grpo.parkable = lambda: parkable(self.versions)
+            # The newest version is parked while the update runs (workers.trainer.park): one process, or
+            # rank 0 of a sharded run, which alone holds the whole version.
+            self.grpo.parkable = lambda: parkable(self.versions)
         self.batches = BatchBook(
             self.ledger,
             self.records,
