@@ -18,36 +18,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import apply_out, clean_aurora_env, ok, saved  # noqa: F401 - clean_aurora_env: a fixture
 from safetensors.torch import load_file, save_file
 
 from aurora_store.codec.extract import fuse_weights, plan_of
 from aurora_tools.cli import main
 from aurora_tools.tinymodel import MOE_SPECS, make_model_dir
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "clean_aurora_env")
 
 SPEC = MOE_SPECS["qwen3_moe"]
 E, I_, H = SPEC.experts, SPEC.moe_intermediate, SPEC.hidden
 W13 = "model.layers.{}.mlp.experts.w13_weight"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(os.environ):
-        if k.startswith("AURORA_"):
-            monkeypatch.delenv(k)
-
-
 @pytest.fixture(scope="module")
 def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_model_dir(tmp_path_factory.mktemp("m") / "qwen3_moe", "qwen3_moe")
-
-
-def ok(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    rc = main(argv)
-    err = capsys.readouterr().err
-    assert rc == 0, err
-    return err
 
 
 def fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -56,16 +43,6 @@ def fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     assert rc != 0 and lines[-1].startswith("aurora: error: ")
     assert sum(line.startswith("aurora:") for line in lines) == 1, lines
     return lines[-1]
-
-
-def apply_out(store: str, v: int, tmp: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, torch.Tensor]:
-    out = tmp / f"v{v}.safetensors"
-    ok(["delta", "apply", "--version", str(v), "--out", str(out), "--store", store], capsys)
-    return load_file(str(out))
-
-
-def saved(model_dir: str) -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(model_dir, "model.safetensors"))
 
 
 def changed(w: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
