@@ -162,7 +162,9 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((key(a) - key(b)).abs().max()) if a.numel() else 0
 
 
-@pytest.mark.parametrize(("saved_on", "loaded_on"), [(2, 1), (1, 2), pytest.param(2, 2, marks=pytest.mark.long)], ids=["2-to-1", "1-to-2", "2-to-2"])
+@pytest.mark.parametrize(
+    ("saved_on", "loaded_on"), [(2, 1), (1, 2), pytest.param(2, 2, marks=pytest.mark.long)], ids=["2-to-1", "1-to-2", "2-to-2"]
+)
 def test_a_checkpoint_loads_bit_identical_at_another_world_size(tmp_path: Path, saved_on: int, loaded_on: int) -> None:
     store_url = f"file://{tmp_path}/run"
     saved = _in(saved_on, store_url, tmp_path / "saved.pt", "save")

@@ -168,7 +168,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         help="write a tiny Hugging Face model directory (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Qwen2-MoE, Mixtral or GLM-4-MoE, BPE tokenizer, chat template) and GSM8K/MATH-format data to try --model with",
     )
     tm.add_argument("--out", required=True, metavar="DIR", help="the model directory to write (must not exist)")
-    tm.add_argument("--family", default="qwen3", choices=("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"))
+    tm.add_argument(
+        "--family", default="qwen3", choices=("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+    )
     tm.add_argument("--seed", type=int, default=0)
     tm.add_argument("--data-dir", metavar="DIR", default=None, help="also write gsm8k.jsonl and math.jsonl here (200 rows each)")
     tm.add_argument(
