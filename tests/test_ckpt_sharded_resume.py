@@ -178,7 +178,9 @@ def test_a_run_resumed_on_as_many_ranks_publishes_the_uninterrupted_versions(tmp
     assert ranks == 1 or ("rank 1: " in text and " updates, done" in text)
 
 
-@pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+@pytest.mark.parametrize(
+    ("first", "then"), [(2, 1), pytest.param(1, 2, marks=pytest.mark.long)], ids=["2-to-1", "1-to-2"]
+)  # 1-to-2 also runs in test_versions_after_a_resume_at_another_world_size_stay_within_a_few_ulps (long)
 def test_a_run_resumes_at_another_world_size_on_the_same_chain(tmp_path: Path, redis_url: str, first: int, then: int) -> None:
     states, _, _ = _run(tmp_path, redis_url, f"w{first}{then}", first, then)
     store = open_store(f"file://{tmp_path}/w{first}{then}")

@@ -129,6 +129,7 @@ def test_sharded_update_equals_one_process_update(tmp_path: Path, rows: int) -> 
 
 
 @pytest.mark.server
+@pytest.mark.long  # --nproc 2 to a real Actor stays in CI: tests/test_moe_train.py, tests/test_ckpt_sharded_resume.py
 def test_trainer_nproc2_versions_reach_an_actor_bit_identical(tmp_path: Path, redis_url: str) -> None:
     store = f"file://{tmp_path}/run"
     env = {**os.environ, "AURORA_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}

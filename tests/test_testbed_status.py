@@ -272,7 +272,7 @@ def test_status_cli_watch_prints_blocks_without_ansi(redis_server: Any, run_name
             out += proc.stdout.read() or b""  # type: ignore[union-attr]
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        rest, err = proc.communicate(timeout=10)
+        rest, err = proc.communicate(timeout=60)  # a loaded machine (make test beside mypy) can take a while to deliver it
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -42,6 +42,7 @@ def test_cli_takes_engine_vllm() -> None:
 
 
 @pytest.mark.server
+@pytest.mark.long  # a vLLM Actor through the whole system stays in CI: tests/test_hf_system_qwen3.py
 def test_demo_with_a_vllm_actor_is_bit_identical(tmp_path: Path) -> None:
     with RedisServer() as rs:
         cfg = DemoConfig(
