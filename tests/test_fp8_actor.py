@@ -280,5 +280,7 @@ def test_bench_activate_times_the_fp8_safe_point_beside_the_bf16_one() -> None:
 
     r = measure(params=5e6, reps=1, serve_dtype="fp8-block128", swap_max_bytes=0)
     assert r["exact"] is True  # the FP8 copy after the timed safe point is the from-scratch quantization
-    assert r["safe_point_s_fp8"] > 0 and r["fp8_over_bf16"] == pytest.approx(r["safe_point_s_fp8"] / r["safe_point_s"], rel=1e-3)
+    assert r["safe_point_s_fp8"] > 0 and r["fp8_over_bf16"] == pytest.approx(
+        r["safe_point_s_fp8"] / r["safe_point_s"], rel=2e-2
+    )  # times rounded to 10 us
     assert len(r["safe_point_runs_s_fp8"]) == 1

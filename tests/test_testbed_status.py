@@ -260,6 +260,8 @@ def test_status_cli_watch_prints_blocks_without_ansi(redis_server: Any, run_name
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     code = (
+        # A process started from an xdist worker may inherit SIGINT ignored; a user's shell gives Python's handler.
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
         "import sys; from aurora_tools.cli.run_cmds import cmd_status; import argparse; "
         f"sys.exit(cmd_status(argparse.Namespace(redis={redis_server.url!r}, run={run_name!r}, watch=0.1, json=False)))"
     )
