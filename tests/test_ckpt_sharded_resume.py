@@ -162,7 +162,10 @@ def _run(tmp_path: Path, redis_url: str, name: str, first: int, then: int | None
     return _states(open_store(store_url), STEPS), text, store_url
 
 
-@pytest.mark.parametrize("ranks", [2, pytest.param(1, marks=pytest.mark.long)])  # one rank: tests/test_trainer_resume.py covers it
+# Long (2 min): in `make test` a two-rank checkpoint is resumed by test_a_run_resumes_at_another_world_size_on_the_same_chain
+# (2-to-1), and a two-rank load by tests/test_ckpt_sharded_load.py (1-to-2); one rank: tests/test_trainer_resume.py.
+@pytest.mark.long
+@pytest.mark.parametrize("ranks", [2, 1])
 def test_a_run_resumed_on_as_many_ranks_publishes_the_uninterrupted_versions(tmp_path: Path, redis_url: str, ranks: int) -> None:
     # Run names carry the parameter: the Redis server is the session's, and a run named as in the
     # other parametrization would find its head already past the cut (stopped before it started).

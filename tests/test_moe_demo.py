@@ -94,10 +94,10 @@ def _follow_matches_delta_apply(work: Path, model: Path, family: str, capsys: py
     assert not any(".experts.0." in n or n.endswith(("gate_up_proj", "down_proj")) for n in fused)  # FORMAT.md §2 names only
 
 
-@pytest.mark.parametrize(
-    "family",
-    ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.long)],  # mixtral's names: test_moe_train, test_moe_checkpoints (make test)
-)
+# Long (3 min): in `make test` the MoE paths run through test_moe_train (two ranks to an Actor, and a
+# resume), test_vllm_moe, test_glm4_moe and test_moe_checkpoints; `make test-all` runs this whole demo.
+@pytest.mark.long
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_the_demo_on_a_tiny_moe_is_bit_identical_and_follow_writes_delta_apply_s_experts(
     shared_tmp: Path, tmp_path: Path, family: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

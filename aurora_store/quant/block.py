@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from aurora_store.errors import ModelMismatchError
-from aurora_store.quant import kernels
+from aurora_store.quant import kernels, pages
 from aurora_store.quant.recipe import blocks_of, scale_shape
 
 __all__ = ["BlockFP8", "Requant", "quantize", "requantize"]
@@ -109,7 +109,7 @@ def quantize(bits: np.ndarray, name: str = "weight", jit: bool | None = None) ->
     sshape = scale_shape(shape)
     out = BlockFP8(
         shape,
-        np.empty(shape, np.uint8),
+        pages.empty(shape, np.uint8),
         np.empty(sshape, np.float32),
         np.empty(sshape, np.uint16),
         np.empty(sshape, np.int32),
@@ -168,12 +168,16 @@ def requantize(
     if isinstance(got, int):
         why = "holds an infinite or NaN value after the change" if got == -1 else "change has indices out of order or out of bounds"
         raise ModelMismatchError(f"{name}: {why}; FP8 copy left as it was")
-    whole, shrunk = got
-    rescaled, elements = kernels.quantize_blocks(flat, rows, cols, whole, q, scale, peak, ties, jit) if whole.size else (0, 0)
+    rescan, grown = got
+    rescaled = elements = 0
+    for blocks, scan in ((rescan, True), (grown, False)):
+        if blocks.size:
+            r, n = kernels.quantize_blocks(flat, rows, cols, blocks, q, scale, peak, ties, jit, scan=scan)
+            rescaled, elements = rescaled + r, elements + n
     return Requant(
         changed=int(indices.size),
         scales_changed=rescaled,
-        shrunk=shrunk,
-        whole_blocks=int(whole.size),
+        shrunk=int(rescan.size),
+        whole_blocks=int(rescan.size + grown.size),
         work=int(indices.size) + elements,
     )

@@ -11,11 +11,13 @@ vectorizes well in numpy (both are data-dependent):
   indices, the old and new bits there), requantize each changed element with
   its block's current scale, writing only the FP8 bytes that move, and keep
   each block's largest magnitude current; return the blocks whose scale
-  changed or whose largest element shrank, which :func:`quantize_blocks`
-  then redoes whole (overwriting what the first pass wrote there). One
-  sequential pass over the change: the weights are not read at all, and the
-  FP8 copy is written only where a byte changes. Nothing is written before
-  the whole change has been checked (order, bounds, finite values).
+  changed: those whose largest element shrank, which :func:`quantize_blocks`
+  rescans, and those whose largest element grew (the new one is among the
+  changes), which it only requantizes; either way it overwrites what the
+  first pass wrote there. One sequential pass over the change: the weights
+  are not read at all, and the FP8 copy is written only where a byte
+  changes. Nothing is written before the whole change has been checked
+  (order, bounds, finite values).
 
 Tensors are seen as ``(experts, rows, cols)`` (one expert for a 2-D weight),
 flat and C-contiguous: element ``(e, r, c)`` is at ``(e * rows + r) * cols
@@ -31,13 +33,15 @@ The float32 arithmetic is the recipe's exactly (see
 :mod:`aurora_store.quant.recipe`): ``amax = max(f32(peak), f32(1e-4))``,
 ``scale = amax / 448``, ``inv = 1 / scale``, ``q = fp8(f32(x) * inv)``,
 every operation rounded to float32 once. The float32 to ``float8_e4m3fn``
-rounding (to nearest, ties to even) is done on the float32 bit pattern:
-integer rounding of the mantissa for normal values, and for subnormals
-(below 2**-6) a float32 addition of 2**14 that rounds at 2**-9, the same in
-the kernels and in :func:`aurora_store.quant.twins.fp8_bits`. Compiled with
-numba like the codec's kernels (:mod:`aurora_store.codec.kernels.jit`:
-lazily, cached, serial; ``AURORA_NO_JIT`` picks the numpy twins of
-:mod:`aurora_store.quant.twins`); the tests compare both paths bit for bit.
+rounding (to nearest, ties to even) is done on the float32 bit pattern, in
+one scalar helper both kernels call (:func:`_fp8`; numba inlines it and the
+loops around it still vectorize): integer rounding of the mantissa for
+normal values, and for subnormals (below 2**-6) a float32 addition of 2**14
+that rounds at 2**-9, as :func:`aurora_store.quant.twins.fp8_bits` does over
+arrays. Compiled with numba like the codec's kernels
+(:mod:`aurora_store.codec.kernels.jit`: lazily, cached, serial;
+``AURORA_NO_JIT`` picks the numpy twins of :mod:`aurora_store.quant.twins`);
+the tests compare both paths bit for bit.
 """
 
 from __future__ import annotations
@@ -46,44 +50,64 @@ from typing import Any
 
 import numpy as np
 
-from aurora_store.codec.kernels.jit import compiled, readonly, use_jit
+from aurora_store.codec.kernels.jit import compiled, helper, readonly, use_jit
 from aurora_store.quant.twins import NONFINITE, all_blocks_numpy, blocks_numpy, changes_numpy
 
 __all__ = ["NONFINITE", "quantize_blocks", "requantize_changes", "warm_up"]
 
 
 #: Changes per chunk of :func:`_changes` (its scratch rows stay in L1).
-_CHUNK = 256
+_CHUNK = 512
 
 # ---------------------------------------------------------------------------
 # Kernel bodies (plain Python in numba's subset; compiled lazily)
 
 
-def _blocks(bits: Any, rows: Any, cols: Any, blocks: Any, q: Any, scale: Any, peak: Any, ties: Any) -> Any:
-    """Rescan and requantize each block of ``blocks`` whole; (scales changed, elements).
+@helper
+def _widen(h: Any) -> Any:
+    """The float32 value of bf16 bits ``h`` (uint16)."""
+    return np.uint32(np.uint32(h) << np.uint32(16)).view(np.float32)
 
-    A row of a block goes through small scratch rows, one simple loop per
-    step so that each vectorizes: widened to float32 bits (``su``, read as
-    floats through ``w``: numba has no scalar bit casts), multiplied
-    (``sf``), its magnitude plus 2**14 (``tf``, the subnormal rounding),
-    rounded to FP8 (``out``) and written. Positions are unsigned:
-    numba checks every signed index for wrap-around, which costs more than
-    the arithmetic here.
+
+@helper
+def _fp8(f: Any) -> Any:
+    """The ``float8_e4m3fn`` byte of float32 ``f`` (finite, magnitude below 464), rounded to nearest even.
+
+    Normal results: the 23-bit mantissa rounded to 3 bits (ties to even: add
+    half less one plus the lowest kept bit), the exponent rebiased from 127
+    to 7. Below 2**-6 an FP8 value is a multiple of 2**-9: adding 2**14 to
+    the magnitude makes the float32 sum round exactly there (to nearest
+    even), the result in its low bits.
+    """
+    u = np.float32(f).view(np.uint32)
+    a = u & np.uint32(0x7FFFFFFF)
+    v = ((a + np.uint32(0x7FFFF) + ((a >> np.uint32(20)) & np.uint32(1))) >> np.uint32(20)) - np.uint32(960)
+    sub = np.float32(abs(f) + np.float32(16384.0)).view(np.uint32) - np.uint32(0x46800000)
+    return np.uint8((sub if a < np.uint32(0x3C800000) else v) | ((u >> np.uint32(24)) & np.uint32(0x80)))
+
+
+@helper
+def _scale(top: Any) -> Any:
+    """The block scale of largest magnitude ``top`` (bf16 bits without the sign): ``max(amax, 1e-4) / 448``."""
+    amax = _widen(top)
+    if amax < np.float32(1e-4):
+        amax = np.float32(1e-4)
+    return np.float32(amax / np.float32(448.0))
+
+
+def _blocks(bits: Any, rows: Any, cols: Any, blocks: Any, q: Any, scale: Any, peak: Any, ties: Any, scan: Any) -> Any:
+    """Requantize each block of ``blocks`` whole; (scales changed, elements).
+
+    With ``scan`` each block is rescanned first for its largest magnitude and
+    how many elements hold it; without, ``peak`` is already right (a block
+    whose largest element grew: :func:`_changes` knows the new one and its
+    ties) and only the requantization pass reads the block. Each loop is
+    simple so that it vectorizes; positions are unsigned: numba checks every
+    signed index for wrap-around, which costs more than the arithmetic here.
     """
     nbr = (rows + 127) // 128
     nbc = (cols + 127) // 128
     per = nbr * nbc
-    su = np.empty(128, np.uint32)
-    sf = np.empty(128, np.float32)
-    tf = np.empty(128, np.float32)
-    out = np.empty(128, np.uint8)
-    w = su.view(np.float32)
-    t = sf.view(np.uint32)
-    tt = tf.view(np.uint32)
-    floor, fmax, one, magic = np.float32(1e-4), np.float32(448.0), np.float32(1.0), np.float32(16384.0)
-    u1, u16, u20, u24 = np.uint32(1), np.uint32(16), np.uint32(20), np.uint32(24)
-    absmask, half, tiny = np.uint32(0x7FFFFFFF), np.uint32(0x80000), np.uint32(0x3C800000)
-    rebias, magic_bits, sign = np.uint32(960), np.uint32(0x46800000), np.uint32(0x80)
     mag = np.uint16(0x7FFF)
     ucols = np.uint64(cols)
     rescaled = 0
@@ -98,48 +122,29 @@ def _blocks(bits: Any, rows: Any, cols: Any, blocks: Any, q: Any, scale: Any, pe
         c0 = bc * 128
         cw = min(cols, c0 + 128) - c0
         first = np.uint64((e * rows + r0) * cols + c0)
-        top = np.uint16(0)
-        for r in range(nr):
-            o = first + np.uint64(r) * ucols
-            for c in range(cw):
-                top = max(top, bits[o + np.uint64(c)] & mag)
-        n = 0
-        for r in range(nr):
-            o = first + np.uint64(r) * ucols
-            for c in range(cw):
-                n += (bits[o + np.uint64(c)] & mag) == top
-        peak[b] = top
-        ties[b] = n
+        if scan:
+            top = np.uint16(0)
+            for r in range(nr):
+                o = first + np.uint64(r) * ucols
+                for c in range(cw):
+                    top = max(top, bits[o + np.uint64(c)] & mag)
+            n = 0
+            for r in range(nr):
+                o = first + np.uint64(r) * ucols
+                for c in range(cw):
+                    n += (bits[o + np.uint64(c)] & mag) == top
+            peak[b] = top
+            ties[b] = n
         elements += nr * cw
-        su[0] = np.uint32(top) << u16
-        amax = w[0]
-        if amax < floor:
-            amax = floor
-        s = amax / fmax
+        s = _scale(peak[b])
         if scale[b] != s:
             rescaled += 1
         scale[b] = s
-        inv = one / s
+        inv = np.float32(np.float32(1.0) / s)
         for r in range(nr):
             o = first + np.uint64(r) * ucols
             for c in range(cw):
-                su[c] = np.uint32(bits[o + np.uint64(c)]) << u16
-            for c in range(cw):
-                sf[c] = w[c] * inv
-            for c in range(cw):
-                # Below 2**-6 an FP8 value is a multiple of 2**-9: adding 2**14 makes the
-                # float32 sum round exactly there (to nearest even), the result in its low bits.
-                tf[c] = abs(sf[c]) + magic
-            for c in range(cw):
-                u = t[c]
-                a = u & absmask
-                # Normal: the 23-bit mantissa rounded to 3 bits (nearest, ties to even), exponent rebiased 127 -> 7.
-                v = ((a + half - u1 + ((a >> u20) & u1)) >> u20) - rebias
-                sub = tt[c] - magic_bits
-                v = sub if a < tiny else v
-                out[c] = np.uint8(v | ((u >> u24) & sign))
-            for c in range(cw):
-                q[o + np.uint64(c)] = out[c]
+                q[o + np.uint64(c)] = _fp8(np.float32(_widen(bits[o + np.uint64(c)]) * inv))
     return rescaled, elements
 
 
@@ -157,62 +162,54 @@ def _changes(rows: Any, cols: Any, size: Any, idx: Any, old: Any, new: Any, q: A
     largest magnitude: a few in a hundred at RL densities, so only those
     update the block's state (``hi``: the largest new magnitude among them,
     ``at_hi``: how many reach it; ``lost``, ``gained``: changes that left or
-    reached ``peak``), in a branch that is rarely taken. Then, per block that
-    saw one: a new largest magnitude raises ``peak`` (``ties`` = ``at_hi``:
-    every other element is below it); else ``ties`` loses and gains, and a
-    block left with none was shrunk and must be rescanned. A block whose
-    scale changes, or that must be rescanned, goes to ``whole`` for
-    :func:`_blocks` (which overwrites what this pass wrote there). Returns
-    (blocks in ``whole``, blocks whose largest element shrank); or, with
-    nothing written, (-1, -1) when a new value is not finite, (-2, -2) when
-    an index is out of order or out of bounds.
+    reached ``peak``). Then, per block that saw one: a new largest magnitude
+    raises ``peak`` (``ties`` = ``at_hi``: every other element is below it);
+    else ``ties`` loses and gains, and a block left with none was shrunk and
+    must be rescanned. A block whose scale changes goes to ``whole`` for
+    :func:`_blocks` (which overwrites what this pass wrote there): from the
+    front when it must be rescanned, from the back when its largest element
+    grew (``peak`` and ``ties`` already set, no rescan). Returns (blocks to
+    rescan: their largest element shrank, blocks to requantize with their new
+    peak); or, with nothing written, (-1, 0) when a new value is not finite,
+    (-2, 0) when an index is out of order or out of bounds.
 
-    Changes go through in chunks: a scalar loop finds each one's block (from
-    its row, which changes only every few indices: the divisions are paid
-    per row) and widens both values to float32 bits; then simple loops, each
-    of which vectorizes, scale and round them (bit casts are array views:
-    numba has none for scalars), and the bytes that moved are written.
+    Changes go through in chunks: a scalar loop finds each change's block
+    (from its row, which changes only every few indices: the divisions are
+    paid per row) and gathers the block's scale and peak; a straight one (it
+    vectorizes) requantizes the old and new values and flags the changes
+    whose byte moved or that reach or leave their block's peak; the last
+    writes the moved bytes and updates the blocks of the flagged ones.
     """
     nbr = (rows + 127) // 128
     nbc = (cols + 127) // 128
     nblocks = scale.size
-    floor, fmax, one, magic = np.float32(1e-4), np.float32(448.0), np.float32(1.0), np.float32(16384.0)
-    u1, u16, u20, u24 = np.uint32(1), np.uint32(16), np.uint32(20), np.uint32(24)
-    absmask, half, tiny = np.uint32(0x7FFFFFFF), np.uint32(0x80000), np.uint32(0x3C800000)
-    rebias, magic_bits, sign = np.uint32(960), np.uint32(0x46800000), np.uint32(0x80)
     mag, inf = np.uint16(0x7FFF), np.uint16(0x7F80)
+    one, two = np.uint8(1), np.uint8(2)
     nk = np.uint64(idx.size)
     # Checks first, nothing written if one fails; flags or-ed without branches, so the loops vectorize.
     if nk == 0:
         return 0, 0
     if np.int64(idx[0]) < 0 or np.int64(idx[nk - np.uint64(1)]) >= size:
-        return -2, -2
+        return -2, 0
     disorder = False
     for j in range(np.uint64(1), nk):
         disorder |= idx[j] <= idx[j - np.uint64(1)]
     if disorder:
-        return -2, -2
+        return -2, 0
     nonfinite = False
     for j in range(nk):
         nonfinite |= (new[j] & inf) == inf
     if nonfinite:
-        return -1, -1
+        return -1, 0
     inv = np.empty(nblocks, np.float32)
     for bb in range(nblocks):
-        inv[bb] = one / scale[bb]
-    wn = np.empty(_CHUNK, np.uint32)
-    wo = np.empty(_CHUNK, np.uint32)
-    fn, fo = wn.view(np.float32), wo.view(np.float32)
-    pn = np.empty(_CHUNK, np.float32)
-    po = np.empty(_CHUNK, np.float32)
-    bn, bo = pn.view(np.uint32), po.view(np.uint32)
-    tn = np.empty(_CHUNK, np.float32)
-    to = np.empty(_CHUNK, np.float32)
-    sn, so = tn.view(np.uint32), to.view(np.uint32)
+        inv[bb] = np.float32(1.0) / scale[bb]
+    blk = np.empty(_CHUNK, np.uint32)
     scl = np.empty(_CHUNK, np.float32)
-    pos = np.empty(_CHUNK, np.uint64)
-    qn = np.empty(_CHUNK, np.uint8)
-    qo = np.empty(_CHUNK, np.uint8)
+    pk = np.empty(_CHUNK, np.uint16)
+    qq = np.empty(_CHUNK, np.uint8)
+    hot = np.empty(_CHUNK, np.uint8)
+    sel = np.empty(_CHUNK, np.uint32)
     hi = np.full(nblocks, -1, np.int64)
     at_hi = np.zeros(nblocks, np.int32)
     lost = np.zeros(nblocks, np.int32)
@@ -228,8 +225,7 @@ def _changes(rows: Any, cols: Any, size: Any, idx: Any, old: Any, new: Any, q: A
     while k0 < nk:
         m = min(np.uint64(_CHUNK), nk - k0)
         for c in range(m):
-            k = k0 + np.uint64(c)
-            i = np.uint64(idx[k])
+            i = np.uint64(idx[k0 + np.uint64(c)])
             if i >= row_end:
                 fr = i // ucols
                 e = np.int64(fr) // rows
@@ -237,11 +233,34 @@ def _changes(rows: Any, cols: Any, size: Any, idx: Any, old: Any, new: Any, q: A
                 row_start = fr * ucols
                 row_end = row_start + ucols
             b = row_block + ((i - row_start) >> u7)
+            blk[c] = np.uint32(b)
+            scl[c] = inv[b]
+            pk[c] = peak[b]
+        for c in range(m):
+            k = k0 + np.uint64(c)
             x = new[k]
             y = old[k]
-            mn = x & mag
-            p = peak[b]
-            if mn >= p or (y & mag) == p:  # rare: the change reaches or leaves the block's peak
+            p = pk[c]
+            qn = _fp8(np.float32(_widen(x) * scl[c]))
+            qo = _fp8(np.float32(_widen(y) * scl[c]))
+            qq[c] = qn
+            hot[c] = np.uint8(((x & mag) >= p) | ((y & mag) == p)) * two | np.uint8(qn != qo)
+        # The flagged changes (about one in six) listed without a branch, then visited: a branch per
+        # change on a flag set at random would be mispredicted about as often as it is taken.
+        nh = 0
+        for c in range(m):
+            sel[nh] = c
+            nh += hot[c] != 0
+        for j in range(nh):
+            cf = np.uint64(sel[j])
+            t = hot[cf]
+            k = k0 + cf
+            if t & one:
+                q[idx[k]] = qq[cf]
+            if t & two:  # rare: the change reaches or leaves the block's peak
+                b = np.uint64(blk[cf])
+                mn = new[k] & mag
+                p = peak[b]
                 h = hi[b]
                 if h < 0:
                     seen[ns] = b
@@ -251,68 +270,30 @@ def _changes(rows: Any, cols: Any, size: Any, idx: Any, old: Any, new: Any, q: A
                     at_hi[b] = 1
                 elif np.int64(mn) == h:
                     at_hi[b] += 1
-                if (y & mag) == p:
+                if (old[k] & mag) == p:
                     lost[b] += 1
                 if mn == p:
                     gained[b] += 1
-            pos[c] = i
-            scl[c] = inv[b]
-            wn[c] = np.uint32(x) << u16
-            wo[c] = np.uint32(y) << u16
-        for c in range(m):
-            pn[c] = fn[c] * scl[c]
-            po[c] = fo[c] * scl[c]
-        for c in range(m):
-            # Below 2**-6 an FP8 value is a multiple of 2**-9: adding 2**14 makes the
-            # float32 sum round exactly there (to nearest even), the result in its low bits.
-            tn[c] = abs(pn[c]) + magic
-            to[c] = abs(po[c]) + magic
-        for c in range(m):
-            # Normal: the 23-bit mantissa rounded to 3 bits (nearest, ties to even), exponent rebiased 127 -> 7.
-            u = bn[c]
-            a = u & absmask
-            v = ((a + half - u1 + ((a >> u20) & u1)) >> u20) - rebias
-            sub = sn[c] - magic_bits
-            v = sub if a < tiny else v
-            qn[c] = np.uint8(v | ((u >> u24) & sign))
-            u = bo[c]
-            a = u & absmask
-            v = ((a + half - u1 + ((a >> u20) & u1)) >> u20) - rebias
-            sub = so[c] - magic_bits
-            v = sub if a < tiny else v
-            qo[c] = np.uint8(v | ((u >> u24) & sign))
-        for c in range(m):
-            if qn[c] != qo[c]:
-                q[pos[c]] = qn[c]
         k0 += m
-    w32 = np.empty(1, np.uint32)
-    w32f = w32.view(np.float32)
-    nw = 0
-    shrunk = 0
+    rescan = 0
+    grown = 0
     for t in range(ns):
         b = np.uint64(seen[t])
         p = np.int64(peak[b])
         left = ties[b] - lost[b] + gained[b]
-        redo = False
         if hi[b] > p:
-            w32[0] = np.uint32(hi[b]) << u16
-            amax = w32f[0]
-            if amax < floor:
-                amax = floor
-            if amax / fmax != scale[b]:
-                redo = True
-            else:  # under the 1e-4 floor: a new peak, the same scale
-                peak[b] = hi[b]
-                ties[b] = at_hi[b]
+            # Every unchanged element is at most the old peak: the new peak and its ties are among the changes.
+            peak[b] = hi[b]
+            ties[b] = at_hi[b]
+            if _scale(peak[b]) != scale[b]:  # else under the 1e-4 floor: a new peak, the same scale
+                grown += 1
+                whole[nblocks - grown] = b
         elif left > 0:
             ties[b] = left
         else:
-            redo = True
-            shrunk += 1
-        if redo:
-            whole[nw] = b
-            nw += 1
-    return nw, shrunk
+            whole[rescan] = b
+            rescan += 1
+    return rescan, grown
 
 
 # ---------------------------------------------------------------------------
@@ -329,18 +310,21 @@ def quantize_blocks(
     peak: np.ndarray,
     ties: np.ndarray,
     jit: bool | None = None,
+    scan: bool = True,
 ) -> tuple[int, int]:
     """Requantize ``blocks`` whole (all blocks when None); (scales changed, elements).
 
     Every array is flat and C-contiguous; ``q``, ``scale``, ``peak`` and
-    ``ties`` are written in place. With ``blocks`` None on the numpy path the
-    scales changed are not counted (0): a from-scratch quantization has
-    nothing to compare with.
+    ``ties`` are written in place. ``scan=False`` trusts ``peak`` and
+    ``ties`` of the listed blocks instead of rescanning them (the numpy path
+    rescans anyway: the same result when they are right). With ``blocks``
+    None on the numpy path the scales changed are not counted (0): a
+    from-scratch quantization has nothing to compare with.
     """
     if use_jit(jit):
         if blocks is None:
-            blocks = np.arange(scale.size, dtype=np.int64)
-        rescaled, elements = compiled(_blocks)(readonly(bits), rows, cols, readonly(blocks), q, scale, peak, ties)
+            blocks, scan = np.arange(scale.size, dtype=np.int64), True
+        rescaled, elements = compiled(_blocks)(readonly(bits), rows, cols, readonly(blocks), q, scale, peak, ties, scan)
         return int(rescaled), int(elements)
     if blocks is None:
         all_blocks_numpy(bits, rows, cols, q, scale, peak, ties)
@@ -359,16 +343,16 @@ def requantize_changes(
     peak: np.ndarray,
     ties: np.ndarray,
     jit: bool | None = None,
-) -> tuple[np.ndarray, int] | int:
-    """:func:`_changes` on the chosen path: (blocks to redo whole, blocks whose largest element shrank);
-    or, nothing written, -1 when a new value is not finite, -2 when an index is out of order or out of
-    bounds."""
+) -> tuple[np.ndarray, np.ndarray] | int:
+    """:func:`_changes` on the chosen path: (blocks to rescan and requantize whole, blocks to requantize
+    whole with the peak and ties it set); or, nothing written, -1 when a new value is not finite, -2 when
+    an index is out of order or out of bounds."""
     if use_jit(jit):
         whole = np.empty(scale.size, np.int64)
-        nw, shrunk = compiled(_changes)(rows, cols, q.size, readonly(idx), readonly(old), readonly(new), q, scale, peak, ties, whole)
-        if nw < 0:
-            return int(nw)
-        return whole[:nw], shrunk
+        rescan, grown = compiled(_changes)(rows, cols, q.size, readonly(idx), readonly(old), readonly(new), q, scale, peak, ties, whole)
+        if rescan < 0:
+            return int(rescan)
+        return whole[:rescan], whole[whole.size - grown :]
     return changes_numpy(rows, cols, q.size, idx, old, new, q, scale, peak, ties)
 
 

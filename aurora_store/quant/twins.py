@@ -95,7 +95,7 @@ def changes_numpy(
     scale: np.ndarray,
     peak: np.ndarray,
     ties: np.ndarray,
-) -> tuple[np.ndarray, int] | int:
+) -> tuple[np.ndarray, np.ndarray] | int:
     nbr, nbc = -(-rows // BLOCK), -(-cols // BLOCK)
     i = idx.astype(np.int64)
     if i.size and (int(i[0]) < 0 or int(i[-1]) >= size or bool((np.diff(i) <= 0).any())):
@@ -117,11 +117,10 @@ def changes_numpy(
     up = hi > p
     rescale = up & (scales_of(np.maximum(hi, 0).astype(np.uint16)) != scale[touched])
     shrunk = ~up & (left <= 0)
-    whole = rescale | shrunk
-    kept, raised = ~up & ~shrunk, up & ~rescale
+    kept = ~up & ~shrunk
     ties[touched[kept]] = left[kept]
-    peak[touched[raised]] = hi[raised]
-    ties[touched[raised]] = per_block(mn == hi[at])[raised]
-    sel = ~whole[at]
+    peak[touched[up]] = hi[up]
+    ties[touched[up]] = per_block(mn == hi[at])[up]
+    sel = ~(rescale | shrunk)[at]
     q[i[sel]] = fp8_bits(_widen(new[sel]) * (np.float32(1) / scale[blk[sel]]))
-    return touched[whole], int(np.count_nonzero(shrunk))
+    return touched[shrunk], touched[rescale]

@@ -19,6 +19,7 @@ change paths with an environment variable.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ __all__ = [
     "numba_version",
     "use_jit",
     "compiled",
+    "helper",
     "readonly",
     "unsigned",
 ]
@@ -91,12 +93,45 @@ def use_jit(jit: bool | None) -> bool:
     return jit
 
 
+def helper(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn``, a scalar function in numba's subset, as one that kernels call.
+
+    It stays a plain Python function (numba is imported lazily); when
+    :func:`compiled` compiles a kernel whose body names it, the kernel sees
+    the compiled helper instead, which LLVM inlines. One body then serves
+    every kernel that needs it (the FP8 rounding, for one).
+    """
+    fn.__aurora_kernel_helper__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+def _with_helpers(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` itself, or a copy whose globals map the :func:`helper` functions it names to their compiled selves."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return fn
+    found = {}
+    for name in code.co_names:
+        obj = fn.__globals__.get(name)
+        if getattr(obj, "__aurora_kernel_helper__", False):
+            found[name] = compiled(obj)
+    if not found:
+        return fn
+    # A copy of the module's globals taken now: kernels read constants and helpers from it, nothing mutable.
+    out = types.FunctionType(code, {**fn.__globals__, **found}, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__qualname__, out.__module__, out.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    return out
+
+
 @functools.cache
 def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` compiled by numba; compiled (or loaded from the cache) on first use."""
+    """``fn`` compiled by numba; compiled (or loaded from the cache) on first use.
+
+    The :func:`helper` functions ``fn`` calls are compiled with it."""
     numba = _numba()
     if numba is None:
         raise RuntimeError("numba is not installed; the compiled kernels are unavailable")
+    fn = _with_helpers(fn)
     try:
         return numba.njit(cache=True, nogil=True)(fn)
     except RuntimeError:
