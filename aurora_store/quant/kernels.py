@@ -352,7 +352,8 @@ def requantize_changes(
         rescan, grown = compiled(_changes)(rows, cols, q.size, readonly(idx), readonly(old), readonly(new), q, scale, peak, ties, whole)
         if rescan < 0:
             return int(rescan)
-        return whole[:rescan], whole[whole.size - grown :]
+        # The grown blocks fill ``whole`` from its end, last seen first: put them back in ascending order.
+        return whole[:rescan], np.ascontiguousarray(whole[whole.size - grown :][::-1])
     return changes_numpy(rows, cols, q.size, idx, old, new, q, scale, peak, ties)
 
 
