@@ -286,17 +286,27 @@ def _print_parity(out: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from aurora_store.testing.servers import RedisServer
+    from aurora_tools.bench.json_stdout import json_only
     from workers.process import limit_torch_threads
 
     limit_torch_threads()
-    if getattr(args, "parity", False):
-        par = parity(args)
-        if args.json:
-            print(json.dumps(par))
-        else:
-            _print_parity(par)
+    parity_run = bool(getattr(args, "parity", False))
+    with json_only(args.json):  # vLLM's logs and its workers' go to stderr: stdout holds the JSON alone
+        out = parity(args) if parity_run else _measure(args)
+    if args.json:
+        print(json.dumps(out))
         return 0
+    if parity_run:
+        _print_parity(out)
+        return 0
+    _print_table(out, args)
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Both runs (and the vLLM replay with ``--engine vllm``): the JSON object."""
+    from aurora_store.testing.servers import RedisServer
+
     if args.engine == "vllm":
         from workers.engine.vllm_engine import import_vllm
 
@@ -346,9 +356,11 @@ def main(args: argparse.Namespace) -> int:
                 print(f"the same on a {args.activation_shape}-shaped model (random weights, sparse steps) ...", flush=True)
             with tempfile.TemporaryDirectory(prefix="aurora-bench-activation-") as d:
                 out[f"activation_{args.activation_shape}"] = vllm_activation(synthetic_run(d, activation_shape(args.activation_shape)))
-    if args.json:
-        print(json.dumps(out))
-        return 0
+    return out
+
+
+def _print_table(out: dict[str, Any], args: argparse.Namespace) -> None:
+    a, i = out["aurora"], out["ideal"]
     rows = (
         "step_s",
         "wait_rollouts_s",
@@ -380,4 +392,3 @@ def main(args: argparse.Namespace) -> int:
                 f"delta in place {1e3 * big['activation_s_delta']:.1f} ms (caller waits {1e3 * big['activation_s_delta_rpc']:.1f} ms), "
                 f"full load_weights {1e3 * big['activation_s_reload']:.1f} ms ({big['activation_s_reload'] / big['activation_s_delta']:.0f}x)"
             )
-    return 0
