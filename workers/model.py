@@ -34,6 +34,7 @@ from aurora_store.api.weights import family_of
 from aurora_store.codec.extract import fuse_weights, plan_of
 from aurora_store.codec.fusion import EMBED, TIED_HEAD, FusionPlan
 from aurora_store.errors import ModelMismatchError
+from workers.activations import ACTIVATION_FLOOR_BYTES, LOGITS_CHUNK_BYTES, PASS_TOKENS, pass_tokens, rows_per_pass
 from workers.task import Problem
 from workers.tokenizer import CharTokenizer
 
@@ -50,6 +51,9 @@ __all__ = [
     "load_model",
     "logprobs",
     "pack_completions",
+    "ACTIVATION_FLOOR_BYTES",
+    "LOGITS_CHUNK_BYTES",
+    "PASS_TOKENS",
     "pass_tokens",
     "rows_per_pass",
     "save_model",
@@ -291,37 +295,6 @@ def logprobs(
     if reduction == "sum":
         return total
     return total / completion_mask[:, 1:].sum(-1).clamp(min=1).to(total.dtype)
-
-
-PASS_TOKENS = 4096
-"""Tokens (rows x padded width) one forward/backward pass covers when nothing else is known."""
-
-
-def pass_tokens(hidden_size: int, layers: int, params: int, checkpointing: bool) -> int:
-    """Tokens per forward/backward pass that keep a causal LM's activations near one byte per
-    parameter (at least 64 MiB: small models run their batch in few passes).
-
-    Without checkpointing a decoder layer keeps about 14 x ``hidden_size`` float32 values per
-    token (attention and MLP inputs and outputs); with it, only its input (the rest is recomputed).
-    """
-    per_token = (4 if checkpointing else 56) * max(1, hidden_size) * max(1, layers)
-    return max(1, max(params, ACTIVATION_FLOOR_BYTES) // per_token)
-
-
-ACTIVATION_FLOOR_BYTES = 64 << 20
-"""Activation memory :func:`pass_tokens` allows whatever the model's size."""
-
-
-def rows_per_pass(micro_batch: int, width: int, tokens: int = PASS_TOKENS) -> int:
-    """Rows per forward pass: ``micro_batch`` when > 0, else as many rows of ``width`` tokens as
-    ``tokens`` holds (at least one), so activations do not grow with the batch."""
-    if micro_batch > 0:
-        return micro_batch
-    return max(1, tokens // max(1, width))
-
-
-LOGITS_CHUNK_BYTES = 64 << 20
-"""Float32 logits one chunk of :func:`logprobs` may hold (the default ``chunk_tokens`` follows from it)."""
 
 
 def _token_logprobs(

@@ -49,7 +49,7 @@ from aurora_store.api.weights import (
 )
 from aurora_store.apply.sink import tree_weights_digest
 from aurora_store.codec.entries import EncodeOptions
-from aurora_store.codec.extract import extract, fuse_weights, plan_of, unfuse_weights
+from aurora_store.codec.extract import extract, plan_of, unfuse_weights
 from aurora_store.codec.fusion import TIED_HEAD, FusionPlan
 from aurora_store.coordination.bus import COMMIT, VERSION, Bus
 from aurora_store.coordination.commit import prepare_commit
@@ -339,7 +339,7 @@ class Publisher:
             self.store,
             self.run,
             v,
-            fuse_weights(new, plan),
+            new,  # fused as the shards are written: no fused copy of the version beside it
             state,
             self._pub_cfg,
             producer=prod or None,
@@ -349,6 +349,7 @@ class Publisher:
             attempt=attempt[0],
             created_at=attempt[1],
             weights_digest=digest,
+            plan=plan,
         )
 
     def _publish_v0(self, new: dict[str, torch.Tensor], plan: FusionPlan, prod: dict[str, Any], t0: float) -> Published:

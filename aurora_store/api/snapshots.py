@@ -7,7 +7,8 @@ joiners. :class:`SnapshotWriter` runs each one on a thread, shards first and
 manifest last (a crash mid-upload leaves only orphans under the attempt id,
 never a visible snapshot); a failure is logged, reported, and the next
 snapshot is written as usual. Only one is in flight: the next waits for the
-one before (its shards hold a copy of a whole version in memory).
+one before (each holds its version's weights, and a shard file per upload
+stream, built from them as a stream frees: :mod:`aurora_store.lineage.shards`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from aurora_store.codec.entries import EncodeOptions
-from aurora_store.codec.extract import ParamDelta, spec_of
+from aurora_store.codec.extract import ParamDelta
 from aurora_store.config import SEGMENT_MIB_ENV, env_name, from_env, streams_field
 from aurora_store.errors import ConfigError
 from aurora_store.format.checkpoint import DEFAULT_SEGMENT_BYTES, EncodedSegment, encode_segments
@@ -70,6 +70,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from aurora_store.codec.fusion import FusionPlan
     from aurora_store.format.signing import Signer
 
 log = logging.getLogger("aurora.publish")
@@ -249,17 +250,26 @@ class SegmentEvent:
 class _Uploader:
     """Bounded pool of uploads that fails fast on the first error."""
 
-    def __init__(self, store: Any, streams: int) -> None:
+    def __init__(self, store: Any, streams: int, window: int | None = None) -> None:
         self.store = store
         self.pool = ThreadPoolExecutor(max_workers=streams, thread_name_prefix="aurora-upload")
-        self.slots = threading.Semaphore(2 * streams)
+        self.slots = threading.Semaphore(window or 2 * streams)
         self.futures: list[Future[None]] = []
 
-    def submit(self, key: str, data: bytes, done: Callable[[], None] | None = None) -> None:
+    def reserve(self) -> None:
+        """Wait for a free slot before building the next object (then ``submit(..., reserved=True)``)."""
+        self._raise_failed()
+        self.slots.acquire()
+
+    def _raise_failed(self) -> None:
         for f in self.futures:
             if f.done() and f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
-        self.slots.acquire()
+
+    def submit(self, key: str, data: bytes, done: Callable[[], None] | None = None, reserved: bool = False) -> None:
+        if not reserved:
+            self._raise_failed()
+            self.slots.acquire()
 
         def run() -> None:
             try:
@@ -407,8 +417,12 @@ def publish_snapshot(
     commit: Callable[[str, int, bytes], None] | None = None,
     tree_digest: bool = False,
     weights_digest: str | None = None,
+    plan: FusionPlan | None = None,
 ) -> Manifest:
     """Write full weights (fused names) as shards, then the manifest.
+
+    ``plan``: ``tensors`` are under source names, fused as they are written (no fused
+    copy is made: :mod:`aurora_store.lineage.shards`); None: already fused.
 
     ``tree_digest``: the manifest's ``weights_digest`` in the tree form (FORMAT.md §4.1),
     hashed a tensor per thread; a writer uses one form throughout a run.
@@ -425,46 +439,33 @@ def publish_snapshot(
     ``state`` is the state of the version captured; ``None`` for the first
     snapshot of a run, whose state is its own content digest.
     """
-    from safetensors.torch import save
-
     from aurora_store.apply.sink import tree_weights_digest
     from aurora_store.apply.sink import weights_digest as streamed_digest
+    from aurora_store.lineage.shards import shard_file, shard_groups, snapshot_tensors
 
     digest_of = tree_weights_digest if tree_digest else streamed_digest
     cfg = config or PublishConfig()
     attempt = attempt or new_attempt_id()
     vdir = version_dir("snapshot", version)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        t = tensors[name].detach()
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > cfg.shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.cpu().contiguous()
-        size += nbytes
+    items = snapshot_tensors(tensors, plan)
     refs: list[SegmentRef] = []
-    up = _Uploader(store, cfg.streams)
+    # One shard file per upload stream, built when a stream is free: a copy at memory speed, so
+    # no stream waits, and the files in memory stay at most ``streams`` shards (no fused copy).
+    up = _Uploader(store, cfg.streams, window=cfg.streams)
     try:
-        for i, shard in enumerate(shards):
+        for i, shard in enumerate(shard_groups(items, cfg.shard_bytes)):
             if not shard:
                 continue
-            data = save(
-                shard,
-                metadata={
-                    "aurora.format": "1",
-                    "aurora.kind": "snapshot",
-                    "aurora.version": str(version),
-                },
-            )
+            up.reserve()
+            data = shard_file(shard, {"aurora.format": "1", "aurora.kind": "snapshot", "aurora.version": str(version)})
             rel = f"{attempt}/shard-{i:05d}.safetensors"
             refs.append(SegmentRef(rel, len(data), hashlib.sha256(data).hexdigest()))
-            up.submit(f"{vdir}/{rel}", data)
+            up.submit(f"{vdir}/{rel}", data, reserved=True)
+            del data
     finally:
         up.wait()
     segments = tuple(refs)
-    params = {n: {"shape": list(t.shape), "dtype": spec_of(t, n).dtype} for n, t in sorted(tensors.items())}
+    params = {it.name: {"shape": list(it.shape), "dtype": it.dtype} for it in items}
     m = Manifest(
         kind="snapshot",
         run=run,
@@ -475,7 +476,7 @@ def publish_snapshot(
         producer={"name": PRODUCER_NAME, "version": __version__, **(producer or {})},
         created_at=created_at or _utc_now(),
         extra={
-            **_checked_digest(weights_digest or digest_of({n: t.detach().cpu().contiguous() for n, t in tensors.items()})),
+            **_checked_digest(weights_digest or digest_of({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, plan)),
             **({MODEL_FIELD: model_listing(model)} if model is not None else {}),
         },
     )

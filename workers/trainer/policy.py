@@ -202,10 +202,26 @@ class GrpoPolicy:
     def tokens_per_pass(self) -> int:
         """Tokens per forward/backward pass when ``micro_batch`` is 0: activations near 1 byte per parameter."""
         cfg = getattr(self.model, "config", None)
-        hidden, layers = int(getattr(cfg, "hidden_size", 0) or 0), int(getattr(cfg, "num_hidden_layers", 0) or 0)
+
+        def get(name: str) -> int:
+            return int(getattr(cfg, name, 0) or 0)
+
+        hidden, layers = get("hidden_size"), get("num_hidden_layers")
         if not hidden or not layers:
             return PASS_TOKENS
-        return pass_tokens(hidden, layers, self.params, self.cfg.activation_checkpointing)
+        heads = get("num_attention_heads")
+        head_dim = get("head_dim") or (hidden // heads if heads else 0)
+        kv_heads = get("num_key_value_heads") or heads
+        return pass_tokens(
+            hidden,
+            layers,
+            self.params,
+            self.cfg.activation_checkpointing,
+            intermediate_size=get("intermediate_size") or None,
+            q_width=heads * head_dim or None,
+            kv_width=kv_heads * head_dim or None,
+            vocab=get("vocab_size"),
+        )
 
     def versions_device(self) -> torch.device | None:
         """Where the bf16 versions live (``versions_on``); None before the model is built."""

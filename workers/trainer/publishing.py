@@ -61,7 +61,6 @@ def publish_version(
     base_state: str,
     config: PublishConfig,
     bus: Bus,
-    snapshot_tensors: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
     producer: Mapping[str, Any] | None = None,
     weights_digest: str | None = None,
     signer: Signer | None = None,
@@ -69,8 +68,8 @@ def publish_version(
 ) -> Published:
     """Ship version ``v`` (made by ``step``) from ``old`` -> ``new`` as ``transfer`` says.
 
-    ``snapshot_tensors`` turns bf16 weights into the fused tensors a snapshot
-    holds. The version is not announced here (the caller records its head first).
+    A snapshot's shards are fused from ``new`` as they are written (no fused copy
+    of the version). The version is not announced here (the caller records its head first).
     ``weights_digest`` (of ``new``) goes into a delta's manifest: it binds a
     snapshot published at ``v`` afterwards (FORMAT.md §4.1). ``signer`` signs
     the manifest (FORMAT.md §4.1; None: unsigned).
@@ -79,7 +78,7 @@ def publish_version(
     if transfer == "delta":
         raise ValueError("deltas are published through aurora_store.Publisher (the Trainer's self.publisher)")
     if transfer == "full":
-        m = publish_snapshot(store, run, v, snapshot_tensors(new), None, config, producer=producer, signer=signer, commit=commit)
+        m = publish_snapshot(store, run, v, new, None, config, producer=producer, signer=signer, commit=commit, plan=plan)
         return Published(m.state, "snapshot", m.total_bytes)
     # Nothing moves: the version exists only as an announcement.
     return Published(unshipped_state(v), "none")

@@ -41,6 +41,7 @@ import torch
 
 from aurora_store import metrics
 from aurora_store.clock import SYSTEM_CLOCK, Clock
+from aurora_store.codec.kernels import warm_up
 from aurora_store.coordination.bus import COMMIT, Bus
 from aurora_store.coordination.commit import prepare_commit
 from aurora_store.coordination.keys import RunKeys
@@ -137,6 +138,12 @@ class Trainer:
         if not ctx.leader:
             raise ValueError("the Trainer runs on rank 0; other ranks run follow()")
         tune_allocator()  # before the model is built (workers.trainer.malloc: what glibc keeps beyond what is live)
+        if cfg.transfer == "delta":
+            # The codec's compiled kernels (extraction, encodings; about 120 MB of numba, llvmlite and
+            # machine code, a fixed cost per process) load now, before the model: the first publish does
+            # not stall on a compile, and the memory it costs is there before the model's, as it is in
+            # `aurora bench trainer`'s baseline.
+            log.info("codec kernels ready in %.1fs", warm_up())
         if (steps is None) != (weights is None):
             raise ValueError("a workload gives both a step source and a weights source (or neither: GRPO)")
         self.ep = ep

@@ -26,7 +26,6 @@ from aurora_store import metrics
 from aurora_store.api import Publisher
 from aurora_store.api.snapshots import SnapshotResult
 from aurora_store.apply.sink import tree_weights_digest, weights_digest
-from aurora_store.codec.extract import fuse_weights
 from aurora_store.codec.fusion import FusionPlan
 from aurora_store.coordination.bus import VERSION, Bus
 from aurora_store.coordination.records import RunRecords
@@ -244,7 +243,6 @@ class VersionPublisher:
                     self.states[v - 1],
                     self.publish_config,
                     self.bus,
-                    lambda w: fuse_weights(w, plan),
                     producer=producer,
                     weights_digest=digest,
                     signer=self.signer,

@@ -14,7 +14,7 @@ import contextlib
 import os
 import threading
 
-__all__ = ["TreeMemory", "descendants", "status_bytes"]
+__all__ = ["TreeMemory", "descendants", "maps_kernels", "status_bytes"]
 
 
 def status_bytes(pid: int, field: str) -> int | None:
@@ -27,6 +27,16 @@ def status_bytes(pid: int, field: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def maps_kernels(pid: int) -> bool:
+    """Whether process ``pid`` has loaded the codec's compiled kernels (llvmlite, numba's code
+    generator, is mapped); False when it is gone."""
+    try:
+        with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as f:
+            return any("llvmlite" in line for line in f)
+    except OSError:
+        return False
 
 
 def _parents() -> dict[int, int]:
@@ -68,6 +78,8 @@ class TreeMemory:
         self.exact = True
         """Whether the kernel's high-water mark could be reset (else: sampled ``VmRSS``)."""
         self._peaks: dict[int, int] = {}
+        self.kernels: dict[int, bool] = {}
+        """pid -> whether it had the codec's kernels loaded when the window ended (:func:`maps_kernels`)."""
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -101,6 +113,7 @@ class TreeMemory:
             self._done.set()
             self._thread.join(5)
             self._sample()
+            self.kernels = {pid: maps_kernels(pid) for pid in self._peaks}
         return self.peaks()
 
     def peaks(self) -> dict[int, int]:
