@@ -8,7 +8,6 @@ the recipe written here, and (slow) against vLLM's ``per_block_cast_to_fp8``.
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Callable
 
 import numpy as np
@@ -20,7 +19,7 @@ from hypothesis import strategies as st
 from aurora_store.codec import kernels as codec_kernels
 from aurora_store.codec.kernels.jit import compiled
 from aurora_store.errors import ConfigError, ModelMismatchError
-from aurora_store.quant import BlockFP8, Requant, check_format, is_quantized, pages, quantize, requantize, scale_shape
+from aurora_store.quant import BlockFP8, Requant, check_format, is_quantized, quantize, requantize, scale_shape
 from aurora_store.quant.kernels import _fp8
 from aurora_store.quant.twins import fp8_bits
 from aurora_store.quant.weights import Fp8Weights
@@ -107,17 +106,6 @@ def _round_each(x: np.ndarray, out: np.ndarray) -> None:
     """A kernel body over :func:`aurora_store.quant.kernels._fp8`, compiled the way the kernels are."""
     for i in range(x.size):
         out[i] = _fp8(x[i])
-
-
-def test_a_large_copy_starts_on_a_huge_page_and_a_small_one_is_plain() -> None:
-    big = pages.empty((3, 2048, 1500), np.uint8)
-    assert big.shape == (3, 2048, 1500) and big.dtype == np.uint8 and big.flags.c_contiguous and big.flags.writeable
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        assert big.ctypes.data % (2 << 20) == 0
-    big[...] = 7
-    assert int(big.sum(dtype=np.int64)) == 7 * big.size
-    small = pages.empty((5, 7), np.float32)
-    assert small.shape == (5, 7) and small.dtype == np.float32 and small.base is None
 
 
 @pytest.mark.parametrize("shape", [(300, 200), (128, 128), (5, 7), (256, 129), (3, 130, 260), (2, 128, 256)])

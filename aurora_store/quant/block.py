@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from aurora_store.errors import ModelMismatchError
-from aurora_store.quant import kernels, pages
+from aurora_store.quant import kernels
 from aurora_store.quant.recipe import blocks_of, scale_shape
 
 __all__ = ["BlockFP8", "Requant", "quantize", "requantize"]
@@ -109,7 +109,7 @@ def quantize(bits: np.ndarray, name: str = "weight", jit: bool | None = None) ->
     sshape = scale_shape(shape)
     out = BlockFP8(
         shape,
-        pages.empty(shape, np.uint8),
+        np.empty(shape, np.uint8),
         np.empty(sshape, np.float32),
         np.empty(sshape, np.uint16),
         np.empty(sshape, np.int32),
