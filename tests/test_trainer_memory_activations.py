@@ -6,29 +6,27 @@ import pytest
 import torch
 
 from workers.activations import ACTIVATION_FLOOR_BYTES, LOGITS_CHUNK_BYTES, layer_bytes_per_token, pass_tokens
-from workers.model import logprobs
+from workers.model import logprobs, tiny_qwen3
 
 
 def _saved_bytes(layers: int, hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, rows: int, width: int) -> int:
     """Bytes of the distinct storages autograd saves for the backward pass of one ``logprobs`` forward
     (parameters excluded): what a pass keeps between its forward and its backward."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(
-        "qwen3",
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+    # The project's own builder (what the Trainer trains), in float32 and untied, attention through sdpa.
+    model = tiny_qwen3(
+        512,
+        0,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=inter,
-        vocab_size=512,
+        intermediate=inter,
+        max_positions=512,
         tie_word_embeddings=False,
-        max_position_embeddings=512,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()
+        dtype=torch.float32,
+    ).train()
+    model.config._attn_implementation = "sdpa"
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -37,6 +35,7 @@ def _saved_bytes(layers: int, hidden: int, inter: int, heads: int, kv_heads: int
         seen.setdefault(st.data_ptr(), st.nbytes())
         return t
 
+    torch.manual_seed(0)
     ids = torch.randint(0, 500, (rows, width))
     attn = torch.ones(rows, width, dtype=torch.long)
     comp = torch.zeros(rows, width, dtype=torch.long)
