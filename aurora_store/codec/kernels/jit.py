@@ -106,7 +106,8 @@ def helper(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _with_helpers(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` itself, or a copy whose globals map the :func:`helper` functions it names to their compiled selves."""
+    """``fn`` itself, or a copy whose globals map the :func:`helper` functions it names to their compiled
+    selves (and the hints of :mod:`aurora_store.codec.kernels.prefetch` to their intrinsics)."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return fn
@@ -115,6 +116,8 @@ def _with_helpers(fn: Callable[..., Any]) -> Callable[..., Any]:
         obj = fn.__globals__.get(name)
         if getattr(obj, "__aurora_kernel_helper__", False):
             found[name] = compiled(obj)
+        elif callable(make := getattr(obj, "__aurora_kernel_intrinsic__", None)):
+            found[name] = make()
     if not found:
         return fn
     # A copy of the module's globals taken now: kernels read constants and helpers from it, nothing mutable.
