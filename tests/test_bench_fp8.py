@@ -33,8 +33,9 @@ def test_an_fp8_delta_takes_the_smallest_of_the_codecs_streams() -> None:
 
 
 def test_the_synthetic_workload_reports_each_key_per_step_and_requantizes_exactly() -> None:
-    r = run(_args("--params", "3e6", "--steps", "2", "--demo-steps", "0", "--reps", "1"), lambda _: None)
+    r = run(_args("--params", "3e6", "--steps", "2", "--demo-steps", "0", "--reps", "2", "--threads", "2"), lambda _: None)
     json.dumps(r)  # one JSON object
+    assert r["threads"] == 2
     for key in KEYS:
         assert list(r[key]) == ["synthetic"] and len(r[key]["synthetic"]) == 2, key
     assert r["exact"]["synthetic"] == [True, True]

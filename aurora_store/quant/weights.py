@@ -9,12 +9,22 @@ numpy arrays that :meth:`Fp8Weights.tensors` shares with torch (no copy), so
 an engine that serves from those tensors sees every requantization in place.
 The bf16 tensors themselves stay with the caller; the ones not quantized
 (embeddings, norms, routers, the head) are served as they are.
+
+Whole-model work (:meth:`Fp8Weights.of`, :meth:`Fp8Weights.requantize_all`)
+runs the weights on ``threads`` threads (default: the CPUs this process may
+use): the kernels release the GIL, and a safe point has nothing else to do
+with the cores while generation waits. Largest weights first, so the last
+one to finish is a small one.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Iterator, Mapping
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -23,7 +33,39 @@ from aurora_store.errors import ModelMismatchError
 from aurora_store.quant.block import BlockFP8, Requant, quantize, requantize
 from aurora_store.quant.recipe import FP8_BLOCK128, check_format, is_quantized, scale_name
 
-__all__ = ["Fp8Weights", "bf16_bits"]
+__all__ = ["Fp8Weights", "Change", "bf16_bits", "default_threads"]
+
+T = TypeVar("T")
+
+#: One weight's sparse change: (name, the bf16 tensor after it, flat indices, old bits, new bits or None).
+Change = tuple[str, torch.Tensor, np.ndarray, np.ndarray, "np.ndarray | None"]
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _run_all(jobs: Sequence[tuple[int, Callable[[], T]]], threads: int | None) -> list[T]:
+    """Run ``(size, job)`` pairs, largest first, on up to ``threads`` threads; results in the given order.
+
+    Every job runs to its end before an error is raised (the first one in
+    the given order): no thread is still writing when the caller handles it.
+    """
+    width = min(len(jobs), threads if threads is not None else default_threads())
+    if width <= 1:
+        return [job() for _, job in jobs]
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i][0])
+    with ThreadPoolExecutor(width, thread_name_prefix="aurora-quant") as pool:
+        futures = {i: pool.submit(jobs[i][1]) for i in order}
+        errors = {i: f.exception() for i, f in futures.items()}
+    for i in range(len(jobs)):
+        if (e := errors[i]) is not None:
+            raise e
+    return [futures[i].result() for i in range(len(jobs))]
 
 
 def bf16_bits(t: torch.Tensor, name: str = "weight") -> np.ndarray:
@@ -45,10 +87,15 @@ class Fp8Weights:
         self.blocks: dict[str, BlockFP8] = dict(blocks)
 
     @classmethod
-    def of(cls, weights: Mapping[str, torch.Tensor], fmt: str = FP8_BLOCK128, jit: bool | None = None) -> Fp8Weights:
+    def of(
+        cls, weights: Mapping[str, torch.Tensor], fmt: str = FP8_BLOCK128, jit: bool | None = None, threads: int | None = None
+    ) -> Fp8Weights:
         """Quantize every weight of ``weights`` (Hugging Face names, bf16) that ``fmt`` quantizes, from scratch."""
         check_format(fmt)
-        return cls({n: quantize(bf16_bits(t, n), n, jit) for n, t in weights.items() if is_quantized(n, tuple(t.shape))}, fmt)
+        names = [n for n, t in weights.items() if is_quantized(n, tuple(t.shape))]
+        bits = {n: bf16_bits(weights[n], n) for n in names}  # every dtype checked before any work
+        done = _run_all([(bits[n].size, functools.partial(quantize, bits[n], n, jit)) for n in names], threads)
+        return cls(dict(zip(names, done, strict=True)), fmt)
 
     def __contains__(self, name: object) -> bool:
         return name in self.blocks
@@ -80,6 +127,20 @@ class Fp8Weights:
         if blk is None:
             return Requant()
         return requantize(blk, bf16_bits(weight, name), indices, old_bits, new_bits, name, jit)
+
+    def requantize_all(self, changes: Sequence[Change], jit: bool | None = None, threads: int | None = None) -> Requant:
+        """:meth:`requantize` of each change, on up to ``threads`` threads; their :class:`Requant` summed.
+
+        Each weight is left as :meth:`requantize` leaves it, so a refused
+        change leaves its own copy as it was; the others still run to their
+        end before the first refusal (in the given order) is raised. A name
+        may appear once.
+        """
+        names = [c[0] for c in changes]
+        if len(set(names)) != len(names):
+            raise ValueError("requantize_all: a weight appears twice; requantize its changes in order instead")
+        got = _run_all([(int(c[2].size), functools.partial(self.requantize, *c, jit)) for c in changes], threads)
+        return sum(got, Requant())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """``name`` -> its ``float8_e4m3fn`` weight and ``name_scale_inv`` -> its float32 scales, sharing memory with the copy."""

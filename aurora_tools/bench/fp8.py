@@ -29,9 +29,13 @@ changed scales through the codec itself, as float32 entries), ``requant_s``
 (quantizing them all from scratch), ``work_fraction`` (changed elements
 outside the blocks redone whole, plus every element of those, over the
 quantized elements), ``target_s`` (``2 x work_fraction x full_quant_s + 5
-ms``), ``requant_cpu_s`` / ``full_quant_cpu_s`` (the same on thread CPU
-time: the machine is shared) and ``exact`` (the incremental copy equals
-the from-scratch one, bit for bit). Exit status 1 if any step is not exact.
+ms``), ``requant_cpu_s`` / ``full_quant_cpu_s`` (the same in CPU time,
+every thread's: the machine is shared) and ``exact`` (the incremental copy equals
+the from-scratch one, bit for bit). Top level: ``threads``, the threads
+both the requantization and the from-scratch quantization ran on
+(``--threads``; default: the CPUs the process may use, as an Actor's safe
+point uses them), the workloads' parameters and ``kernels_jit``. Exit
+status 1 if any step is not exact.
 """
 
 from __future__ import annotations
@@ -53,9 +57,9 @@ from aurora_store.codec.entries import EncodeOptions, ParamSpec
 from aurora_store.codec.extract import extract, plan_of
 from aurora_store.codec.fusion import FusionPlan
 from aurora_store.format.checkpoint import encode_segments
-from aurora_store.quant import BlockFP8, Requant, is_quantized, quantize
+from aurora_store.quant import BlockFP8, Requant, is_quantized
 from aurora_store.quant.kernels import warm_up
-from aurora_store.quant.weights import Fp8Weights, bf16_bits
+from aurora_store.quant.weights import Change, Fp8Weights, bf16_bits, default_threads
 from aurora_tools.bench import run_and_report
 
 __all__ = ["add_arguments", "main", "run", "fp8_delta_bytes", "KEYS"]
@@ -91,6 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--reps", type=int, default=3, help="timed runs of each weight's requantization and quantization; the best is kept (default 3)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads quantizing and requantizing the weights, both timed alike (default: the CPUs this process may use)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -161,47 +171,59 @@ def _restore(blk: BlockFP8, saved: BlockFP8) -> None:
         np.copyto(a, b)
 
 
+def _best(reps: int, fn: Callable[[int], Any]) -> tuple[float, float, Any]:
+    """(best wall seconds, best CPU seconds of the process's threads, the last result) of ``fn(rep)`` over ``reps`` runs."""
+    best = best_cpu = float("inf")
+    got = None
+    for rep in range(reps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        got = fn(rep)
+        best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, time.process_time() - c0)
+    return best, best_cpu, got
+
+
 def _step(
-    plan: FusionPlan, base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], copy: Fp8Weights, version: int, reps: int
+    plan: FusionPlan,
+    base: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    copy: Fp8Weights,
+    version: int,
+    reps: int,
+    threads: int,
 ) -> dict[str, Any]:
     """Measure one step: ``copy`` is current for ``base`` on entry and for ``new`` on return.
 
-    Each weight's requantization (its copy put back before each rep) and
-    from-scratch quantization are timed ``reps`` times, the best kept.
+    The whole model's requantization (the copy put back before each rep) and
+    its from-scratch quantization are each timed ``reps`` times on
+    ``threads`` threads, the best kept: the same threads for both, as an
+    Actor's safe point would use them.
     """
     elements = sum(p.spec.numel for p in plan)
     changed, bytes_bf16, bytes_bf16_q = _bf16_bytes(plan, base, new, version)
     opts = EncodeOptions()
-    stats = Requant()
-    req_s = req_cpu = full_s = full_cpu = 0.0
+    changes: list[Change] = []
+    for name in copy:
+        old_bits, new_bits = bf16_bits(base[name], name).reshape(-1), bf16_bits(new[name], name).reshape(-1)
+        idx, new_at, old_at = kernels.scan_changes(old_bits, new_bits)
+        if copy.blocks[name].numel < 1 << 31:
+            idx = idx.astype(np.int32)  # as a prepared delta holds them
+        changes.append((name, new[name], idx, old_at, new_at))
+    before = {name: blk.copy() for name, blk in copy.blocks.items()}
+
+    def requant(rep: int) -> Requant:
+        if rep:
+            for name, blk in copy.blocks.items():
+                _restore(blk, before[name])
+        return copy.requantize_all(changes, threads=threads)
+
+    req_s, req_cpu, stats = _best(reps, requant)
+    full_s, full_cpu, fresh = _best(reps, lambda _: Fp8Weights.of({n: new[n] for n in copy}, threads=threads))
     fp8_changed = blocks_changed = scales_changed = bytes_fp8 = 0
     exact = True
     for name in copy:
-        blk = copy.blocks[name]
-        old_bits, new_bits = bf16_bits(base[name], name).reshape(-1), bf16_bits(new[name], name)
-        idx, new_at, old_at = kernels.scan_changes(old_bits, new_bits.reshape(-1))
-        if blk.numel < 1 << 31:
-            idx = idx.astype(np.int32)  # as a prepared delta holds them
-        before = blk.copy()
-        q0, s0 = before.q, before.scale_inv
-        best, best_cpu = float("inf"), float("inf")
-        for rep in range(reps):  # the best of reps: the machine is shared
-            if rep:
-                _restore(blk, before)
-            t0, c0 = time.perf_counter(), time.thread_time()
-            got = copy.requantize(name, new[name], idx, old_at, new_at)
-            best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, time.thread_time() - c0)
-        stats = stats + got
-        req_s += best
-        req_cpu += best_cpu
-        best, best_cpu = float("inf"), float("inf")
-        for _ in range(reps):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            fresh = quantize(new_bits, name)
-            best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, time.thread_time() - c0)
-        full_s += best
-        full_cpu += best_cpu
-        exact = exact and np.array_equal(fresh.q, blk.q) and np.array_equal(fresh.scale_inv.view(np.uint32), blk.scale_inv.view(np.uint32))
+        blk, q0, s0 = copy.blocks[name], before[name].q, before[name].scale_inv
+        got = fresh.blocks[name]
+        exact = exact and np.array_equal(got.q, blk.q) and np.array_equal(got.scale_inv.view(np.uint32), blk.scale_inv.view(np.uint32))
         # What changed in FP8 space: bytes, blocks (a byte or the scale), scales.
         moved = q0 != blk.q
         fidx = np.flatnonzero(moved)
@@ -295,7 +317,7 @@ def _demo(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[list[di
     steps: list[dict[str, Any]] = []
     for v in range(1, args.demo_steps + 1):
         new = _split(plan, materialize(store, v)[0])
-        steps.append(_step(plan, base, new, copy, v, args.reps))
+        steps.append(_step(plan, base, new, copy, v, args.reps, args.threads))
         log(f"demo v{v}: {_line(steps[-1])}")
         base = new
     return steps, sum(p.spec.numel for p in plan)
@@ -320,7 +342,7 @@ def _synthetic(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[li
     steps: list[dict[str, Any]] = []
     for v in range(1, args.steps + 1):
         sparse_update(new, density, args.seed, v)
-        steps.append(_step(plan, base, new, copy, v, args.reps))
+        steps.append(_step(plan, base, new, copy, v, args.reps, args.threads))
         log(f"synthetic v{v}: {_line(steps[-1])}")
         base, new = new, base
         for n, t in new.items():
@@ -343,6 +365,9 @@ def _line(r: Mapping[str, Any]) -> str:
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     """Both workloads, demo first; one JSON-able object (see the module docstring)."""
     warm_up()  # compiled before anything is timed
+    args.threads = args.threads if args.threads is not None else default_threads()
+    if args.threads < 1:
+        raise ValueError(f"--threads: {args.threads}; at least 1")
     workloads: dict[str, list[dict[str, Any]]] = {}
     out: dict[str, Any] = {}
     if args.demo_steps > 0:
@@ -352,6 +377,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     for key in KEYS:
         out[key] = {w: [s[key] for s in steps] for w, steps in workloads.items()}
     out["kernels_jit"] = int(kernels.jit_enabled())
+    out["threads"] = args.threads
     return out
 
 

@@ -7,8 +7,10 @@ every weight the format quantizes (:func:`aurora_store.quant.is_quantized`:
 linear layers and stacked experts; never embeddings, norms, routers or the
 head). :class:`Fp8Serving` keeps that copy current inside the safe point:
 it reads the old bits at a prepared delta's indices before the write and
-hands them, with the new ones, to :meth:`Fp8Weights.requantize`, whose work
-follows the change (see :mod:`aurora_store.quant.block`).
+hands them, with the new ones, to :meth:`Fp8Weights.requantize_all`, whose
+work follows the change (see :mod:`aurora_store.quant.block`), one weight per
+thread on the CPUs the process may use: generation waits for the safe point,
+so the cores have nothing else to do.
 
 Generation reads the FP8 copy only. Each module owning a quantized
 parameter gets a ``forward`` that, for the length of the call, puts in that
@@ -35,7 +37,7 @@ from aurora_store.apply.prepared_delta import DenseWrite, PreparedDelta, SortedW
 from aurora_store.codec.kernels.jit import compiled, readonly, use_jit
 from aurora_store.errors import ModelMismatchError
 from aurora_store.quant import FP8_BLOCK128, Requant, check_format, is_quantized
-from aurora_store.quant.weights import Fp8Weights, bf16_bits
+from aurora_store.quant.weights import Change, Fp8Weights, bf16_bits
 
 __all__ = ["SERVE_DTYPES", "Fp8Serving", "plain_forwards", "refuse_quantized_base"]
 
@@ -174,13 +176,12 @@ class Fp8Serving:
                 _exchange(flat, w.indices, old, False, np.empty_like(old), jit)
             raise
         rest.write(tensors, jit)
-        out = Requant()
-        for w, _flat, old in done:
-            new = old ^ w.bits.view(np.uint16) if w.xor else w.bits.view(np.uint16)
-            out += self.copy.requantize(w.source, tensors[w.source], w.indices, old, new, jit)
-        for name, (idx, old, new) in changes.items():
-            out += self.copy.requantize(name, tensors[name], idx, old, new, jit)
-        return out
+        todo: list[Change] = [
+            (w.source, tensors[w.source], w.indices, old, old ^ w.bits.view(np.uint16) if w.xor else w.bits.view(np.uint16))
+            for w, _flat, old in done
+        ]
+        todo += [(name, tensors[name], idx, old, new) for name, (idx, old, new) in changes.items()]
+        return self.copy.requantize_all(todo, jit)
 
     def _changes(
         self, prepared: PreparedDelta, tensors: Mapping[str, torch.Tensor]
