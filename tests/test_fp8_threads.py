@@ -87,3 +87,20 @@ def test_prefetch_hints_compile_into_kernels_and_change_nothing() -> None:
     assert fn(a, out) == kernel(a, plain) == int(a.sum())
     assert np.array_equal(out, plain) and np.array_equal(out, a + 1)
     assert "prefetch" in next(iter(fn.inspect_llvm().values()))
+
+
+def test_refresh_requantizes_from_scratch_into_the_arrays_already_there() -> None:
+    weights = make_weights(QWEN3_TINY, seed=7)
+    copy = Fp8Weights.of(weights)
+    arrays = {n: (b.q, b.scale_inv, b.peak, b.ties) for n, b in copy.blocks.items()}
+    for b in copy.blocks.values():  # garbage in: refresh must not depend on what was there
+        b.q.fill(0x7F)
+        b.peak.fill(0)
+        b.ties.fill(-1)
+    _step(weights, list(copy), seed=1)
+    copy.refresh(weights, threads=2)
+    assert copy.digest() == Fp8Weights.of(weights).digest()
+    for n, b in copy.blocks.items():
+        assert all(x is y for x, y in zip((b.q, b.scale_inv, b.peak, b.ties), arrays[n], strict=True)), n
+    with pytest.raises(ModelMismatchError, match="refresh: no weight for"):
+        copy.refresh({})

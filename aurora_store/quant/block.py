@@ -97,23 +97,29 @@ def _flat_bits(bits: np.ndarray, name: str) -> np.ndarray:
     return bits.reshape(-1)
 
 
-def quantize(bits: np.ndarray, name: str = "weight", jit: bool | None = None) -> BlockFP8:
+def quantize(bits: np.ndarray, name: str = "weight", jit: bool | None = None, out: BlockFP8 | None = None) -> BlockFP8:
     """The recipe applied to a whole weight (its bf16 bit patterns, 2-D or a 3-D stack of experts).
 
-    Raises :class:`~aurora_store.errors.ModelMismatchError` for another dtype
-    or shape, or when a value is infinite or NaN (no finite scale serves it).
+    ``out``: a copy of the same shape to overwrite instead of new arrays (a
+    from-scratch pass over a copy an engine already serves from; its
+    contents before do not matter). Raises
+    :class:`~aurora_store.errors.ModelMismatchError` for another dtype or
+    shape, or when a value is infinite or NaN (no finite scale serves it).
     """
     shape = tuple(int(d) for d in bits.shape)
     _, rows, cols = blocks_of(shape, name)
     flat = _flat_bits(bits, name)
     sshape = scale_shape(shape)
-    out = BlockFP8(
-        shape,
-        np.empty(shape, np.uint8),
-        np.empty(sshape, np.float32),
-        np.empty(sshape, np.uint16),
-        np.empty(sshape, np.int32),
-    )
+    if out is None:
+        out = BlockFP8(
+            shape,
+            np.empty(shape, np.uint8),
+            np.empty(sshape, np.float32),
+            np.empty(sshape, np.uint16),
+            np.empty(sshape, np.int32),
+        )
+    elif out.shape != shape:
+        raise ModelMismatchError(f"{name}: the weight is {list(shape)}, its FP8 copy {list(out.shape)}")
     kernels.quantize_blocks(
         flat, rows, cols, None, out.q.reshape(-1), out.scale_inv.reshape(-1), out.peak.reshape(-1), out.ties.reshape(-1), jit
     )

@@ -97,6 +97,16 @@ class Fp8Weights:
         done = _run_all([(bits[n].size, functools.partial(quantize, bits[n], n, jit)) for n in names], threads)
         return cls(dict(zip(names, done, strict=True)), fmt)
 
+    def refresh(self, weights: Mapping[str, torch.Tensor], jit: bool | None = None, threads: int | None = None) -> None:
+        """Quantize every weight of the copy from scratch again, from ``weights`` (the same names and
+        shapes), into the arrays it already has: what a from-scratch pass costs an engine that serves
+        from them, with no allocation in it."""
+        missing = sorted(set(self.blocks) - set(weights))
+        if missing:
+            raise ModelMismatchError(f"refresh: no weight for {missing[0]} (and {len(missing) - 1} more)")
+        bits = {n: bf16_bits(weights[n], n) for n in self.blocks}
+        _run_all([(b.size, functools.partial(quantize, b, n, jit, self.blocks[n])) for n, b in bits.items()], threads)
+
     def __contains__(self, name: object) -> bool:
         return name in self.blocks
 

@@ -26,7 +26,8 @@ codec's own streams, the smallest of rice / LEB128 / bitmask indices and
 raw / planes / zstd values, new or XOR, as its encoder picks for bf16; the
 changed scales through the codec itself, as float32 entries), ``requant_s``
 (the incremental requantization of every quantized weight), ``full_quant_s``
-(quantizing them all from scratch), ``work_fraction`` (changed elements
+(quantizing them all from scratch, into arrays already allocated: the pass
+itself, no page faults), ``work_fraction`` (changed elements
 outside the blocks redone whole, plus every element of those, over the
 quantized elements), ``target_s`` (``2 x work_fraction x full_quant_s + 5
 ms``), ``requant_cpu_s`` / ``full_quant_cpu_s`` (the same in CPU time,
@@ -194,9 +195,9 @@ def _step(
     """Measure one step: ``copy`` is current for ``base`` on entry and for ``new`` on return.
 
     The whole model's requantization (the copy put back before each rep) and
-    its from-scratch quantization are each timed ``reps`` times on
-    ``threads`` threads, the best kept: the same threads for both, as an
-    Actor's safe point would use them.
+    its from-scratch quantization (into a copy's existing arrays) are each
+    timed ``reps`` times on ``threads`` threads, the best kept: the same
+    threads for both, as an Actor's safe point would use them.
     """
     elements = sum(p.spec.numel for p in plan)
     changed, bytes_bf16, bytes_bf16_q = _bf16_bytes(plan, base, new, version)
@@ -217,7 +218,10 @@ def _step(
         return copy.requantize_all(changes, threads=threads)
 
     req_s, req_cpu, stats = _best(reps, requant)
-    full_s, full_cpu, fresh = _best(reps, lambda _: Fp8Weights.of({n: new[n] for n in copy}, threads=threads))
+    # From scratch into arrays already there (their pages already touched): the pass itself, as an
+    # engine serving from them would redo it, with no allocation or first-touch page faults in it.
+    fresh = Fp8Weights({n: b.copy() for n, b in before.items()}, copy.format)
+    full_s, full_cpu, _ = _best(reps, lambda _: fresh.refresh(new, threads=threads))
     fp8_changed = blocks_changed = scales_changed = bytes_fp8 = 0
     exact = True
     for name in copy:
