@@ -7,6 +7,8 @@ the others half-way or hide which one was refused.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -15,10 +17,32 @@ from aurora_store.codec import kernels as codec_kernels
 from aurora_store.codec.kernels.jit import compiled
 from aurora_store.codec.kernels.prefetch import prefetch_read, prefetch_write
 from aurora_store.errors import ModelMismatchError
-from aurora_store.quant.weights import Change, Fp8Weights
+from aurora_store.quant import weights as quant_weights
+from aurora_store.quant.weights import Change, Fp8Weights, _run_all
 from aurora_tools.synthetic.shapes import QWEN3_TINY, make_weights
 
 needs_numba = pytest.mark.skipif(not codec_kernels.jit_available(), reason="numba is not installed")
+
+
+@pytest.fixture(autouse=True)
+def always_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny model's work is far below the threshold for threads: lift it, so threads run."""
+    monkeypatch.setattr(quant_weights, "PARALLEL_MIN", 0)
+
+
+def test_jobs_run_at_once_on_threads_and_small_work_stays_on_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    both = threading.Barrier(2, timeout=30)  # broken (an error) unless two jobs wait at once
+
+    def job(i: int) -> tuple[int, str]:
+        both.wait()
+        return i, threading.current_thread().name
+
+    got = _run_all([(1, lambda i=i: job(i)) for i in range(4)], threads=2)
+    assert [i for i, _ in got] == [0, 1, 2, 3]  # results in the given order
+    assert {name for _, name in got} <= {f"aurora-quant_{k}" for k in range(2)} and len({n for _, n in got}) == 2
+    monkeypatch.setattr(quant_weights, "PARALLEL_MIN", 100)
+    here = threading.current_thread().name
+    assert {n for n in _run_all([(10, lambda: threading.current_thread().name)] * 3, threads=2)} == {here}
 
 
 def _step(weights: dict[str, torch.Tensor], names: list[str], seed: int, density: float = 0.03) -> list[Change]:

@@ -12,7 +12,7 @@ The bf16 tensors themselves stay with the caller; the ones not quantized
 
 Whole-model work (:meth:`Fp8Weights.of`, :meth:`Fp8Weights.requantize_all`)
 runs the weights on ``threads`` threads (default: the CPUs this process may
-use): the kernels release the GIL, and a safe point has nothing else to do
+use; one for less than :data:`PARALLEL_MIN` of work): the kernels release the GIL, and a safe point has nothing else to do
 with the cores while generation waits. Largest weights first, so the last
 one to finish is a small one.
 """
@@ -41,6 +41,12 @@ T = TypeVar("T")
 Change = tuple[str, torch.Tensor, np.ndarray, np.ndarray, "np.ndarray | None"]
 
 
+#: Below this much work in all (changed elements to requantize, or elements to quantize) the
+#: weights run on the calling thread: starting threads and handing them work costs about a
+#: millisecond, more than a small model's whole requantization (the demo's: 0.3-0.6 ms).
+PARALLEL_MIN = 1 << 20
+
+
 def default_threads() -> int:
     """The CPUs this process may run on (its affinity mask where the platform has one)."""
     try:
@@ -50,13 +56,14 @@ def default_threads() -> int:
 
 
 def _run_all(jobs: Sequence[tuple[int, Callable[[], T]]], threads: int | None) -> list[T]:
-    """Run ``(size, job)`` pairs, largest first, on up to ``threads`` threads; results in the given order.
+    """Run ``(size, job)`` pairs, largest first, on up to ``threads`` threads (one when their sizes
+    add up to less than :data:`PARALLEL_MIN`); results in the given order.
 
     Every job runs to its end before an error is raised (the first one in
     the given order): no thread is still writing when the caller handles it.
     """
     width = min(len(jobs), threads if threads is not None else default_threads())
-    if width <= 1:
+    if width <= 1 or sum(size for size, _ in jobs) < PARALLEL_MIN:
         return [job() for _, job in jobs]
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i][0])
     with ThreadPoolExecutor(width, thread_name_prefix="aurora-quant") as pool:
