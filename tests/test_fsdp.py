@@ -56,8 +56,8 @@ def _batch(rows: int) -> GrpoBatch:
     return GrpoBatch(ids, attn, comp, adv, old, None)
 
 
-def _model() -> torch.nn.Module:
-    m = tiny_qwen3(VOCAB, seed=3, dtype=torch.float32)
+def _model(tied: bool = True) -> torch.nn.Module:
+    m = tiny_qwen3(VOCAB, seed=3, dtype=torch.float32, tie_word_embeddings=tied)
     m.train()
     return m
 
@@ -70,12 +70,12 @@ def _update(model: torch.nn.Module, ctx: DistContext, rows: int) -> None:
         grpo_epochs(model, opt, _batch(rows), ctx, epochs=2, clip=0.2, kl_coef=0.0, logprobs=logprobs, max_grad_norm=math.inf)
 
 
-def _rank(rank: int, world: int, port: int, rows: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, rows: int, out: str, tied: bool = True) -> None:
     from workers.trainer.fsdp import broadcast_module, shard_model
 
     torch.set_num_threads(1)
     ctx = init_from_env({"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    model = _model()
+    model = _model(tied)
     if rank != 0:  # rank 0's weights must win
         with torch.no_grad():
             for p in model.parameters():
@@ -105,16 +105,18 @@ def test_init_from_env_without_world_is_one_process() -> None:
         init_from_env({"WORLD_SIZE": "2", "RANK": "0"})
 
 
-@pytest.mark.parametrize("rows", [5, 1], ids=["rows-split", "one-rank-idle"])
-def test_sharded_update_equals_one_process_update(tmp_path: Path, rows: int) -> None:
+@pytest.mark.parametrize(("rows", "tied"), [(5, True), (1, True), (5, False)], ids=["rows-split", "one-rank-idle", "untied-head"])
+def test_sharded_update_equals_one_process_update(tmp_path: Path, rows: int, tied: bool) -> None:
+    """Untied: the embedding and the head are FSDP units of their own (the embedding not gathered for
+    its backward), and the one process accumulates their gradients in place (workers.fused_grad)."""
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(2, free_port(), rows, out), nprocs=2)
+    mp.spawn(_rank, args=(2, free_port(), rows, out, tied), nprocs=2)
     got = torch.load(out)
-    ref = _model()
+    ref = _model(tied)
     _update(ref, SINGLE, rows)
     expect = dict(ref.named_parameters())
     assert set(got["full"]) == set(expect)
-    before = _model().state_dict()
+    before = _model(tied).state_dict()
     moved = 0
     for name, p in expect.items():
         torch.testing.assert_close(got["full"][name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
@@ -122,10 +124,10 @@ def test_sharded_update_equals_one_process_update(tmp_path: Path, rows: int) -> 
     assert moved > 0  # the update really changed weights
     # The gathered bf16 copy is exactly the rounding of the gathered master, tied names shared.
     for name, t in got["bf16"].items():
-        src = "model.embed_tokens.weight" if name == "lm_head.weight" else name
+        src = "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
         assert t.dtype == torch.bfloat16 and t.device.type == "cpu"
         assert torch.equal(t, got["full"][src].to(torch.bfloat16)), name
-    assert got["tied"]
+    assert got["tied"] == tied
 
 
 @pytest.mark.server

@@ -46,3 +46,32 @@ def test_small_storages_and_a_snapshot_in_flight_park_nothing(tmp_path) -> None:
     assert len(parkable(SimpleNamespace(held=held, publisher=SimpleNamespace(snapshot_in_flight=None)))) == 1
     with VersionParking(None).parked([torch.zeros(1 << 20)]) as _:  # no spool: nothing parked, nothing lost
         pass
+
+
+def test_an_older_version_reads_right_while_the_newest_is_parked(tmp_path) -> None:
+    """One-step asynchrony: the behaviour pass reads version v - 1 while v is parked (GrpoPolicy.train);
+    that is safe only while the view reads the old tensors alone (``reads_newest`` False), not once
+    the undo is compacted into positions applied to the newest version's bytes."""
+    from workers.trainer.held import HeldWeights, bf16_version
+
+    g = torch.Generator().manual_seed(1)
+    v1 = {"a": torch.randn(512, 512, generator=g), "b": torch.randn(300_000, generator=g)}
+    v2 = {n: t.clone() for n, t in v1.items()}
+    v2["a"][0, :3] += 1.0  # few changes: compaction makes them positions
+    held = HeldWeights()
+    held.hold(1, bf16_version(v1.items()))
+    held.hold(2, bf16_version(v2.items()))
+    want = {n: t.to(torch.bfloat16) for n, t in v1.items()}
+    view = held.view(1)
+    assert not view.reads_newest
+    parking = VersionParking(str(tmp_path))
+    with parking.parked(list(held.weights.values())):
+        assert parking.parked_bytes > 0
+        assert float((held.weights["b"].view(torch.int16) == 0).float().mean()) > 0.9  # parked: its whole pages read zeros
+        for n, w in want.items():
+            assert torch.equal(view[n].view(torch.int16), w.view(torch.int16)), n
+    held.compact()
+    assert held.view(1).reads_newest  # positions over the newest: it must stay resident
+    for n, w in want.items():
+        assert torch.equal(held.view(1)[n].view(torch.int16), w.view(torch.int16)), n
+    parking.close()

@@ -35,6 +35,8 @@ from aurora_store.codec.extract import fuse_weights, plan_of
 from aurora_store.codec.fusion import EMBED, TIED_HEAD, FusionPlan
 from aurora_store.errors import ModelMismatchError
 from workers.activations import ACTIVATION_FLOOR_BYTES, LOGITS_CHUNK_BYTES, PASS_TOKENS, pass_tokens, rows_per_pass
+from workers.fused_grad import embed as fused_embed
+from workers.fused_grad import fusable, head_logprobs
 from workers.task import Problem
 from workers.tokenizer import CharTokenizer
 
@@ -250,6 +252,7 @@ def logprobs(
     micro_batch: int = 0,
     chunk_tokens: int | None = None,
     router_aux: list[torch.Tensor] | None = None,
+    fuse_grads: bool = False,
 ) -> torch.Tensor:
     """Log-probabilities of the completion tokens under ``model``, differentiable.
 
@@ -271,6 +274,12 @@ def logprobs(
     ``router_aux``: a mixture-of-experts model is asked for its router's auxiliary
     (load-balancing) loss as it defines it (``output_router_logits``), one tensor
     appended per forward, from the same pass as the log-probabilities.
+
+    ``fuse_grads``: for a caller that only ever calls ``.backward()`` on the result (the GRPO
+    update's passes, whose gradients accumulate): in one process, the embedding's and the output
+    head's weight gradients are then added into their ``.grad`` in place by the backward pass
+    (:mod:`workers.fused_grad`) instead of being handed to autograd, so no pass builds a second
+    whole ``vocab x hidden`` gradient. ``torch.autograd.grad`` would not see them: leave it off there.
     """
     if input_ids.shape != attention_mask.shape or input_ids.shape != completion_mask.shape:
         raise ValueError(
@@ -284,7 +293,13 @@ def logprobs(
     step = micro_batch if 0 < micro_batch < rows else rows
     parts = [
         _token_logprobs(
-            model, input_ids[lo : lo + step], attention_mask[lo : lo + step], completion_mask[lo : lo + step], chunk_tokens, router_aux
+            model,
+            input_ids[lo : lo + step],
+            attention_mask[lo : lo + step],
+            completion_mask[lo : lo + step],
+            chunk_tokens,
+            router_aux,
+            fuse_grads,
         )
         for lo in range(0, rows, step)
     ]
@@ -304,6 +319,7 @@ def _token_logprobs(
     comp: torch.Tensor,
     chunk_tokens: int | None,
     router_aux: list[torch.Tensor] | None = None,
+    fuse_grads: bool = False,
 ) -> torch.Tensor:
     """[B, T] per-token log-probabilities of one micro-batch, 0 outside the completion (see :func:`logprobs`)."""
     position_ids = (attn.long().cumsum(-1) - 1).clamp(min=0)
@@ -316,18 +332,31 @@ def _token_logprobs(
         tok = logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
         return torch.nn.functional.pad(tok * comp[:, 1:].to(tok.dtype), (1, 0))
     # The head runs inside the model's forward (where a sharded model's weights are
-    # gathered), on the completion positions only, in chunks.
-    chunked = _CompletionHead(head, ids, comp, chunk_tokens)
+    # gathered), on the completion positions only, in chunks. In one process the embedding's and
+    # the head's weight gradients are added into .grad in place (workers.fused_grad), not built whole.
+    one_process = fuse_grads and not _sharded(model)
+    chunked = _CompletionHead(head, ids, comp, chunk_tokens, fuse=one_process)
+    emb = getattr(model, "get_input_embeddings", lambda: None)()
+    inputs: dict[str, torch.Tensor] = {"input_ids": ids}
+    if one_process and isinstance(emb, torch.nn.Embedding) and fusable(emb, torch.nn.Embedding):
+        inputs = {"inputs_embeds": fused_embed(emb, ids)}
     setter = getattr(model, "set_output_embeddings")  # noqa: B009 - the Hugging Face API, checked by _output_head
     setter(chunked)
     try:
-        out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False, **extra)
+        out = model(**inputs, attention_mask=attn, position_ids=position_ids, use_cache=False, **extra)
     finally:
         setter(head)
     _keep_aux(out, router_aux)
     tok = out.logits
     assert isinstance(tok, torch.Tensor) and tok.shape == ids.shape
     return tok
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP shards ``model`` (it then reduce-scatters each pass's gradients itself)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def _keep_aux(out: object, router_aux: list[torch.Tensor] | None) -> None:
@@ -352,12 +381,14 @@ def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
 class _CompletionHead(torch.nn.Module):
     """Stands in for the output head during one forward: returns [B, T] token log-probs, not [B, T, vocab] logits."""
 
-    def __init__(self, head: torch.nn.Module, ids: torch.Tensor, comp: torch.Tensor, chunk_tokens: int | None) -> None:
+    def __init__(self, head: torch.nn.Module, ids: torch.Tensor, comp: torch.Tensor, chunk_tokens: int | None, fuse: bool = False) -> None:
         super().__init__()
         self.head = head
         self.ids = ids
         self.comp = comp
         self.chunk_tokens = chunk_tokens
+        self.fuse = fuse
+        """Whether a plain float32 head may accumulate its weight gradient in place (:func:`workers.fused_grad.head_logprobs`)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.head
@@ -369,9 +400,13 @@ class _CompletionHead(torch.nn.Module):
         vocab = int(getattr(head, "out_features", 0) or getattr(getattr(head, "weight", None), "shape", (1,))[0])
         step = self.chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * max(1, vocab)))
         grad = torch.is_grad_enabled() and h.requires_grad
+        fused = grad and self.fuse and fusable(head, torch.nn.Linear)
         parts = []
         for lo in range(0, n, step):
-            if grad:
+            if fused:  # recomputes the chunk's logits in its backward, as the checkpoint below does
+                assert isinstance(head, torch.nn.Linear)
+                parts.append(head_logprobs(head, h[lo : lo + step], targets[lo : lo + step]))
+            elif grad:
                 from torch.utils.checkpoint import checkpoint
 
                 parts.append(checkpoint(_chunk_logprobs, head, h[lo : lo + step], targets[lo : lo + step], use_reentrant=False))

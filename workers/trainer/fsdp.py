@@ -188,7 +188,8 @@ def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     backward pass, its unsharded gradient): the embedding and an untied head
     are the largest tensors of a model (a quarter of a 0.2 B one), so each is a
     unit of its own, gathered only while it runs. A tied head is the
-    embedding's parameter: the two stay in the root's unit.
+    embedding's parameter: the two stay in the root's unit. On the host the
+    units gather and reduce in place (:mod:`~workers.trainer.host_comms`).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -202,8 +203,17 @@ def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     embed, head = _embeddings(model)
     if embed is not None and head is not None and embed.weight is not head.weight:
         fully_shard(embed, mesh=mesh)
+        # An embedding's backward reads only the indices, never the weight: not gathered again for it
+        # (a whole float32 copy of the embedding less at the end of every backward pass).
+        embed.set_unshard_in_backward(False)
         fully_shard(head, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if ctx.device.type == "cpu":  # gloo's own gather and scatter copy through a whole second buffer
+        from torch.distributed.fsdp import FSDPModule
+
+        from workers.trainer.host_comms import install_host_comms
+
+        install_host_comms([m for m in model.modules() if isinstance(m, FSDPModule)])
     return model
 
 
@@ -393,7 +403,8 @@ def _grpo_pass(
     mask = comp.float()
     a = mine.advantages[lo:hi, None]
     aux: list[torch.Tensor] | None = [] if mine.router_aux_coef > 0 else None
-    new = logprobs(model, ids, attn, comp, reduction="none", **({"router_aux": aux} if aux is not None else {}))
+    # fuse_grads: only .backward() follows, and the passes accumulate (workers.fused_grad; one process only).
+    new = logprobs(model, ids, attn, comp, reduction="none", fuse_grads=True, **({"router_aux": aux} if aux is not None else {}))
     ratio = torch.exp(new - old)
     obj = torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
     loss = -(obj * mask).sum()

@@ -245,6 +245,13 @@ class VersionView(Mapping[str, torch.Tensor]):
         """Let go of the held tensors (what the view read from is freed once nobody else holds it)."""
         self._newest, self._undos = {}, []
 
+    @property
+    def reads_newest(self) -> bool:
+        """Whether reading this view reads the newest version's bytes: not when every undo on the way is
+        whole old tensors (one-step asynchrony before :meth:`HeldWeights.compact`), so the newest
+        version may be parked while the view is read (:mod:`~workers.trainer.park`)."""
+        return any(u.index is not None for undo in self._undos for u in undo.values())
+
 
 def _aliases(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
     first: dict[tuple[torch.device, int, tuple[int, ...]], str] = {}

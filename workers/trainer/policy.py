@@ -44,7 +44,7 @@ from workers.trainer.fsdp import (
     shard_model,
 )
 from workers.trainer.grpo import Rollouts, grpo_batch, read_rollouts
-from workers.trainer.held import bf16_version
+from workers.trainer.held import VersionView, bf16_version
 from workers.trainer.malloc import trim
 from workers.trainer.park import VersionParking
 from workers.trainer.router_loss import router_aux_coef
@@ -200,7 +200,10 @@ class GrpoPolicy:
 
     @property
     def tokens_per_pass(self) -> int:
-        """Tokens per forward/backward pass when ``micro_batch`` is 0: activations near 1 byte per parameter."""
+        """Tokens per forward/backward pass when ``micro_batch`` is 0: activations near 1 byte per parameter,
+        of the rank's share of the model when sharded (each rank's budget is the model's over the ranks:
+        measured with ``aurora bench trainer --params 2e8 --nproc 2``, a pass sized for the whole model kept
+        about 0.8 bytes per parameter of activations on every rank, at the update's peak)."""
         cfg = getattr(self.model, "config", None)
 
         def get(name: str) -> int:
@@ -215,7 +218,7 @@ class GrpoPolicy:
         return pass_tokens(
             hidden,
             layers,
-            self.params,
+            self.params // max(1, self.ctx.world),
             self.cfg.activation_checkpointing,
             intermediate_size=get("intermediate_size") or None,
             q_width=heads * head_dim or None,
@@ -277,7 +280,19 @@ class GrpoPolicy:
         return self.bf16_weights()
 
     def train(self, rollouts: Rollouts, behaviour: Mapping[str, torch.Tensor]) -> None:
-        """One GRPO step: clipped ratio against ``behaviour``, optional KL to the reference."""
+        """One GRPO step: clipped ratio against ``behaviour``, optional KL to the reference.
+
+        The newest version is parked (:mod:`~workers.trainer.park`) during the update, and already
+        during the behaviour pass when that pass reads only an older version's own tensors (one-step
+        asynchrony): the two full versions then never meet the behaviour pass either. Traced with
+        ``aurora bench trainer --params 2e8 --nproc 2``: rank 0's behaviour pass (its shard and two
+        versions) came within 0.2 GB of the update's peak, the next to go once that peak was cut."""
+        assert self.opt is not None and self.behavior is not None
+        early = isinstance(behaviour, VersionView) and not behaviour.reads_newest
+        with self.parking.parked(self.parkable() if early else []):
+            self._train(rollouts, behaviour, late=not early)
+
+    def _train(self, rollouts: Rollouts, behaviour: Mapping[str, torch.Tensor], late: bool) -> None:
         assert self.opt is not None and self.behavior is not None
         batch = grpo_batch(
             rollouts.prompts,
@@ -303,7 +318,7 @@ class GrpoPolicy:
         if self.ctx.sharded:
             exchange(("train", batch.to("cpu")) if batch is not None else ("skip", None), self.ctx)
         if batch is not None:
-            with self.parking.parked(self.parkable()):
+            with self.parking.parked(self.parkable() if late else []):
                 grpo_epochs(self.model, self.opt, batch, self.ctx, self.cfg.epochs, self.cfg.clip, self.cfg.kl_coef, logprobs)
             trim()
 
