@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -166,3 +167,21 @@ def test_step_records_carry_the_split_timings_the_benchmark_reads() -> None:
     body = json.loads(step_record(split)[1])
     assert body["publish_s"] == 0.4  # the whole publish call, as before
     assert (body["publish_wait_s"], body["digest_s"], body["checkpoint_wait_s"]) == (0.1, 0.3, 0.25)
+
+
+def test_disk_needed_follows_the_model_and_the_kept_checkpoints() -> None:
+    from aurora_tools.bench.trainer.run import disk_needed
+
+    w = window_for(5, 10)
+    small, big = disk_needed(1e8, w, 10, 2), disk_needed(5e8, w, 10, 2)
+    assert big > 4 * small
+    assert disk_needed(5e8, w, 10, 3) - big >= 14 * 5e8  # one more checkpoint of 14 bytes per parameter
+    assert big >= (2 + 14 * 3) * 5e8  # at least the model and three checkpoints
+
+
+def test_a_run_the_disk_cannot_hold_is_refused_before_anything_is_built(tmp_path: Path) -> None:
+    from aurora_tools.bench.trainer.run import BenchError, Options, run_bench
+
+    with pytest.raises(BenchError, match=r"GB is free there"):
+        run_bench(Options(params=1e14, keep=str(tmp_path / "run")))
+    assert not (tmp_path / "run" / "model").exists()

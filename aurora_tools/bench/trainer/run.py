@@ -28,7 +28,7 @@ from aurora_store.errors import AuroraError
 from aurora_tools.bench.trainer.memory import TreeMemory
 from aurora_tools.bench.trainer.window import KEYS, Window, figures, window_for
 
-__all__ = ["BenchError", "Options", "count_params", "run_bench", "tokenizer_ids", "trainer_argv"]
+__all__ = ["BenchError", "Options", "count_params", "disk_needed", "run_bench", "tokenizer_ids", "trainer_argv"]
 
 RUN = "bench-trainer"
 TASK = "aurora_tools.bench.trainer.task:synthetic_task"
@@ -139,6 +139,38 @@ def _cadences(o: Options) -> tuple[int, int]:
     )
 
 
+def _keep_checkpoints(o: Options) -> int:
+    from workers.trainer.config import TrainerConfig
+
+    keep = TrainerConfig().keep_checkpoints
+    args = list(o.trainer_args)
+    for a, after in zip(args, [*args[1:], ""], strict=False):
+        text = after if a == "--keep-checkpoints" else a.partition("=")[2] if a.startswith("--keep-checkpoints=") else ""
+        keep = int(text) if text.isdigit() else keep
+    return keep
+
+
+def disk_needed(params: float, w: Window, snapshot_every: int, keep_checkpoints: int) -> int:
+    """Bytes of disk a run writes at its fullest, generously: the bf16 model directory; the kept
+    checkpoints and the one being written (fp32 master 4, AdamW 8 and the bf16 version 2 bytes per
+    parameter); the base and every snapshot (2 bytes per parameter each); the deltas and spools
+    (taken as one more bf16 copy); a quarter more for what the S3 server stages, and 1 GiB."""
+    snapshots = 1 + (w.steps // snapshot_every if snapshot_every > 0 else 0)
+    per_param = 2 + 14 * (keep_checkpoints + 1) + 2 * snapshots + 2
+    return int(1.25 * per_param * params) + (1 << 30)
+
+
+def _check_disk(need: int, where: Path) -> None:
+    import shutil
+
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise BenchError(
+            f"the run writes up to about {need / 1e9:.1f} GB (model, checkpoints, snapshots) under {where} "
+            f"and {free / 1e9:.1f} GB is free there: free some space, or pass --keep DIR on a larger disk"
+        )
+
+
 def _child_env(extra: dict[str, str]) -> dict[str, str]:
     keep = ("AURORA_TORCH_THREADS",)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AURORA_") or k in keep}
@@ -178,6 +210,11 @@ def run_bench(o: Options, say: Callable[[str], None] | None = None) -> dict[str,
     with tempfile.TemporaryDirectory(prefix="aurora-bench-trainer-") as tmp:
         base = Path(o.keep) if o.keep else Path(tmp)
         base.mkdir(parents=True, exist_ok=True)
+        planned = count_params(o.model) if o.model else o.params
+        assert planned is not None
+        need = disk_needed(planned, w, snap, _keep_checkpoints(o))
+        _check_disk(need, base)
+        note(f"disk: this run writes up to about {need / 1e9:.1f} GB under {base}")
         t0 = time.perf_counter()
         shape: dict[str, Any] | None = None
         if o.model:
