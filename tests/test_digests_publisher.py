@@ -180,3 +180,35 @@ def test_close_waits_for_the_snapshot_in_flight(tmp_path: Path) -> None:
     held.release.set()
     closer.join(30)
     assert not closer.is_alive() and store.exists(manifest_key("snapshot", 1))
+
+
+def test_a_background_snapshot_reads_nothing_while_its_reads_are_paused(tmp_path: Path) -> None:
+    """What a Trainer's parking relies on: inside ``snapshot_reads_paused`` the snapshot thread builds no
+    shard from the weights (they may read zeros meanwhile); after it, the snapshot holds the version."""
+    store = open_store(f"file://{tmp_path}/run")
+    ended: list[SnapshotResult] = []
+    pub = Publisher(store, snapshot_every=2, background_snapshots=True, on_snapshot=ended.append)
+    gate = pub._snapshot_gate
+    try:
+        pub.publish(_weights(0))
+        pub.publish(_weights(1))
+        with pub.snapshot_reads_paused():
+            p2 = pub.publish(_weights(2))
+            assert p2 is not None and p2.snapshot and pub.snapshot_in_flight == 2
+            wait_until(lambda: gate.state()[2] == 1, "the snapshot's first shard to wait", timeout=30)
+            held = pub._base
+            assert held is not None
+            saved = {n: t.clone() for n, t in held.items()}
+            for t in held.values():
+                t.zero_()  # as parked pages read
+            assert not store.list(version_dir("snapshot", 2) + "/")
+            for n, t in held.items():
+                t.copy_(saved[n])
+        assert pub.wait_snapshots(timeout=30) and ended and ended[0].ok
+        got = {n: torch.zeros_like(t) for n, t in _weights(0).items()}
+        with Follower(store) as f:
+            assert f.update(got, version=2).path == "snapshot"
+        for n, t in _weights(2).items():
+            assert torch.equal(got[n].to(torch.bfloat16), t.to(torch.bfloat16)), n
+    finally:
+        pub.close()

@@ -143,3 +143,47 @@ def test_a_snapshot_holds_about_its_shards_in_flight_never_a_copy_of_the_whole_v
     grew = status("VmHWM") - before
     assert m.total_bytes > total
     assert grew < 96 * mib, f"the snapshot writer's peak grew {grew / mib:.0f} MiB for a {total / mib:.0f} MiB version"
+
+
+def test_a_pause_waits_for_the_shard_being_built_and_holds_the_next() -> None:
+    import threading
+
+    from aurora_store.lineage.shards import ReadGate
+    from aurora_store.testing.wait import wait_until
+
+    gate = ReadGate()
+    building, done_building, paused = threading.Event(), threading.Event(), threading.Event()
+    resume = threading.Event()
+
+    def build() -> None:
+        with gate.reading():
+            building.set()
+            assert done_building.wait(30)
+
+    def pause() -> None:
+        with gate.paused():
+            paused.set()
+            assert resume.wait(30)
+
+    a = threading.Thread(target=build)
+    a.start()
+    assert building.wait(30)
+    b = threading.Thread(target=pause)
+    b.start()
+    wait_until(lambda: gate.state()[1] == 1, "the pause to be asked for", timeout=30)
+    assert not paused.is_set()  # the shard in progress finishes first
+    done_building.set()
+    a.join(30)
+    assert paused.wait(30)
+    c = threading.Thread(target=build)
+    done_building.clear()
+    building.clear()
+    c.start()
+    wait_until(lambda: gate.state()[2] == 1, "the next shard to wait", timeout=30)
+    assert not building.is_set()
+    resume.set()
+    b.join(30)
+    assert building.wait(30)
+    done_building.set()
+    c.join(30)
+    assert gate.state() == (0, 0, 0)

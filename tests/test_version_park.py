@@ -37,15 +37,46 @@ def test_parked_pages_leave_and_come_back_bit_for_bit(tmp_path) -> None:
     parking.close()
 
 
-def test_small_storages_and_a_snapshot_in_flight_park_nothing(tmp_path) -> None:
+def test_small_storages_and_no_spool_park_nothing(tmp_path) -> None:
     parking = VersionParking(str(tmp_path))
     with parking.parked([torch.zeros(MIN_PARK_BYTES // 4 - 1, dtype=torch.bfloat16)]):
         assert parking.parked_bytes == 0
     held = SimpleNamespace(weights={"w": torch.zeros(4)})
-    assert parkable(SimpleNamespace(held=held, publisher=SimpleNamespace(snapshot_in_flight=10))) == []
-    assert len(parkable(SimpleNamespace(held=held, publisher=SimpleNamespace(snapshot_in_flight=None)))) == 1
+    assert len(parkable(SimpleNamespace(held=held, publisher=SimpleNamespace(snapshot_in_flight=10)))) == 1
     with VersionParking(None).parked([torch.zeros(1 << 20)]) as _:  # no spool: nothing parked, nothing lost
         pass
+
+
+def test_a_snapshot_reading_the_version_waits_while_it_is_parked(tmp_path) -> None:
+    """A background snapshot reads the version it uploads (a shard at a time, inside the gate's
+    ``reading``); parked, the version's pages read zeros, so the snapshot waits until they are back."""
+    import threading
+
+    from aurora_store.lineage.shards import ReadGate
+    from aurora_store.testing.wait import wait_until
+
+    g = torch.Generator().manual_seed(2)
+    version = torch.randn(8 << 20, generator=g).to(torch.bfloat16)
+    want = version.clone()
+    gate = ReadGate()
+    got: list[torch.Tensor] = []
+
+    def snapshot_shard() -> None:
+        with gate.reading():
+            got.append(version.clone())
+
+    parking = VersionParking(str(tmp_path))
+    reader = threading.Thread(target=snapshot_shard)
+    with parking.parked([version], gate.paused):
+        assert parking.parked_bytes > 0
+        assert gate.state()[1] == 1
+        reader.start()
+        wait_until(lambda: gate.state()[2] == 1, "the snapshot's read to wait", timeout=30)
+        assert not got
+    reader.join(30)
+    assert len(got) == 1 and torch.equal(got[0].view(torch.int16), want.view(torch.int16))
+    assert gate.state() == (0, 0, 0)
+    parking.close()
 
 
 def test_an_older_version_reads_right_while_the_newest_is_parked(tmp_path) -> None:

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -70,6 +71,7 @@ from aurora_store.lineage.publish import (
     publish_delta,
     publish_snapshot,
 )
+from aurora_store.lineage.shards import ReadGate
 from aurora_store.outage import Dependency, outage_budget_s, riding
 from aurora_store.storage import Store, open_store
 
@@ -135,6 +137,7 @@ class Publisher:
             raise ConfigError(f"digest_every must be >= 0, got {digest_every}")
         self.digest_every = digest_every
         self._snapshots = SnapshotWriter(on_snapshot) if background_snapshots else None
+        self._snapshot_gate = ReadGate()
         """Uploads snapshots after version 0 off the publishing step (None: in it)."""
         self._hash_pool: ThreadPoolExecutor | None = None
         self.stop = threading.Event()
@@ -211,6 +214,11 @@ class Publisher:
     def snapshot_in_flight(self) -> int | None:
         """The version of the snapshot being uploaded in the background (None: none)."""
         return None if self._snapshots is None else self._snapshots.in_flight
+
+    def snapshot_reads_paused(self) -> AbstractContextManager[None]:
+        """Inside: no snapshot reads the weights it was handed (a shard being built is finished first, the
+        next waits), so their owner may take their memory away for a while (``workers/trainer/park.py``)."""
+        return self._snapshot_gate.paused()
 
     def spares(self, key: str) -> bool:
         """Whether ``key`` may belong to the snapshot in flight (retention must not take it for an orphan)."""
@@ -350,6 +358,7 @@ class Publisher:
             created_at=attempt[1],
             weights_digest=digest,
             plan=plan,
+            gate=self._snapshot_gate,
         )
 
     def _publish_v0(self, new: dict[str, torch.Tensor], plan: FusionPlan, prod: dict[str, Any], t0: float) -> Published:

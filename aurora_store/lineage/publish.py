@@ -32,6 +32,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -72,6 +73,7 @@ __all__ = [
 if TYPE_CHECKING:
     from aurora_store.codec.fusion import FusionPlan
     from aurora_store.format.signing import Signer
+    from aurora_store.lineage.shards import ReadGate
 
 log = logging.getLogger("aurora.publish")
 
@@ -418,26 +420,24 @@ def publish_snapshot(
     tree_digest: bool = False,
     weights_digest: str | None = None,
     plan: FusionPlan | None = None,
+    gate: ReadGate | None = None,
 ) -> Manifest:
-    """Write full weights (fused names) as shards, then the manifest.
+    """Write full weights (fused names) as shards, then the manifest. ``gate``: ``tensors`` are read only
+    inside its ``reading()`` (their owner may pause it, :class:`~aurora_store.lineage.shards.ReadGate`).
 
     ``plan``: ``tensors`` are under source names, fused as they are written (no fused
     copy is made: :mod:`aurora_store.lineage.shards`); None: already fused.
 
-    ``tree_digest``: the manifest's ``weights_digest`` in the tree form (FORMAT.md §4.1),
-    hashed a tensor per thread; a writer uses one form throughout a run.
-    ``weights_digest``: that digest, already computed by the caller over these very
-    weights (the one the delta at ``version`` carries): nothing is hashed again.
+    ``tree_digest``: the manifest's ``weights_digest`` in the tree form (FORMAT.md §4.1), hashed a
+    tensor per thread; a writer uses one form throughout a run. ``weights_digest``: that digest, already
+    computed by the caller over these very weights (the one the delta at ``version`` carries).
 
     ``attempt``, ``created_at``, ``signer`` and ``commit``: as for :func:`publish_delta` (a retry writes equal bytes).
 
-    The manifest carries the ``weights_digest`` of ``tensors`` (FORMAT.md
-    §4.1); at ``version`` > 0 readers use the snapshot only if the delta of
-    that version, published before, carries the same digest. ``model``: the
-    files under ``model/`` (version 0's manifest lists them, FORMAT.md §1).
-
-    ``state`` is the state of the version captured; ``None`` for the first
-    snapshot of a run, whose state is its own content digest.
+    The manifest carries the ``weights_digest`` of ``tensors`` (FORMAT.md §4.1); at ``version`` > 0
+    readers use the snapshot only if the delta of that version, published before, carries the same
+    digest. ``model``: the files under ``model/`` (version 0's manifest lists them, FORMAT.md §1).
+    ``state``: the version's state; ``None`` for the first snapshot of a run (its own content digest).
     """
     from aurora_store.apply.sink import tree_weights_digest
     from aurora_store.apply.sink import weights_digest as streamed_digest
@@ -457,13 +457,17 @@ def publish_snapshot(
             if not shard:
                 continue
             up.reserve()
-            data = shard_file(shard, {"aurora.format": "1", "aurora.kind": "snapshot", "aurora.version": str(version)})
+            with gate.reading() if gate is not None else nullcontext():
+                data = shard_file(shard, {"aurora.format": "1", "aurora.kind": "snapshot", "aurora.version": str(version)})
             rel = f"{attempt}/shard-{i:05d}.safetensors"
             refs.append(SegmentRef(rel, len(data), hashlib.sha256(data).hexdigest()))
             up.submit(f"{vdir}/{rel}", data, reserved=True)
             del data
     finally:
         up.wait()
+    if weights_digest is None:
+        with gate.reading() if gate is not None else nullcontext():
+            weights_digest = digest_of({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, plan)
     segments = tuple(refs)
     params = {it.name: {"shape": list(it.shape), "dtype": it.dtype} for it in items}
     m = Manifest(
@@ -476,7 +480,7 @@ def publish_snapshot(
         producer={"name": PRODUCER_NAME, "version": __version__, **(producer or {})},
         created_at=created_at or _utc_now(),
         extra={
-            **_checked_digest(weights_digest or digest_of({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, plan)),
+            **_checked_digest(weights_digest),
             **({MODEL_FIELD: model_listing(model)} if model is not None else {}),
         },
     )

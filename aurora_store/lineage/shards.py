@@ -27,7 +27,9 @@ from __future__ import annotations
 import io
 import json
 import struct
+import threading
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +37,7 @@ import torch
 from aurora_store.codec.extract import spec_of
 from aurora_store.codec.fusion import FusionPlan
 
-__all__ = ["ShardTensor", "shard_file", "shard_groups", "snapshot_tensors"]
+__all__ = ["ReadGate", "ShardTensor", "shard_file", "shard_groups", "snapshot_tensors"]
 
 _ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 """Manifest dtype -> safetensors' name."""
@@ -133,3 +135,53 @@ def shard_file(items: Sequence[ShardTensor], metadata: Mapping[str, str]) -> byt
                     pos += n
         del dst
     return buf.getvalue()
+
+
+class ReadGate:
+    """Lets the weights' owner take their memory away for a while from under a snapshot being written.
+
+    The snapshot's thread reads the weights only inside :meth:`reading` (one
+    shard file built at a time, a copy at memory speed); the owner, inside
+    :meth:`paused`, knows nobody reads them: it waits for the shard being
+    built, and the next waits until it leaves. A Trainer parks the version
+    it publishes this way (its pages handed back to the system during the
+    update, ``workers/trainer/park.py``) even while that version's snapshot
+    is uploading: the snapshot pauses, and its uploads in flight go on.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._pauses = 0
+        self._waiting = 0
+
+    def state(self) -> tuple[int, int, int]:
+        """(readers inside, pauses inside or waiting to be, readers waiting for the pauses to end)."""
+        with self._cond:
+            return self._readers, self._pauses, self._waiting
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            self._cond.wait_for(lambda: self._pauses == 0)
+            self._waiting -= 1
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        with self._cond:
+            self._pauses += 1
+            self._cond.wait_for(lambda: self._readers == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._pauses -= 1
+                self._cond.notify_all()

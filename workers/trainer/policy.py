@@ -17,6 +17,7 @@ import copy
 import logging
 import random
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -117,6 +118,8 @@ class GrpoPolicy:
         self.parking = VersionParking()
         self.parkable: Callable[[], list[torch.Tensor]] = list
         """What :attr:`parking` may park during the update (:mod:`~workers.trainer.park`; set by the Trainer, which holds the version)."""
+        self.readers_paused: Callable[[], AbstractContextManager[None]] = nullcontext
+        """Entered while something is parked: the version's other readers wait (a background snapshot)."""
 
     @property
     def family(self) -> str:
@@ -289,7 +292,7 @@ class GrpoPolicy:
         versions) came within 0.2 GB of the update's peak, the next to go once that peak was cut."""
         assert self.opt is not None and self.behavior is not None
         early = isinstance(behaviour, VersionView) and not behaviour.reads_newest
-        with self.parking.parked(self.parkable() if early else []):
+        with self.parking.parked(self.parkable() if early else [], self.readers_paused):
             self._train(rollouts, behaviour, late=not early)
 
     def _train(self, rollouts: Rollouts, behaviour: Mapping[str, torch.Tensor], late: bool) -> None:
@@ -318,7 +321,7 @@ class GrpoPolicy:
         if self.ctx.sharded:
             exchange(("train", batch.to("cpu")) if batch is not None else ("skip", None), self.ctx)
         if batch is not None:
-            with self.parking.parked(self.parkable() if late else []):
+            with self.parking.parked(self.parkable() if late else [], self.readers_paused):
                 grpo_epochs(self.model, self.opt, batch, self.ctx, self.cfg.epochs, self.cfg.clip, self.cfg.kl_coef, logprobs)
             trim()
 

@@ -65,7 +65,7 @@ from workers.trainer.fsdp import (
     DistContext,
 )
 from workers.trainer.malloc import tune_allocator
-from workers.trainer.park import parkable
+from workers.trainer.park import parkable, readers_paused
 from workers.trainer.policy import GrpoPolicy
 from workers.trainer.sources import StepSource, WeightsSource
 from workers.trainer.step_metrics import save_step_metrics
@@ -191,6 +191,7 @@ class Trainer:
             # The newest version is parked while the update runs (workers.trainer.park): one process, or
             # rank 0 of a sharded run, which alone holds the whole version.
             self.grpo.parkable = lambda: parkable(self.versions)
+            self.grpo.readers_paused = lambda: readers_paused(self.versions)
         self.batches = BatchBook(
             self.ledger,
             self.records,

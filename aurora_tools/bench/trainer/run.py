@@ -247,6 +247,7 @@ def run_bench(o: Options, say: Callable[[str], None] | None = None) -> dict[str,
             snapshot_every=snap,
             steps=w.periods,
             window=[w.first, w.last],
+            memory_steps=[w.first, w.memory_end - 1],
             checkpoints_in_window=list(w.checkpoints),
             snapshots_in_window=list(w.snapshots),
             seconds=round(time.perf_counter() - t0, 1),
@@ -293,9 +294,9 @@ def _run_trainer(o: Options, model_dir: str, params: int, w: Window, base: Path,
                         mem = TreeMemory(proc.pid)
                         mem.start()
                         note(f"version {commit} committed: the window starts")
-                    if mem is not None and not peaks and commit is not None and commit >= w.last + 1:
+                    if mem is not None and not peaks and commit is not None and commit >= w.memory_end:
                         peaks = mem.stop()
-                        note(f"version {commit} committed: the window ends")
+                        note(f"version {commit} committed: the memory window ends")
                     time.sleep(0.05)
             finally:
                 if proc.poll() is None:

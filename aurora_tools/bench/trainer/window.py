@@ -12,6 +12,11 @@ runs from record ``b - 1`` to record ``b``, all of step ``b``; every second
 of the run after warm-up falls in exactly one period. The run goes one step
 past the window: its last step finishes its checkpoint before it ends, a
 wait that no step of a longer run has.
+
+Memory is watched one step longer than time (:attr:`Window.memory_end`): the
+step after the window's snapshot runs while that snapshot is still being
+uploaded from the version it holds, which makes it the step most likely to
+be the run's peak.
 """
 
 from __future__ import annotations
@@ -46,10 +51,17 @@ class Window:
     def periods(self) -> int:
         return self.last - self.first + 1
 
+    @property
+    def memory_end(self) -> int:
+        """The version whose commit ends the memory window: the one published by the step after the
+        window (the snapshot's upload, published by the window's last step, runs in it)."""
+        return self.last + 2
+
 
 def window_for(checkpoint_every: int, snapshot_every: int) -> Window:
     """The shortest window after warm-up of at least ``checkpoint_every + 1`` periods that holds a
-    checkpoint's start and the wait for it, and ends with the step that publishes a snapshot.
+    checkpoint's start and the wait for it, and ends with the step that publishes a snapshot; the run
+    goes two steps further (the step after the snapshot, in the memory window, and a last one).
 
     Period ``b`` publishes version ``b + 1`` and starts its checkpoint when one is due; ``n``
     consecutive versions hold a multiple of ``checkpoint_every`` below the last, whose wait
@@ -65,7 +77,7 @@ def window_for(checkpoint_every: int, snapshot_every: int) -> Window:
     first = last - n + 1
     ck = tuple(v for v in range(first + 1, last + 1) if checkpoint_every > 0 and v % checkpoint_every == 0)
     snaps = tuple(v for v in range(first + 1, last + 2) if snapshot_every > 0 and v % snapshot_every == 0)
-    return Window(first, last, last + 2, ck, snaps)
+    return Window(first, last, last + 3, ck, snaps)
 
 
 def _num(rec: Mapping[str, Any], key: str) -> float | None:
