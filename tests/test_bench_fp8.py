@@ -54,8 +54,12 @@ def test_the_synthetic_workload_reports_each_key_per_step_and_requantizes_exactl
 
 @pytest.mark.long
 @pytest.mark.server
-def test_the_demo_workload_is_the_demos_real_steps_and_comes_first() -> None:
+def test_the_demo_workload_is_the_demos_real_steps_and_comes_first(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     r = run(_args("--steps", "1", "--params", "2e6", "--demo-steps", "2", "--reps", "1"), lambda _: None)
+    assert not list(tmp_path.glob("aurora-bench-fp8-*"))  # the demo's run root is not left behind
     assert list(r["bf16_density"]) == ["demo", "synthetic"]
     assert r["exact"]["demo"] == [True, True]
     assert all(0 < d < 0.5 for d in r["bf16_density"]["demo"])

@@ -278,11 +278,10 @@ def _split(plan: FusionPlan, fused: Mapping[str, torch.Tensor]) -> dict[str, tor
     return out
 
 
-def _run_demo(args: argparse.Namespace, log: Callable[[str], None]) -> str:
-    """Run ``aurora demo``'s system for ``--demo-steps`` steps (one Actor, no Relay); the run root's URL."""
+def _run_demo(args: argparse.Namespace, log: Callable[[str], None], workdir: str) -> str:
+    """Run ``aurora demo``'s system for ``--demo-steps`` steps (one Actor, no Relay) in ``workdir``; the run root's URL."""
     from aurora_tools.demo.system import DemoConfig, run_system_demo
 
-    workdir = tempfile.mkdtemp(prefix="aurora-bench-fp8-")
     url = f"file://{os.path.join(workdir, 'store')}"
     log(f"demo: {args.demo_steps} training steps of aurora demo's Trainer with one Actor, into {url}")
     cfg = DemoConfig(
@@ -303,13 +302,20 @@ def _run_demo(args: argparse.Namespace, log: Callable[[str], None]) -> str:
 
 
 def _demo(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[list[dict[str, Any]], int]:
-    """(per-step results, parameters) over the demo's versions 0..``--demo-steps``."""
+    """(per-step results, parameters) over the demo's versions 0..``--demo-steps`` (a demo run here: in a
+    temporary folder, removed after)."""
+    if args.demo_store:
+        return _demo_steps(args, log, args.demo_store)
+    with tempfile.TemporaryDirectory(prefix="aurora-bench-fp8-", ignore_cleanup_errors=True) as workdir:
+        return _demo_steps(args, log, _run_demo(args, log, workdir))
+
+
+def _demo_steps(args: argparse.Namespace, log: Callable[[str], None], url: str) -> tuple[list[dict[str, Any]], int]:
     from aurora_store.lineage.materialize import materialize
     from aurora_store.storage import open_store
     from workers.common import read_model_description
     from workers.model import fusion_plan_for
 
-    url = args.demo_store or _run_demo(args, log)
     store = open_store(url)
     model, _ = read_model_description(store)
     plan = fusion_plan_for(model)
