@@ -95,6 +95,7 @@ def test_an_older_version_reads_right_while_the_newest_is_parked(tmp_path) -> No
     want = {n: t.to(torch.bfloat16) for n, t in v1.items()}
     view = held.view(1)
     assert not view.reads_newest
+    assert held.view(2).reads_newest  # the newest itself: never parked under its own reader
     parking = VersionParking(str(tmp_path))
     with parking.parked(list(held.weights.values())):
         assert parking.parked_bytes > 0

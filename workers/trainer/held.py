@@ -247,10 +247,11 @@ class VersionView(Mapping[str, torch.Tensor]):
 
     @property
     def reads_newest(self) -> bool:
-        """Whether reading this view reads the newest version's bytes: not when every undo on the way is
-        whole old tensors (one-step asynchrony before :meth:`HeldWeights.compact`), so the newest
-        version may be parked while the view is read (:mod:`~workers.trainer.park`)."""
-        return any(u.index is not None for undo in self._undos for u in undo.values())
+        """Whether reading this view reads the newest version's bytes (a view of the newest itself
+        does). Not when every undo on the way is whole old tensors (one-step asynchrony before
+        :meth:`HeldWeights.compact`): the newest version may then be parked while the view is read
+        (:mod:`~workers.trainer.park`)."""
+        return not self._undos or any(u.index is not None for undo in self._undos for u in undo.values())
 
 
 def _aliases(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
