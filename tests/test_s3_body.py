@@ -36,7 +36,7 @@ def test_reads_seeks_and_slices_without_copying_the_source() -> None:
         body.seek(-1)
     part = body[100:300]  # what s3fs's multipart upload does to its data
     assert isinstance(part, SharedBody) and len(part) == 200 and part.read() == data[100:300]
-    assert part._view.obj is data  # a view of the caller's bytes, not a copy
+    assert part.view.obj is data  # a view of the caller's bytes, not a copy
     with pytest.raises(TypeError):
         body[::2]
     assert SharedBody(memoryview(data)[5:9]).read() == data[5:9]

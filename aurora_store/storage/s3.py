@@ -27,8 +27,8 @@ __all__ = ["S3Store", "SharedBody"]
 T = TypeVar("T")
 
 
-class SharedBody(io.RawIOBase):
-    """A request body that reads ``data`` where it is: no copy of the whole object is made to send it.
+class SharedBody:
+    """A request body that reads ``data`` where it is: no copy of the object is made to send it.
 
     Why: botocore wraps a ``bytes`` body in ``io.BytesIO`` (which shares the
     bytes), and aiohttp (3.12 to at least 3.14) measures a ``BytesIO`` body
@@ -36,16 +36,23 @@ class SharedBody(io.RawIOBase):
     first (the copy aiohttp once avoided, aio-libs/aiohttp#2129). Every PUT
     then held its object twice until it was sent: measured with 8 uploads of
     32 MiB at once to ``rclone serve s3``, 514 MiB over the baseline instead of
-    the 256 MiB of data (and a Trainer's snapshot and checkpoint uploads run
-    while it trains). As a plain file object this is read by aiohttp 256 KiB
-    at a time; botocore takes its length from ``len()`` and seeks back to
-    compute a checksum; s3fs's multipart upload slices it (each slice is a
-    view). Read only: the bytes are never written through it.
+    the 256 MiB of data, and a Trainer's snapshot and checkpoint uploads run
+    while it trains.
+
+    To botocore this is a seekable file object (it takes the length from
+    ``len()`` and reads it to compute a checksum where one is asked for); to
+    s3fs's multipart upload it slices like bytes (each slice a view); to
+    aiohttp it is sent by :func:`_payload_type`'s payload, as views of ``data``
+    written straight to the connection. Not an ``io.IOBase`` on purpose: a
+    file object would be read 256 KiB at a time on aiohttp's thread pool, and
+    each piece's trip through the GIL stalls behind a training thread (a
+    checkpoint's upload took four times as long beside the Trainer's steps).
+    Read only: nothing is ever written through it.
     """
 
     def __init__(self, data: bytes | memoryview) -> None:
-        super().__init__()
-        self._view = memoryview(data).cast("B")
+        _payload_type()
+        self.view = memoryview(data).cast("B")
         self._pos = 0
 
     def readable(self) -> bool:
@@ -55,38 +62,75 @@ class SharedBody(io.RawIOBase):
         return True
 
     def __len__(self) -> int:
-        return len(self._view)
+        return len(self.view)
 
     def __getitem__(self, part: slice) -> SharedBody:
         if not isinstance(part, slice) or part.step not in (None, 1):
             raise TypeError("a request body is sliced only as [start:stop]")
-        return SharedBody(self._view[part])
+        return SharedBody(self.view[part])
 
     def tell(self) -> int:
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
+        if whence not in (io.SEEK_SET, io.SEEK_CUR, io.SEEK_END):
+            raise ValueError(f"invalid whence {whence!r}")
+        at = offset + (0 if whence == io.SEEK_SET else self._pos if whence == io.SEEK_CUR else len(self.view))
+        if at < 0:
+            raise ValueError(f"negative seek position {at}")
+        self._pos = at
+        return at
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
-        n = max(0, min(len(out), len(self._view) - self._pos))
-        out[:n] = self._view[self._pos : self._pos + n]
+        n = max(0, min(len(out), len(self.view) - self._pos))
+        out[:n] = self.view[self._pos : self._pos + n]
         self._pos += n
         return n
 
     def read(self, size: int | None = -1) -> bytes:
-        stop = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
-        out = self._view[self._pos : stop].tobytes() if stop > self._pos else b""
+        stop = len(self.view) if size is None or size < 0 else min(len(self.view), self._pos + size)
+        out = self.view[self._pos : stop].tobytes() if stop > self._pos else b""
         self._pos = max(self._pos, stop)
         return out
 
-    def readall(self) -> bytes:
-        return self.read()
+    def close(self) -> None:
+        """Nothing to release (the caller's bytes stay the caller's)."""
+
+
+#: Bytes aiohttp is given per write of a :class:`SharedBody` (it sends them, or keeps the rest, before the next).
+_WRITE_BYTES = 1 << 20
+
+
+@functools.cache
+def _payload_type() -> type:
+    """aiohttp's payload for :class:`SharedBody` (registered once, for that type only): its bytes from where
+    the body stands, written as views of the caller's bytes a piece at a time, on the event loop."""
+    from aiohttp import payload
+
+    class SharedBodyPayload(payload.Payload):
+        _autoclose = True  # holds no resource
+
+        def __init__(self, value: SharedBody, *args: Any, **kwargs: Any) -> None:
+            super().__init__(value, *args, **kwargs)
+            self._start = value.tell()
+            self._size = max(0, len(value) - self._start)
+
+        def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+            return self._value.view[self._start :].tobytes().decode(encoding, errors)
+
+        async def write(self, writer: Any) -> None:
+            await self.write_with_length(writer, None)
+
+        async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+            view = self._value.view[self._start :]
+            if content_length is not None:
+                view = view[:content_length]
+            for at in range(0, len(view), _WRITE_BYTES):
+                await writer.write(view[at : at + _WRITE_BYTES])
+
+    payload.register_payload(SharedBodyPayload, SharedBody)
+    return SharedBodyPayload
 
 
 @functools.cache
