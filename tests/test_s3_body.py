@@ -8,6 +8,7 @@ allocates while one object is put stays far below the object's size.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import tracemalloc
@@ -40,6 +41,32 @@ def test_reads_seeks_and_slices_without_copying_the_source() -> None:
     with pytest.raises(TypeError):
         body[::2]
     assert SharedBody(memoryview(data)[5:9]).read() == data[5:9]
+
+
+def test_aiohttp_sends_it_as_views_from_where_it_stands(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiohttp.payload import get_payload
+
+    import aurora_store.storage.s3 as s3
+
+    monkeypatch.setattr(s3, "_WRITE_BYTES", 1000)
+    data = os.urandom(4500)
+    body = SharedBody(data)
+    body.seek(100)  # where botocore leaves it after reading it for a checksum and seeking back
+    payload = get_payload(body)
+    assert type(payload).__name__ == "SharedBodyPayload" and payload.size == 4400
+
+    class Writer:
+        def __init__(self) -> None:
+            self.chunks: list[memoryview] = []
+
+        async def write(self, chunk: memoryview) -> None:
+            self.chunks.append(chunk)
+
+    for limit, want in ((None, data[100:]), (2500, data[100:2600])):
+        w = Writer()
+        asyncio.run(payload.write_with_length(w, limit))  # type: ignore[arg-type]  # only write() is used
+        assert b"".join(w.chunks) == want and max(len(c) for c in w.chunks) == 1000
+        assert all(isinstance(c, memoryview) and c.obj is data for c in w.chunks)  # views, never copies
 
 
 @pytest.fixture(scope="module")

@@ -296,7 +296,7 @@ class Store(abc.ABC):
         if hashlib.sha256(have).digest() != hashlib.sha256(data).digest():
             raise VersionConflict(self.where(key))
 
-    def _body(self, data: bytes) -> Any:
+    def upload_body(self, data: bytes) -> Any:
         """What the filesystem's ``pipe_file`` is given to write ``data`` (one per attempt): ``data`` itself
         here; a backend whose client would copy it whole says otherwise (:class:`~aurora_store.storage.s3.S3Store`)."""
         return data
@@ -317,7 +317,7 @@ class Store(abc.ABC):
             raise ValueError(f"mode must be 'create' or 'overwrite', got {mode!r}")
         path = self._path(key)
         if mode == "overwrite":
-            self._retry(f"put {self.where(key)}", lambda: self.fs.pipe_file(path, self._body(data), **self._deadline))
+            self._retry(f"put {self.where(key)}", lambda: self.fs.pipe_file(path, self.upload_body(data), **self._deadline))
             return
         self._create(key, path, data)
 

@@ -20,6 +20,6 @@ class RemoteStore(Store):
 
     def _create(self, key: str, path: str, data: bytes) -> None:
         try:
-            self._retry(f"put {self.where(key)}", lambda: self.fs.pipe_file(path, self._body(data), mode="create", **self._deadline))
+            self._retry(f"put {self.where(key)}", lambda: self.fs.pipe_file(path, self.upload_body(data), mode="create", **self._deadline))
         except FileExistsError:
             self._same_or_conflict(key, data)

@@ -156,7 +156,7 @@ class S3Store(RemoteStore):
             # We retry whole operations ourselves, with back-off; keep s3fs's own short.
             self.fs.retries = 1
 
-    def _body(self, data: bytes) -> Any:
+    def upload_body(self, data: bytes) -> Any:
         """``data`` behind a read-only file object: the upload reads it in pieces, never copies it whole
         (:class:`SharedBody`)."""
         return SharedBody(data)

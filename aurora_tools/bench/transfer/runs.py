@@ -175,7 +175,8 @@ def raw_transfer(
     manifest; the manifest, then parallel gets; one request per object.
 
     ``s3fs`` is the pipeline's own client stack (with ``max_concurrency=1``,
-    so that a get is one GET, not a HEAD then a GET); ``boto3`` is the
+    so that a get is one GET, not a HEAD then a GET; each put's body as the
+    store sends it, :meth:`~aurora_store.storage.base.Store.upload_body`); ``boto3`` is the
     reference of what the server does for a thinner client.
     """
     store = open_timed(srv, bucket, f"raw-{uuid.uuid4().hex[:8]}", max_concurrency=1)
@@ -209,7 +210,11 @@ def raw_transfer(
 
     else:
         fs = store.fs
-        put, get = fs.pipe_file, fs.cat_file
+
+        def put(path: str, data: bytes) -> Any:  # the body the store sends (S3: no copy of it)
+            return fs.pipe_file(path, store.upload_body(data))
+
+        get = fs.cat_file
     paths = [f"{root}/obj-{i:05d}" for i in range(len(objects))]
     run = Run(streams)
     clock = Stopwatch(pid)
