@@ -42,7 +42,9 @@ def fp8_refusal(serve_dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str:
     vLLM's CPU kernels for block-scaled FP8 (``quantization="fp8_per_block"``)
     need AMX tiles; the processor's flags say whether this host has them
     (probed, not assumed). Either way this engine does not yet keep an FP8
-    copy current inside its workers: the GPU path belongs to ``make gpu-check``.
+    copy current inside its workers, on any device: that leg (and its place in
+    ``make gpu-check``) is not built, and the refusal says so rather than point
+    anywhere.
     """
     try:
         with open(cpuinfo) as f:
@@ -52,7 +54,7 @@ def fp8_refusal(serve_dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str:
     why = (
         "vLLM's CPU FP8 block kernels need AMX (amx_tile), which this processor lacks"
         if not amx
-        else "this build's vllm engine does not keep an FP8 copy current in its workers yet (GPU path: make gpu-check)"
+        else "this build's vllm engine does not keep an FP8 copy current in its workers yet (on any device: not built)"
     )
     return f"--serve-dtype {serve_dtype}: the vllm engine cannot serve it here: {why}; use --engine torch --serve-dtype {serve_dtype}"
 
