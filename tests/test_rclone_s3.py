@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import stat
+import tracemalloc
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,3 +223,21 @@ def test_bench_transfer_on_rclone(capsys: pytest.CaptureFixture[str]) -> None:
     assert (r["s3"], r["commit_via"], r["lossless"]) == ("rclone", "redis", True)
     assert "rclone serve s3" in r["server"] and r["server_rss_peak_mb"] > 0
     assert r["full_publish_mb_s"] > 0 and r["full"]["publish_mb_s_s"] == r["full_publish_mb_s"]
+
+
+@needs_rclone
+@pytest.mark.parametrize("mode", ["create", "overwrite"])
+def test_a_put_allocates_far_less_than_its_object(rclone_server: RcloneS3Server, mode: str) -> None:
+    """No whole copy of the object on its way out (:class:`~aurora_store.storage.s3.SharedBody`)."""
+    store = open_store(f"s3://{rclone_server.new_bucket()}/run", rclone_server.storage_options())
+    store.put("warm", b"x", mode=mode)  # the client and its connection exist before the count starts
+    data = os.urandom(16 << 20)
+    tracemalloc.start()
+    try:
+        store.put("big", data, mode=mode)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # With the whole copy the peak is at least the object (16 MiB); read in pieces it is a few of them.
+    assert peak < len(data) // 4, f"a put of {len(data) >> 20} MiB allocated {peak / 2**20:.1f} MiB"
+    assert store.get("big") == data

