@@ -246,7 +246,7 @@ def test_a_failover_is_an_outage_that_passes(run: str) -> None:
         c.wait_until(lambda: c.replicas_of(new) == [old], 30, "the old master following the new one")
 
 
-@pytest.mark.slow
+@pytest.mark.long  # the failover itself: test_a_failover_is_an_outage_that_passes
 def test_the_demo_system_survives_losing_its_master(tmp_path: Any) -> None:
     """The real system (Trainer, Relay, Actors in processes) on the cluster; the run's master
     is SIGKILLed mid-run; the run finishes with nothing lost and nothing accepted twice."""

@@ -182,6 +182,7 @@ def test_sigkilled_trainer_resumes_without_fork_or_gap(tmp_path: Path, redis_url
     assert "Traceback" not in alog.read_text(errors="replace")
 
 
+@pytest.mark.long  # fencing is covered part by part: tests/test_records.py, test_trainer_parts.py, test_ledger_robust.py
 def test_an_old_epoch_trainer_woken_after_a_resume_is_fenced_out(tmp_path: Path, redis_url: str) -> None:
     store_url = f"file://{tmp_path}/run"
     store = open_store(store_url)
