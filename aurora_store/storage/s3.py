@@ -157,8 +157,7 @@ class S3Store(RemoteStore):
             self.fs.retries = 1
 
     def upload_body(self, data: bytes) -> Any:
-        """``data`` behind a read-only file object: the upload reads it in pieces, never copies it whole
-        (:class:`SharedBody`)."""
+        """``data`` as a :class:`SharedBody`: sent as views of these bytes, never copied whole."""
         return SharedBody(data)
 
     def _options(self, opts: dict[str, Any]) -> dict[str, Any]:
