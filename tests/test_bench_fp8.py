@@ -49,6 +49,7 @@ def test_the_synthetic_workload_reports_each_key_per_step_and_requantizes_exactl
         assert g["bytes_bf16_delta_quantized"] < g["bytes_bf16_delta"] and g["bytes_fp8_delta"] > 0
         assert 0.9 * g["bf16_density"] <= g["work_fraction"] < 1  # every changed element, and the blocks redone
         assert g["target_s"] == pytest.approx(2 * g["work_fraction"] * g["full_quant_s"] + 0.005)
+        assert g["floor_moved_s"] > 0 and g["floor_s"] > 0  # measured, both passes
     assert "synthetic     1" in table(r)
 
 

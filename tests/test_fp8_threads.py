@@ -18,7 +18,7 @@ from aurora_store.codec.kernels.jit import compiled
 from aurora_store.codec.kernels.prefetch import prefetch_read, prefetch_write
 from aurora_store.errors import ModelMismatchError
 from aurora_store.quant import weights as quant_weights
-from aurora_store.quant.weights import Change, Fp8Weights, _run_all
+from aurora_store.quant.weights import Change, Fp8Weights, run_all
 from aurora_tools.synthetic.shapes import QWEN3_TINY, make_weights
 
 needs_numba = pytest.mark.skipif(not codec_kernels.jit_available(), reason="numba is not installed")
@@ -37,12 +37,12 @@ def test_jobs_run_at_once_on_threads_and_small_work_stays_on_the_caller(monkeypa
         both.wait()
         return i, threading.current_thread().name
 
-    got = _run_all([(1, lambda i=i: job(i)) for i in range(4)], threads=2)
+    got = run_all([(1, lambda i=i: job(i)) for i in range(4)], threads=2)
     assert [i for i, _ in got] == [0, 1, 2, 3]  # results in the given order
     assert {name for _, name in got} <= {f"aurora-quant_{k}" for k in range(2)} and len({n for _, n in got}) == 2
     monkeypatch.setattr(quant_weights, "PARALLEL_MIN", 100)
     here = threading.current_thread().name
-    assert {n for n in _run_all([(10, lambda: threading.current_thread().name)] * 3, threads=2)} == {here}
+    assert {n for n in run_all([(10, lambda: threading.current_thread().name)] * 3, threads=2)} == {here}
 
 
 def _step(weights: dict[str, torch.Tensor], names: list[str], seed: int, density: float = 0.03) -> list[Change]:

@@ -33,7 +33,7 @@ from aurora_store.errors import ModelMismatchError
 from aurora_store.quant.block import BlockFP8, Requant, quantize, requantize
 from aurora_store.quant.recipe import FP8_BLOCK128, check_format, is_quantized, scale_name
 
-__all__ = ["Fp8Weights", "Change", "bf16_bits", "default_threads"]
+__all__ = ["Fp8Weights", "Change", "bf16_bits", "default_threads", "run_all"]
 
 T = TypeVar("T")
 
@@ -55,7 +55,7 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _run_all(jobs: Sequence[tuple[int, Callable[[], T]]], threads: int | None) -> list[T]:
+def run_all(jobs: Sequence[tuple[int, Callable[[], T]]], threads: int | None) -> list[T]:
     """Run ``(size, job)`` pairs, largest first, on up to ``threads`` threads (one when their sizes
     add up to less than :data:`PARALLEL_MIN`); results in the given order.
 
@@ -101,7 +101,7 @@ class Fp8Weights:
         check_format(fmt)
         names = [n for n, t in weights.items() if is_quantized(n, tuple(t.shape))]
         bits = {n: bf16_bits(weights[n], n) for n in names}  # every dtype checked before any work
-        done = _run_all([(bits[n].size, functools.partial(quantize, bits[n], n, jit)) for n in names], threads)
+        done = run_all([(bits[n].size, functools.partial(quantize, bits[n], n, jit)) for n in names], threads)
         return cls(dict(zip(names, done, strict=True)), fmt)
 
     def refresh(self, weights: Mapping[str, torch.Tensor], jit: bool | None = None, threads: int | None = None) -> None:
@@ -112,7 +112,7 @@ class Fp8Weights:
         if missing:
             raise ModelMismatchError(f"refresh: no weight for {missing[0]} (and {len(missing) - 1} more)")
         bits = {n: bf16_bits(weights[n], n) for n in self.blocks}
-        _run_all([(b.size, functools.partial(quantize, b, n, jit, self.blocks[n])) for n, b in bits.items()], threads)
+        run_all([(b.size, functools.partial(quantize, b, n, jit, self.blocks[n])) for n, b in bits.items()], threads)
 
     def __contains__(self, name: object) -> bool:
         return name in self.blocks
@@ -156,7 +156,7 @@ class Fp8Weights:
         names = [c[0] for c in changes]
         if len(set(names)) != len(names):
             raise ValueError("requantize_all: a weight appears twice; requantize its changes in order instead")
-        got = _run_all([(int(c[2].size), functools.partial(self.requantize, *c, jit)) for c in changes], threads)
+        got = run_all([(int(c[2].size), functools.partial(self.requantize, *c, jit)) for c in changes], threads)
         return sum(got, Requant())
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -30,7 +30,10 @@ changed scales through the codec itself, as float32 entries), ``requant_s``
 itself, no page faults), ``work_fraction`` (changed elements
 outside the blocks redone whole, plus every element of those, over the
 quantized elements), ``target_s`` (``2 x work_fraction x full_quant_s + 5
-ms``), ``requant_cpu_s`` / ``full_quant_cpu_s`` (the same in CPU time,
+ms``), ``floor_s`` and ``floor_moved_s`` (the requantization's memory
+traffic with no arithmetic, on the same arrays, threads and cold caches:
+:mod:`aurora_tools.bench.fp8_floor`; the target is out of reach where
+``floor_s`` passes it), ``requant_cpu_s`` / ``full_quant_cpu_s`` (the same in CPU time,
 every thread's: the machine is shared) and ``exact`` (the incremental copy equals
 the from-scratch one, bit for bit). Top level: ``threads``, the threads
 both the requantization and the from-scratch quantization ran on
@@ -62,6 +65,7 @@ from aurora_store.quant import BlockFP8, Requant, is_quantized
 from aurora_store.quant.kernels import warm_up
 from aurora_store.quant.weights import Change, Fp8Weights, bf16_bits, default_threads
 from aurora_tools.bench import run_and_report
+from aurora_tools.bench.fp8_floor import Traffic, floors
 
 __all__ = ["add_arguments", "main", "run", "fp8_delta_bytes", "KEYS"]
 
@@ -78,6 +82,8 @@ KEYS = (
     "full_quant_s",
     "work_fraction",
     "target_s",
+    "floor_s",
+    "floor_moved_s",
     "requant_cpu_s",
     "full_quant_cpu_s",
     "exact",
@@ -203,12 +209,14 @@ def _step(
     changed, bytes_bf16, bytes_bf16_q = _bf16_bytes(plan, base, new, version)
     opts = EncodeOptions()
     changes: list[Change] = []
+    streams: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # each weight's (indices, old bits, new bits)
     for name in copy:
         old_bits, new_bits = bf16_bits(base[name], name).reshape(-1), bf16_bits(new[name], name).reshape(-1)
         idx, new_at, old_at = kernels.scan_changes(old_bits, new_bits)
         if copy.blocks[name].numel < 1 << 31:
             idx = idx.astype(np.int32)  # as a prepared delta holds them
         changes.append((name, new[name], idx, old_at, new_at))
+        streams.append((idx, old_at, new_at))
     before = {name: blk.copy() for name, blk in copy.blocks.items()}
 
     def requant(rep: int) -> Requant:
@@ -224,7 +232,8 @@ def _step(
     full_s, full_cpu, _ = _best(reps, lambda _: fresh.refresh(new, threads=threads))
     fp8_changed = blocks_changed = scales_changed = bytes_fp8 = 0
     exact = True
-    for name in copy:
+    floor_weights: list[Traffic] = []
+    for name, (idx, old_at, new_at) in zip(copy, streams, strict=True):
         blk, q0, s0 = copy.blocks[name], before[name].q, before[name].scale_inv
         got = fresh.blocks[name]
         exact = exact and np.array_equal(got.q, blk.q) and np.array_equal(got.scale_inv.view(np.uint32), blk.scale_inv.view(np.uint32))
@@ -243,6 +252,14 @@ def _step(
         qn = blk.q.reshape(-1)
         bytes_fp8 += fp8_delta_bytes(fidx, qn[fidx], q0.reshape(-1)[fidx], blk.numel, qn)
         bytes_fp8 += _scale_bytes(name, s0, blk.scale_inv, opts)
+        listed = fidx.astype(np.int32) if idx.dtype == np.int32 else fidx  # as narrow as the changes' indices
+        floor_weights.append((got.q.reshape(-1), idx, old_at, new_at, listed, qn[fidx]))
+
+    def put_back() -> None:  # the from-scratch copy as it was before the change (the floor passes rewrite the moved bytes)
+        for name, blk in fresh.blocks.items():
+            np.copyto(blk.q, before[name].q)
+
+    floor = floors(floor_weights, put_back, reps, threads)
     numel = copy.numel
     nblocks = sum(b.blocks for b in copy.blocks.values())
     work_fraction = stats.work / numel
@@ -258,6 +275,7 @@ def _step(
         "full_quant_s": full_s,
         "work_fraction": work_fraction,
         "target_s": 2 * work_fraction * full_s + 0.005,
+        **floor,
         "requant_cpu_s": req_cpu,
         "full_quant_cpu_s": full_cpu,
         "exact": bool(exact),
@@ -399,7 +417,7 @@ def table(r: Mapping[str, Any]) -> str:
     """One row per step of each workload."""
     head = (
         f"{'workload':10s} {'step':>4s} {'bf16 %':>7s} {'fp8 %':>7s} {'blocks %':>8s} {'scales %':>8s} {'bf16 B (q)':>11s} "
-        f"{'fp8 B':>11s} {'fp8/bf16':>8s} {'requant s':>9s} {'full s':>8s} {'work %':>7s} {'target s':>8s} {'met':>4s} {'exact':>5s}"
+        f"{'fp8 B':>11s} {'fp8/bf16':>8s} {'requant s':>9s} {'full s':>8s} {'work %':>7s} {'target s':>8s} {'floor s':>8s} {'met':>4s} {'exact':>5s}"
     )
     out = [head]
     for w in r["exact"]:
@@ -409,10 +427,11 @@ def table(r: Mapping[str, Any]) -> str:
             out.append(
                 f"{w:10s} {i + 1:4d} {100 * g['bf16_density']:7.3f} {100 * g['fp8_element_density']:7.3f} {100 * g['fp8_block_density']:8.2f} "
                 f"{100 * g['scale_change_density']:8.3f} {g['bytes_bf16_delta_quantized']:11,d} {g['bytes_fp8_delta']:11,d} {ratio:8.2f} "
-                f"{g['requant_s']:9.4f} {g['full_quant_s']:8.4f} {100 * g['work_fraction']:7.3f} {g['target_s']:8.4f} "
+                f"{g['requant_s']:9.4f} {g['full_quant_s']:8.4f} {100 * g['work_fraction']:7.3f} {g['target_s']:8.4f} {g['floor_s']:8.4f} "
                 f"{'yes' if g['requant_s'] <= g['target_s'] else 'no':>4s} {str(g['exact']):>5s}"
             )
     out.append("bf16 B (q): our delta's entries for the quantized weights; fp8 B: the same weights shipped as FP8 values and scales")
+    out.append("floor s: the requantization's memory traffic alone (the changes read once, the moved FP8 bytes written in place)")
     return "\n".join(out)
 
 
